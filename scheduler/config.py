@@ -1,0 +1,38 @@
+"""Scheduler configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and policy of the scheduler.
+
+    policy: "fcfs" or "priority". max_num_batched_tokens is the per-step token budget
+    (chunked prefill splits prompts longer than what is left of it); max_num_seqs is the
+    seat limit. priority_aging_s: a waiting request's effective priority improves by one
+    level every that many seconds waited (None: off). watermark: fraction of KV blocks
+    kept free when admitting waiting requests (running requests may use them).
+    """
+
+    policy: str = "fcfs"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    priority_aging_s: float | None = None
+    watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}: use fcfs or priority")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if self.priority_aging_s is not None and self.priority_aging_s <= 0:
+            raise ValueError("priority_aging_s must be > 0")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")

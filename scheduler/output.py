@@ -1,0 +1,81 @@
+"""The contract between the scheduler and the model runner.
+
+`SchedulerOutput` is everything the runner needs for one step; `ModelRunnerOutput` is
+everything the scheduler needs back. Both are plain Python so scheduler tests can build
+them by hand without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Positions of `token_ids` are num_computed_tokens .. num_computed_tokens + len - 1.
+    `block_table` lists every KV block the request holds (it covers all those
+    positions). `sample` is True when this chunk reaches the end of the request's known
+    tokens (prompt plus outputs so far), so the runner samples one new token for it.
+    `prompt_token_ids` and `output_token_ids` are the request's own lists (not copies):
+    the runner reads them for penalties and must not mutate them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache once this step has run (cached + new)."""
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """All the scheduler hands the runner for one step.
+
+    `scheduled` is ordered: decodes and prefill chunks in any mix. `preempted_ids` and
+    `finished_ids` name requests whose runner-side state (e.g. seeded generators) ends or
+    pauses; a preempted request keeps its generator and resumes it later.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprob of the sampled token and the top-N alternatives (token id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step, keyed by request id (only requests with sample=True)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)

@@ -1,0 +1,58 @@
+"""Per-request sampling and stopping parameters, shared by the scheduler and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample and when to stop.
+
+    The scheduler reads the stopping fields (max_tokens, min_tokens, stop_token_ids,
+    ignore_eos); the model runner reads the sampling fields. Stop *strings* are text and
+    are applied by the server's detokenizer, which then finishes the request.
+    temperature == 0 means greedy. top_k <= 0 means no top-k filtering.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return; None for none
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
