@@ -1,0 +1,86 @@
+"""Hugging Face baselines on a bench workload, measured in the same run as pagedserve.
+
+- `generate` sequential (one request at a time),
+- `generate` static batching: left-padded batches of `concurrency` requests, each batch
+  running until its longest request is done,
+- `generate_batch`: transformers' own continuous batching with paged attention.
+Outputs are forced to their requested length (min_new_tokens = max_new_tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.workloads import Workload
+
+
+@dataclass
+class BaselineResult:
+    system: str
+    output_tokens: int
+    elapsed_s: float
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> BaselineResult:
+    """Left-padded static batches of `batch_size`, in workload order."""
+    pad_id = 0
+    reqs = workload.requests
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - n :] = 1
+        new = max(r.max_tokens for r in batch)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=pad_id,
+        )
+        useful += sum(r.max_tokens for r in batch)
+    name = "hf generate (sequential)" if batch_size == 1 else f"hf generate (static, bs {batch_size})"
+    return BaselineResult(name, useful, time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def run_continuous(model: torch.nn.Module, workload: Workload) -> BaselineResult:
+    """transformers' continuous batching manager (paged attention), all requests queued."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=16)
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, timeout=5) as manager:
+        for i, r in enumerate(workload.requests):
+            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens)
+        pending = len(workload.requests)
+        while pending:
+            result = manager.get_result(timeout=60)
+            if result is None:
+                raise RuntimeError("transformers continuous batching stopped before finishing")
+            if result.is_finished():
+                pending -= 1
+    useful = sum(r.max_tokens for r in workload.requests)
+    return BaselineResult("hf continuous batching", useful, time.perf_counter() - start)

@@ -1,0 +1,84 @@
+"""The benchmark workloads of docs/benchmarks.md, as plain request lists.
+
+Every workload is token-id prompts drawn from a fixed seed, so pagedserve, llama.cpp's
+server and Hugging Face `generate` all see exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+    send_at_s: float | None = None  # fixed arrival offset; None: as soon as a slot frees
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    requests: list[BenchRequest]
+    concurrency: int
+
+
+# NOTE: ids below 1000 hold the special and byte tokens of SmolLM2's vocabulary; plain
+# word pieces above it keep every peer's tokenizer round trip out of the picture.
+_LOW_TOKEN, _HIGH_TOKEN = 1000, 40000
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(_LOW_TOKEN, _HIGH_TOKEN) for _ in range(length)]
+
+
+def w0(scale: float = 1.0, seed: int = 0) -> Workload:
+    """One request at a time, 32 tokens in, 64 out: per-token latency."""
+    rng = random.Random(seed)
+    n = max(2, round(8 * scale))
+    reqs = [BenchRequest(_prompt(rng, 32), 64) for _ in range(n)]
+    return Workload("W0", f"{n} requests, 32 in / 64 out, 1 in flight", reqs, 1)
+
+
+def w1(scale: float = 1.0, seed: int = 0) -> Workload:
+    """64 requests, 128 in / 128 out, 16 in flight."""
+    rng = random.Random(seed)
+    n = max(4, round(64 * scale))
+    reqs = [BenchRequest(_prompt(rng, 128), 128) for _ in range(n)]
+    return Workload("W1", f"{n} requests, 128 in / 128 out, 16 in flight", reqs, 16)
+
+
+def wv(scale: float = 1.0, seed: int = 0) -> Workload:
+    """128 requests, input 32..512 and output 16..256 at random, 64 in flight."""
+    rng = random.Random(seed)
+    n = max(8, round(128 * scale))
+    reqs = [
+        BenchRequest(_prompt(rng, rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)
+    ]
+    return Workload("WV", f"{n} requests, 32..512 in / 16..256 out, 64 in flight", reqs, 64)
+
+
+def wp(scale: float = 1.0, seed: int = 0, high_every_s: float = 2.0) -> Workload:
+    """48 low-priority requests (priority 10, 128 in / 256 out, 32 in flight) plus one
+    high-priority request (priority -10, 128 in / 32 out) every `high_every_s` seconds."""
+    rng = random.Random(seed)
+    n_low = max(4, round(48 * scale))
+    low = [BenchRequest(_prompt(rng, 128), 256, priority=10) for _ in range(n_low)]
+    n_high = max(2, round(12 * scale))
+    high = [
+        BenchRequest(_prompt(rng, 128), 32, priority=-10, send_at_s=(i + 1) * high_every_s)
+        for i in range(n_high)
+    ]
+    return Workload(
+        "WP",
+        f"{n_low} low (prio 10, 128/256, 32 in flight) + {n_high} high (prio -10, 128/32) "
+        f"every {high_every_s:g} s",
+        low + high,
+        32,
+    )
+
+
+WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp}
