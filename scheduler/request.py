@@ -1,0 +1,143 @@
+"""A generation request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvcache.hashing import BlockHash
+from scheduler.output import SampleLogprobs
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every finished state sorts after PREEMPTED."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the FINISHED_* states."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish_reason: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Prompt, generated tokens and scheduling state of one sequence.
+
+    `num_computed_tokens` is the one progress counter: tokens whose KV is in the cache.
+    Prefill, chunked prefill, decode and recompute after preemption all follow from
+    comparing it with `num_tokens`. `arrival_time` is on the time.monotonic() clock.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[SampleLogprobs] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        # Prefix-cache keys of the full blocks of all_token_ids (kvcache appends to it).
+        self.block_hashes: list[BlockHash] = []
+        # Priority after aging: the priority queue lowers it while the request waits and
+        # orders by it; it stays as admitted while the request runs. Equals `priority`
+        # when aging is off.
+        self.effective_priority = priority
+        # Seconds spent waiting before the current wait, and when the current wait began.
+        self.waited_s = 0.0
+        self.waiting_since = self.arrival_time
+        self._all_token_ids = list(prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (the request's own list: read, do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once stopped, length-capped or aborted."""
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length", "abort", or None while unfinished."""
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int, logprobs: SampleLogprobs | None = None) -> None:
+        """Record one sampled token (and its logprobs when the runner returned them)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def start_waiting(self, now: float) -> None:
+        """Mark the start of a wait (on preemption)."""
+        self.waiting_since = now
+
+    def stop_waiting(self, now: float) -> None:
+        """Mark the end of a wait (on admission), adding it to `waited_s`."""
+        self.waited_s += now - self.waiting_since
+
+    def time_waited(self, now: float) -> float:
+        """Total seconds spent in the waiting queue up to `now`, over every wait."""
+        if self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return self.waited_s + (now - self.waiting_since)
+        return self.waited_s
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: (priority, arrival_time, request_id), most urgent first."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"priority={self.priority}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,491 @@
+"""The scheduler: which requests compute how many tokens each step, and who is preempted.
+
+One engine step is `out = schedule()`, the runner computes `out`, then `update(out, ...)`.
+There are no prefill or decode phases: each request compares `num_computed_tokens` with
+`num_tokens`, and one token budget per step covers decodes and (chunked) prefills alike.
+
+schedule():
+  1. running requests first, in `running` order: each gets its remaining tokens (1 for a
+     decode, a chunk for an unfinished prefill) within the budget; when the KV pool is
+     out of blocks, a victim is preempted (`pick_lowest_priority` or
+     `pick_latest_admitted`), possibly the request itself;
+  2. then, unless step 1 preempted anyone, waiting requests in policy order are admitted
+     while seats, budget and blocks last. Under priority, a waiting request that does not
+     fit preempts running requests of strictly worse priority (`_admit_by_preempting`).
+     The first request that cannot be admitted is parked in `skipped_waiting` and
+     admission stops (NOTE: strict order: letting a smaller request overtake it would take
+     the blocks it waits for and could starve it); parked requests go back to the front of
+     `waiting` at the end of the step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcache.config import CacheConfig
+from kvcache.kv_cache_manager import KVCacheManager, cdiv
+from scheduler.config import SchedulerConfig
+from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import SchedulingPolicy, create_request_queue
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters and gauges for metrics (token counts for the prefix cache)."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    kv_cache_usage: float
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_blocks: int
+
+
+@dataclass
+class _Step:
+    """Bookkeeping of one schedule() call."""
+
+    now: float
+    budget: int
+    # request id -> tokens to compute, in scheduling order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.budget -= num_tokens
+
+
+def _priority_key(request: Request) -> tuple[int, float, str]:
+    return (request.priority, request.arrival_time, request.request_id)
+
+
+def pick_lowest_priority(requests: Iterable[Request]) -> Request:
+    """Priority victim: the request with the largest (priority, arrival time).
+
+    NOTE: the base priority, never the aged one: victims then follow one fixed order, so
+    the most urgent running request always runs to its end (no preemption ping-pong).
+    """
+    return max(requests, key=_priority_key)
+
+
+def pick_latest_admitted(running: Sequence[Request]) -> Request:
+    """FCFS victim: the most recently admitted request (`running` is in admission order)."""
+    return running[-1]
+
+
+def check_stop(request: Request, max_len: int) -> RequestStatus | None:
+    """Finished status of `request` after its latest token, or None to go on.
+
+    EOS (unless ignore_eos) and stop_token_ids stop it, but not before min_tokens
+    outputs; max_tokens outputs, or max_len tokens in all, cap its length.
+    """
+    params = request.sampling_params
+    last_token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
+
+
+class Scheduler:
+    """FCFS or priority continuous batching over a paged KV cache, with preemption.
+
+    `running` is in admission order under fcfs and in priority order under priority.
+    `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
+
+    Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
+    waiter gets ahead of newer, more urgent requests. It grants no power to preempt: only
+    a strictly better base priority preempts. A request keeps the effective priority it
+    was admitted with, which shields it from preemption-for-admission by requests whose
+    base priority is not better (or newcomers would throw every aged request out again).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.kv_cache = KVCacheManager(cache_config)
+        self.waiting = create_request_queue(self.policy, scheduler_config.priority_aging_s)
+        self.skipped_waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []
+        self._clock = clock
+        self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
+        # NOTE: a request must fit alone in the blocks admission may use, or once preempted
+        # it could never be readmitted; so its length is capped by the pool too.
+        self.max_request_len = min(
+            scheduler_config.max_model_len,
+            (cache_config.num_blocks - self._watermark_blocks) * cache_config.block_size,
+        )
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        ValueError (and nothing queued) if its id is already in flight, its prompt is
+        empty, or its prompt has max_request_len tokens or more (max_model_len, or the
+        KV pool less the watermark, whichever is smaller): such a prompt could never
+        produce a token, and left in the queue it would block every request behind it.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.max_request_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens is too long: at most "
+                f"{self.max_request_len - 1} (max_model_len {self.config.max_model_len}, "
+                f"KV pool {self.cache_config.num_blocks} blocks of "
+                f"{self.cache_config.block_size} tokens)"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort running or waiting requests (FINISHED_ABORTED, blocks freed).
+
+        Unknown or already finished ids are ignored. Returns the requests aborted.
+        """
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self, request_ids: Iterable[str] | str, status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from outside with a FINISHED_* `status` (e.g. FINISHED_STOPPED
+        when the server matched a stop string). Unknown ids are ignored; blocks are freed
+        and the ids reach the runner in the next schedule()'s finished_ids."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._release(request, status)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting.remove_requests(finished)
+        return finished
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: running requests first, then admissions."""
+        step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
+        self.waiting.age(step.now)
+        self._schedule_running(step)
+        # NOTE: a preemption means the pool is short now: admitting would only thrash.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
+        self.waiting.prepend_requests(parked)
+        return self._build_output(step)
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply a computed step: advance progress, append sampled tokens, stop, cache.
+
+        Returns the requests that got a token this step (finished ones included), in
+        batch order. Requests finished or aborted since schedule() are skipped.
+        ValueError if the runner returned no token for a request that sampled.
+        """
+        outputs: list[Request] = []
+        any_finished = False
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            if not scheduled.sample:
+                continue
+            token_id = runner_output.sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                raise ValueError(f"the runner sampled no token for {request.request_id}")
+            request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
+            status = check_stop(request, self.max_request_len)
+            if status is not None:
+                self._release(request, status)
+                any_finished = True
+            outputs.append(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # ---- state ----
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is running or waiting."""
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """True when finished ids wait to be handed to the runner by the next schedule()."""
+        return bool(self._finished_ids)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a seat (and blocks)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission, preempted ones included."""
+        return len(self.waiting) + len(self.skipped_waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Counters and gauges for metrics."""
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preemptions_total=self.num_preemptions_total,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
+            num_free_blocks=kv.num_free_blocks,
+            num_cached_blocks=kv.num_cached_blocks,
+            num_blocks=kv.num_blocks,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-ready view for GET /scheduler/state: policy, queues (waiting in policy
+        order) and the KV pool."""
+        kv = self.kv_cache
+        return {
+            "policy": self.policy.value,
+            "running": [self._describe(r) for r in self.running],
+            "waiting": [self._describe(r) for r in self.waiting],
+            "kv_cache": {
+                "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks,
+                "num_cached_blocks": kv.num_cached_blocks,
+                "block_size": kv.block_size,
+                "usage": kv.usage,
+            },
+            "num_preemptions_total": self.num_preemptions_total,
+        }
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless the KV pool is consistent, every request is in exactly one
+        queue with a matching status, and only running requests hold blocks."""
+        self.kv_cache.check_integrity()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in (*self.waiting, *self.skipped_waiting)]
+        all_ids = running_ids + waiting_ids
+        if len(set(all_ids)) != len(all_ids):
+            raise RuntimeError("a request is queued twice")
+        if set(all_ids) != set(self.requests):
+            raise RuntimeError(
+                f"queues and request table disagree: {sorted(set(all_ids) ^ set(self.requests))}"
+            )
+        if len(self.running) > self.config.max_num_seqs:
+            raise RuntimeError(f"{len(self.running)} running > max_num_seqs")
+        for request in self.running:
+            if request.status is not RequestStatus.RUNNING:
+                raise RuntimeError(f"{request!r} is in running")
+            num_held = self.kv_cache.num_held_blocks(request.request_id)
+            if num_held * self.kv_cache.block_size < request.num_computed_tokens:
+                raise RuntimeError(f"{request!r} holds {num_held} blocks: too few")
+        for request in (*self.waiting, *self.skipped_waiting):
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise RuntimeError(f"{request!r} is in waiting")
+            if request.num_computed_tokens:
+                raise RuntimeError(f"waiting {request!r} has computed tokens")
+        holders = self.kv_cache.holders()
+        if not holders <= set(running_ids):
+            raise RuntimeError(f"requests not running hold blocks: {holders - set(running_ids)}")
+
+    # ---- scheduling internals ----
+
+    def _schedule_running(self, step: _Step) -> None:
+        for request in list(self.running):
+            if step.budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            self._allocate_or_preempt(request, num_new, step)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> None:
+        """Schedule a running request, preempting victims until its blocks fit (the victim
+        may be the request itself: then it is preempted and not scheduled)."""
+        while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return
+        step.schedule(request, num_new_tokens)
+
+    def _pick_victim(self) -> Request:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return pick_lowest_priority(self.running)
+        return pick_latest_admitted(self.running)
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Recompute preemption: free the blocks (they stay prefix-cached), forget the
+        progress, keep the outputs, and put the request back at the front of waiting."""
+        self.kv_cache.free(request)
+        self.running.remove(request)
+        # A victim scheduled earlier in this step gives its tokens back to the budget.
+        step.budget += step.num_scheduled_tokens.pop(request.request_id, 0)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.start_waiting(step.now)
+        self.waiting.prepend(request)
+        step.preempted.append(request)
+        self.num_preemptions_total += 1
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0:
+            request = self.waiting.pop()
+            if not self._admit(request, step):
+                self.skipped_waiting.add(request)
+                return
+
+    def _admit(self, request: Request, step: _Step) -> bool:
+        if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
+            return True
+        return self.policy is SchedulingPolicy.PRIORITY and self._admit_by_preempting(
+            request, step
+        )
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        """Admit `request` if the blocks of all its known tokens fit above the watermark.
+
+        NOTE: blocks for the whole remaining prompt are taken now, even when the budget
+        only lets a chunk of it compute this step: two half-admitted long prompts would
+        otherwise preempt each other. Prefix-cache hits count as computed.
+        """
+        hits, num_cached = self.kv_cache.get_computed_blocks(request)
+        num_new = request.num_tokens - num_cached
+        num_now = min(num_new, step.budget)
+        blocks = self.kv_cache.allocate_slots(
+            request,
+            num_now,
+            hits,
+            num_lookahead_tokens=num_new - num_now,
+            num_reserved_blocks=self._watermark_blocks,
+        )
+        if blocks is None:
+            return False
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        request.stop_waiting(step.now)
+        if self.policy is SchedulingPolicy.PRIORITY:
+            bisect.insort(self.running, request, key=_priority_key)
+        else:
+            self.running.append(request)
+        step.schedule(request, num_now)
+        return True
+
+    def _admit_by_preempting(self, request: Request, step: _Step) -> bool:
+        """Priority admission: preempt the worst running requests of strictly worse
+        priority until `request` fits; preempt none if even all of them would not make room.
+
+        "Strictly worse": the running request's admitted (effective) priority is larger
+        than `request`'s base priority. NOTE: so every such preemption goes to a strictly
+        better base priority, and two requests can never preempt each other in turn.
+        A request admitted earlier in this step is never a candidate: it left the queue
+        before `request`, so its priority is at least as good. Nor can a victim come back
+        in this step: `request` takes the room it freed. NOTE: the room check counts every
+        block of the request as needed (prefix hits ignored), so it never preempts in vain,
+        at the cost of sometimes waiting instead.
+        """
+        candidates = [r for r in self.running if r.effective_priority > request.priority]
+        if not candidates:
+            return False
+        num_needed = cdiv(request.num_tokens, self.kv_cache.block_size)
+        num_room = (
+            self.kv_cache.num_free_blocks
+            + self.kv_cache.num_blocks_freed_by(candidates)
+            - self._watermark_blocks
+        )
+        if num_room < num_needed:
+            return False
+        while candidates:
+            victim = pick_lowest_priority(candidates)
+            candidates.remove(victim)
+            self._preempt(victim, step)
+            if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
+                return True
+        return False
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        scheduled = []
+        for request_id, num_new in step.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            end = start + num_new
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=request_id,
+                    token_ids=request.all_token_ids[start:end],
+                    num_computed_tokens=start,
+                    block_table=self.kv_cache.get_block_ids(request_id),
+                    sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                )
+            )
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted_ids=[r.request_id for r in step.preempted],
+            finished_ids=finished_ids,
+        )
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Finish `request`: status, blocks freed, forgotten, id queued for the runner.
+        The caller takes it out of its queue."""
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _describe(self, request: Request) -> dict[str, Any]:
+        return {
+            "request_id": request.request_id,
+            "status": request.status.name,
+            "priority": request.priority,
+            "effective_priority": request.effective_priority,
+            "arrival_time": request.arrival_time,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_output_tokens": request.num_output_tokens,
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_blocks": self.kv_cache.num_held_blocks(request.request_id),
+            "num_preemptions": request.num_preemptions,
+        }

@@ -1,0 +1,255 @@
+"""RequestQueue semantics, one by one, for the FCFS deque and the priority heap."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import (
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    RequestQueue,
+    SchedulingPolicy,
+    create_request_queue,
+)
+from scheduler.sampling_params import SamplingParams
+
+
+def req(request_id: str, priority: int = 0, arrival: float = 0.0) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(), priority=priority, arrival_time=arrival)
+
+
+def ids(queue: RequestQueue) -> list[str]:
+    return [r.request_id for r in queue]
+
+
+@pytest.fixture(params=["fcfs", "priority"])
+def queue(request: pytest.FixtureRequest) -> RequestQueue:
+    return create_request_queue(request.param)
+
+
+# ---- common semantics ----
+
+
+def test_empty_queue(queue: RequestQueue) -> None:
+    assert len(queue) == 0
+    assert not queue
+    assert list(queue) == []
+    with pytest.raises(IndexError):
+        queue.pop()
+    with pytest.raises(IndexError):
+        queue.peek()
+
+
+def test_add_pop_in_arrival_order_when_priorities_equal(queue: RequestQueue) -> None:
+    for i in range(4):
+        queue.add(req(f"r{i}", arrival=float(i)))
+    assert len(queue) == 4
+    assert queue
+    assert [queue.pop().request_id for _ in range(4)] == ["r0", "r1", "r2", "r3"]
+    assert not queue
+
+
+def test_peek_leaves_request(queue: RequestQueue) -> None:
+    a, b = req("a", arrival=0), req("b", arrival=1)
+    queue.add(a)
+    queue.add(b)
+    assert queue.peek() is a
+    assert queue.peek() is a
+    assert len(queue) == 2
+    assert queue.pop() is a
+
+
+def test_remove_from_middle(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", arrival=float(i)) for i in range(5)]
+    for r in rs:
+        queue.add(r)
+    queue.remove(rs[2])
+    assert ids(queue) == ["r0", "r1", "r3", "r4"]
+    assert [queue.pop().request_id for _ in range(4)] == ["r0", "r1", "r3", "r4"]
+
+
+def test_remove_missing_raises(queue: RequestQueue) -> None:
+    queue.add(req("a"))
+    with pytest.raises(ValueError):
+        queue.remove(req("b"))
+    assert len(queue) == 1
+
+
+def test_remove_requests_ignores_missing(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", arrival=float(i)) for i in range(6)]
+    for r in rs:
+        queue.add(r)
+    queue.remove_requests([rs[1], rs[4], req("not-queued")])
+    assert ids(queue) == ["r0", "r2", "r3", "r5"]
+    assert queue.pop() is rs[0]
+
+
+def test_remove_requests_accepts_generator(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", arrival=float(i)) for i in range(3)]
+    for r in rs:
+        queue.add(r)
+    queue.remove_requests(r for r in rs if r.request_id != "r1")
+    assert ids(queue) == ["r1"]
+
+
+def test_iteration_leaves_queue_intact(queue: RequestQueue) -> None:
+    for i in (3, 1, 2, 0):
+        queue.add(req(f"r{i}", arrival=float(i)))
+    first = ids(queue)
+    assert ids(queue) == first
+    assert len(queue) == 4
+    assert [queue.pop().request_id for _ in range(4)] == first
+
+
+def test_prepend_requests_keeps_their_order(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", arrival=float(i)) for i in range(4)]
+    queue.add(rs[2])
+    queue.add(rs[3])
+    queue.prepend_requests([rs[0], rs[1]])
+    assert [queue.pop().request_id for _ in range(4)] == ["r0", "r1", "r2", "r3"]
+
+
+def test_age_without_aging_changes_nothing(queue: RequestQueue) -> None:
+    rs = [req("a", priority=1, arrival=0), req("b", priority=0, arrival=5)]
+    for r in rs:
+        queue.add(r)
+    before = ids(queue)
+    queue.age(1e9)
+    assert ids(queue) == before
+    assert [r.effective_priority for r in rs] == [1, 0]
+
+
+# ---- FCFS ----
+
+
+def test_fcfs_ignores_priority() -> None:
+    queue = FCFSRequestQueue()
+    queue.add(req("low", priority=5, arrival=0))
+    queue.add(req("high", priority=-5, arrival=1))
+    assert queue.pop().request_id == "low"
+
+
+def test_fcfs_prepend_puts_at_head() -> None:
+    queue = FCFSRequestQueue()
+    queue.add(req("a", arrival=0))
+    late = req("late", arrival=10)
+    queue.prepend(late)
+    assert queue.peek() is late
+    assert ids(queue) == ["late", "a"]
+
+
+# ---- priority ----
+
+
+def test_priority_pops_lowest_value_first() -> None:
+    queue = PriorityRequestQueue()
+    for name, priority in [("p2", 2), ("p0", 0), ("pm1", -1), ("p1", 1)]:
+        queue.add(req(name, priority=priority))
+    assert [queue.pop().request_id for _ in range(4)] == ["pm1", "p0", "p1", "p2"]
+
+
+def test_priority_ties_by_arrival_then_id() -> None:
+    queue = PriorityRequestQueue()
+    queue.add(req("b", priority=1, arrival=1.0))
+    queue.add(req("late", priority=1, arrival=2.0))
+    queue.add(req("a", priority=1, arrival=1.0))
+    assert ids(queue) == ["a", "b", "late"]
+
+
+def test_priority_prepend_adds_by_order() -> None:
+    queue = PriorityRequestQueue()
+    queue.add(req("urgent", priority=0, arrival=5))
+    queue.prepend(req("preempted", priority=3, arrival=0))
+    assert ids(queue) == ["urgent", "preempted"]
+
+
+def test_priority_iteration_is_sorted_and_heap_intact() -> None:
+    queue = PriorityRequestQueue()
+    for i, priority in enumerate([5, 3, 8, 1, 3, 0]):
+        queue.add(req(f"r{i}", priority=priority, arrival=float(i)))
+    assert ids(queue) == ["r5", "r3", "r1", "r4", "r0", "r2"]
+    assert [queue.pop().request_id for _ in range(6)] == ["r5", "r3", "r1", "r4", "r0", "r2"]
+
+
+def test_priority_remove_keeps_heap_order() -> None:
+    queue = PriorityRequestQueue()
+    rs = [req(f"r{i}", priority=p, arrival=float(i)) for i, p in enumerate([4, 2, 6, 0, 3])]
+    for r in rs:
+        queue.add(r)
+    queue.remove(rs[3])
+    queue.remove(rs[4])
+    assert [queue.pop().request_id for _ in range(3)] == ["r1", "r0", "r2"]
+
+
+def test_aging_improves_effective_priority_of_long_waiters() -> None:
+    queue = PriorityRequestQueue(aging_s=10.0)
+    old = req("old", priority=3, arrival=0.0)
+    new = req("new", priority=1, arrival=50.0)
+    queue.add(old)
+    queue.add(new)
+    queue.age(now=50.0)
+    assert queue.peek() is old  # waited 50 s: 3 - 5 = -2 < 1
+    assert (old.effective_priority, new.effective_priority) == (-2, 1)
+    assert ids(queue) == ["old", "new"]
+
+
+def test_aging_steps_one_level_per_period() -> None:
+    queue = PriorityRequestQueue(aging_s=10.0)
+    r = req("r", priority=5, arrival=0.0)
+    queue.add(r)
+    levels = []
+    for now in (5.0, 9.9, 10.0, 19.9, 20.0, 35.0):
+        queue.age(now)
+        levels.append(r.effective_priority)
+    assert levels == [5, 5, 4, 4, 3, 2]
+    late = req("late", priority=3, arrival=34.0)
+    queue.add(late)
+    queue.age(44.0)
+    assert (r.effective_priority, late.effective_priority) == (1, 2)
+    assert ids(queue) == ["r", "late"]
+
+
+def test_aging_counts_only_time_spent_waiting() -> None:
+    queue = PriorityRequestQueue(aging_s=10.0)
+    r = req("r", priority=5, arrival=0.0)
+    r.status = RequestStatus.RUNNING
+    r.stop_waiting(now=20.0)  # waited 20 s, then ran 100 s
+    r.status = RequestStatus.PREEMPTED
+    r.start_waiting(now=120.0)
+    queue.add(r)
+    queue.age(now=125.0)
+    assert r.effective_priority == 5 - 2
+
+
+def test_aging_rejects_non_positive_period() -> None:
+    with pytest.raises(ValueError):
+        PriorityRequestQueue(aging_s=0)
+
+
+# ---- factory ----
+
+
+@pytest.mark.parametrize(
+    ("policy", "cls"),
+    [
+        ("fcfs", FCFSRequestQueue),
+        ("priority", PriorityRequestQueue),
+        (SchedulingPolicy.FCFS, FCFSRequestQueue),
+        (SchedulingPolicy.PRIORITY, PriorityRequestQueue),
+    ],
+)
+def test_create_request_queue(policy: SchedulingPolicy | str, cls: type[RequestQueue]) -> None:
+    assert isinstance(create_request_queue(policy), cls)
+
+
+def test_create_request_queue_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        create_request_queue("lifo")
+
+
+def test_request_lt_orders_by_priority_arrival_id() -> None:
+    assert req("z", priority=0, arrival=9) < req("a", priority=1, arrival=0)
+    assert req("z", priority=1, arrival=0) < req("a", priority=1, arrival=1)
+    assert req("a", priority=1, arrival=1) < req("b", priority=1, arrival=1)
+    assert not req("b", priority=1, arrival=1) < req("a", priority=1, arrival=1)
