@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: install serve test unit e2e lint bench gpu-check soak docker clean
+.PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ unit: install
 
 e2e: install
 	$(PY) -m pytest -q tests/e2e
+
+gpu-check: install
+	$(PY) -m bench.gpu_check
+
+gpu-check-dry: install
+	$(PY) -m bench.gpu_check --dry-run
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -30,10 +30,6 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # NOTE: otherwise running requests at the tail of the batch would get no decode
-            # token in a step where every seat is taken.
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
