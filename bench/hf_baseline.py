@@ -61,7 +61,9 @@ def run_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> B
             pad_token_id=pad_id,
         )
         useful += sum(r.max_tokens for r in batch)
-    name = "hf generate (sequential)" if batch_size == 1 else f"hf generate (static, bs {batch_size})"
+    name = f"hf generate (static, bs {batch_size})"
+    if batch_size == 1:
+        name = "hf generate (sequential)"
     return BaselineResult(name, useful, time.perf_counter() - start)
 
 

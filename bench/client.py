@@ -1,0 +1,275 @@
+"""`pagedserve bench`: a load generator for any OpenAI-compatible completions server.
+
+Sends streaming /v1/completions requests, either with a fixed number in flight
+(--concurrency) or arriving as a Poisson process (--request-rate), and prints the
+throughput plus time to first token and inter-token latency (p50/p90/p99), per priority
+when --priority-mix is given. Prompts are random token ids (default) or random words.
+
+    pagedserve bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 16 \
+        --input-len 64:256 --output-len 64 --priority-mix "10:0.9,-10:0.1"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her are be this have "
+    "not but had they which one you were all we can has there their been if more when "
+    "will would who so no time about out up them into some could then other than its "
+    "only new over also first two like any may after most these where many through "
+    "before much each well should because very long even under great again same world "
+    "small large number water river city house music paper light early point state"
+).split()
+_PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class BenchItem:
+    prompt: str | list[int]
+    max_tokens: int
+    priority: int
+
+
+@dataclass
+class Result:
+    priority: int
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One load run. input_len / output_len / token_id_range are inclusive (low, high)
+    ranges; priority_mix lists (priority, weight) pairs (None: no priority field sent);
+    concurrency None means 8 without a request rate, unlimited with one."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    num_requests: int = 64
+    concurrency: int | None = None
+    request_rate: float | None = None
+    input_len: tuple[int, int] = (128, 128)
+    output_len: tuple[int, int] = (64, 64)
+    prompt_token_ids: bool = True
+    token_id_range: tuple[int, int] = (1000, 20000)
+    priority_mix: tuple[tuple[int, float], ...] | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError("request_rate must be > 0")
+        for name in ("input_len", "output_len", "token_id_range"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= high or (name != "token_id_range" and low < 1):
+                raise ValueError(f"{name} must be a range 1 <= low <= high")
+        if self.priority_mix is not None and (
+            not self.priority_mix or any(w <= 0 for _, w in self.priority_mix)
+        ):
+            raise ValueError("priority_mix weights must be > 0")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+
+
+def make_items(config: BenchConfig) -> list[BenchItem]:
+    rng = random.Random(config.seed)
+    items = []
+    for _ in range(config.num_requests):
+        input_len = rng.randint(*config.input_len)
+        prompt: str | list[int]
+        if config.prompt_token_ids:
+            prompt = [rng.randint(*config.token_id_range) for _ in range(input_len)]
+        else:
+            prompt = " ".join(rng.choice(_WORDS) for _ in range(input_len))
+        priority = 0
+        if config.priority_mix:
+            priorities, weights = zip(*config.priority_mix, strict=True)
+            priority = rng.choices(priorities, weights)[0]
+        items.append(BenchItem(prompt, rng.randint(*config.output_len), priority))
+    return items
+
+
+async def _send(
+    client: httpx.AsyncClient, config: BenchConfig, model: str, item: BenchItem
+) -> Result:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": item.prompt,
+        "max_tokens": item.max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        payload["ignore_eos"] = True
+    if config.priority_mix:
+        payload["priority"] = item.priority
+    result = Result(item.priority)
+    start = last = time.perf_counter()
+    num_chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                    num_chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    if not result.output_tokens:  # the server sent no usage: count content chunks
+        result.output_tokens = num_chunks
+        result.prompt_tokens = len(item.prompt) if isinstance(item.prompt, list) else 0
+    result.ok = True
+    return result
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+async def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """Run the load and return the summary (see `summarize`)."""
+    items = make_items(config)
+    concurrency = config.concurrency or (8 if config.request_rate is None else len(items))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=config.url.rstrip("/"), timeout=config.timeout_s, limits=limits, headers=headers
+    ) as client:
+        model = config.model or await _first_model(client)
+        gate = asyncio.Semaphore(concurrency)
+        rng = random.Random(config.seed + 1)
+
+        async def one(item: BenchItem) -> Result:
+            async with gate:
+                return await _send(client, config, model, item)
+
+        start = time.perf_counter()
+        tasks = []
+        for item in items:
+            tasks.append(asyncio.create_task(one(item)))
+            if config.request_rate is not None:
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, model)
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+    out: dict[str, float | None] = {}
+    for p in _PERCENTILES:
+        if not ordered:
+            out[f"p{p}"] = None
+            continue
+        k = (len(ordered) - 1) * p / 100
+        low, high = math.floor(k), math.ceil(k)
+        out[f"p{p}"] = ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+    return out
+
+
+def _latency_stats(results: Sequence[Result]) -> dict[str, Any]:
+    return {
+        "num_requests": len(results),
+        "ttft_s": _percentiles([r.ttft_s for r in results if r.ttft_s is not None]),
+        "itl_s": _percentiles([x for r in results for x in r.itl_s]),
+    }
+
+
+def summarize(results: Sequence[Result], duration_s: float, model: str) -> dict[str, Any]:
+    """Throughput over the run, latency percentiles overall and per priority."""
+    ok = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "model": model,
+        "num_requests": len(results),
+        "num_failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration_s,
+        "output_token_throughput": output_tokens / duration_s,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "all": _latency_stats(ok),
+        "by_priority": {
+            str(p): _latency_stats([r for r in ok if r.priority == p])
+            for p in sorted({r.priority for r in ok})
+        },
+    }
+
+
+def _ms(stats: dict[str, float | None]) -> str:
+    return "/".join("-" if v is None else f"{v * 1000:.1f}" for v in stats.values())
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"model {summary['model']}: {summary['num_requests'] - summary['num_failed']} ok, "
+        f"{summary['num_failed']} failed in {summary['duration_s']:.2f} s "
+        f"({summary['request_throughput']:.2f} req/s)",
+        f"throughput: total {summary['total_token_throughput']:.1f} tok/s, "
+        f"output {summary['output_token_throughput']:.1f} tok/s "
+        f"({summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens)",
+        f"{'priority':>8} {'n':>5}  {'TTFT p50/p90/p99 ms':>24}  {'ITL p50/p90/p99 ms':>22}",
+    ]
+    rows = [("all", summary["all"])]
+    if len(summary["by_priority"]) > 1:
+        rows += list(summary["by_priority"].items())
+    for name, stats in rows:
+        lines.append(f"{name:>8} {stats['num_requests']:>5}  {_ms(stats['ttft_s']):>24}  "
+                     f"{_ms(stats['itl_s']):>22}")
+    lines += [f"error: {e}" for e in summary["errors"]]
+    return "\n".join(lines)
+
+
+def run(config: BenchConfig) -> int:
+    """Run the load, print the summary; 1 if any request failed."""
+    summary = asyncio.run(run_bench(config))
+    print(json.dumps(summary, indent=2) if config.json else format_summary(summary))
+    return 1 if summary["num_failed"] else 0

@@ -1,0 +1,190 @@
+"""Model-runner throughput on the default model, against Hugging Face `generate`.
+
+`python -m bench.runner_bench [--dtypes float32,bfloat16] [--batch-sizes 1,16,64,128]
+[--decode-steps 8] [--threads N]`
+
+Per dtype: decode tokens/s at each batch size (prompts of ~16 tokens, so the context stays
+short), and one 512-token prefill. Hugging Face runs the same prompts as static batches,
+left-padded, in the same process. Decode time is measured from the first sampled token to
+the last, so prefill is left out on both sides, and taken as the median step (prefill as
+the best of a few runs): CI machines are often shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from model_runner.config import ModelConfig
+from model_runner.loader import LoadedModel, load_model
+from model_runner.runner import ModelRunner
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT_LEN = 16
+PREFILL_LEN = 512
+BLOCK_SIZE = 16
+
+
+def make_prompts(batch_size: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Random token prompts of PROMPT_LEN - 3 .. PROMPT_LEN tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(PROMPT_LEN - 3, PROMPT_LEN + 1, (batch_size,), generator=gen)
+    return [torch.randint(1000, vocab_size, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+class RunnerLoop:
+    """Greedy generation of fixed length through ModelRunner.execute, one step per token."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def generate(self, prompts: list[list[int]], num_new_tokens: int) -> list[float]:
+        """Runs prefill then decodes; returns the time at which each step's tokens arrived."""
+        bs = self.runner.block_size
+        max_len = max(len(p) for p in prompts) + num_new_tokens
+        blocks_per_seq = -(-max_len // bs)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))
+        ]
+        times = []
+        for _ in range(num_new_tokens):
+            scheduled = []
+            for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+                # prefill on the first step, then the one new token
+                computed = len(prompt) + len(output) - 1 if output else 0
+                new = [output[-1]] if output else prompt
+                scheduled.append(
+                    ScheduledRequest(str(i), new, computed, tables[i], True, GREEDY, prompt, output)
+                )
+            out = self.runner.execute(SchedulerOutput(scheduled=scheduled))
+            times.append(time.perf_counter())
+            for i, output in enumerate(outputs):
+                output.append(out.sampled_token_ids[str(i)])
+        self.runner.execute(SchedulerOutput(finished_ids=[str(i) for i in range(len(prompts))]))
+        return times
+
+
+class StepTimes(LogitsProcessor):
+    """Records when each generation step's logits are ready (a no-op on the scores)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], num_new_tokens: int) -> list[float]:
+    """Static batch, left-padded; returns the time of each generation step."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    timer = StepTimes()
+    model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=num_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([timer]),
+    )
+    return timer.times
+
+
+def decode_tps(times: list[float], batch_size: int) -> float:
+    """Tokens/s from the median step time (robust to a machine shared with others)."""
+    return batch_size / statistics.median(b - a for a, b in itertools.pairwise(times))
+
+
+def best_prefill_tps(prefill: Callable[[], object], repeats: int) -> float:
+    """PREFILL_LEN tokens over the fastest of `repeats` runs."""
+    elapsed = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        prefill()
+        elapsed.append(time.perf_counter() - start)
+    return PREFILL_LEN / min(elapsed)
+
+
+def bench_dtype(
+    dtype: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
+) -> list[tuple]:
+    config = ModelConfig(
+        model=None, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=1024
+    )
+    loaded: LoadedModel = load_model(config)
+    ours = RunnerLoop(ModelRunner(loaded, config))
+    hf = AutoModelForCausalLM.from_pretrained(
+        loaded.model_path, dtype=loaded.dtype, local_files_only=True
+    ).eval()
+    hf.generation_config.eos_token_id = None  # fixed lengths
+    vocab = int(loaded.hf_config.vocab_size)
+    warm = make_prompts(2, vocab, seed=1)
+    ours.generate(warm, 3)
+    hf_generate(hf, warm, 3)
+
+    rows = []
+    for batch_size in batch_sizes:
+        prompts = make_prompts(batch_size, vocab)
+        ours_tps = decode_tps(ours.generate(prompts, decode_steps + 1), batch_size)
+        hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
+        rows.append((dtype, f"decode batch {batch_size}", ours_tps, hf_tps))
+        print(
+            f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s", flush=True
+        )
+
+    (prompt,) = torch.randint(1000, vocab, (1, PREFILL_LEN)).tolist()
+    ours_tps = best_prefill_tps(lambda: ours.generate([prompt], 1), prefill_repeats)
+    hf_tps = best_prefill_tps(lambda: hf_generate(hf, [prompt], 1), prefill_repeats)
+    rows.append((dtype, f"prefill {PREFILL_LEN}", ours_tps, hf_tps))
+    print(f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch-sizes", default="1,16,64,128")
+    parser.add_argument(
+        "--bf16-batch-sizes",
+        default="1,16",
+        help="batch sizes for bfloat16 (slow on CPUs without AMX / AVX512-BF16)",
+    )
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--prefill-repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    rows = []
+    for dtype in args.dtypes.split(","):
+        sizes = args.bf16_batch_sizes if dtype == "bfloat16" else args.batch_sizes
+        print(f"{dtype}:", flush=True)
+        batch_sizes = [int(b) for b in sizes.split(",")]
+        rows += bench_dtype(dtype, batch_sizes, args.decode_steps, args.prefill_repeats)
+    print("\n| dtype | workload | pagedserve runner tok/s | HF generate tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    for dtype, workload, ours, hf in rows:
+        print(f"| {dtype} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

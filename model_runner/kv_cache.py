@@ -1,0 +1,85 @@
+"""The physical paged KV cache: per layer, a key and a value tensor of
+(num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype on its device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Per-layer (k_cache, v_cache) pairs, all of one shape."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    num_blocks: int
+    block_size: int
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCache:
+    """Allocate a zeroed cache.
+
+    NOTE: zeroed, not empty: attention reads whole blocks and masks the unused tail, and a
+    NaN left in fresh memory would survive the mask (0 * NaN) into the output.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    layers = [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
+    return KVCache(layers, num_blocks, block_size)
+
+
+def num_blocks_for_memory(budget_bytes: int, block_bytes: int) -> int:
+    """How many blocks fit in `budget_bytes`; a ValueError when not even one does."""
+    num_blocks = budget_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget_bytes} bytes) holds no block of {block_bytes} bytes; "
+            "raise --kv-cache-memory / --gpu-memory-utilization or set --num-kv-blocks"
+        )
+    return num_blocks
+
+
+def profile_cuda_num_blocks(
+    profile_forward: Callable[[], None],
+    block_bytes: int,
+    gpu_memory_utilization: float,
+    device: torch.device,
+) -> int:
+    """Blocks that fit in gpu_memory_utilization of the GPU after a profiling forward.
+
+    `profile_forward` runs the largest step the runner will see; its activation peak is
+    kept free, as is everything already in use on the device (weights, CUDA context,
+    other processes).
+    """
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_forward()
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
+    return num_blocks_for_memory(budget, block_bytes)

@@ -1,0 +1,175 @@
+"""Turn the logits of the sampling rows into tokens (and logprobs).
+
+Per row, in order: min_tokens (stop tokens masked until the output is long enough),
+repetition penalty (Hugging Face: over prompt and output), frequency and presence
+penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
+Everything stays on the device until the final `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler.output import SampleLogprobs, ScheduledRequest
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the row asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Ragged token lists -> [len(rows), longest] int64, padded with `pad`."""
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Requests without a seed draw from one global generator seeded with `seed`; seeded
+    requests bring their own generator, so their draws do not depend on batch mates.
+    """
+
+    def __init__(self, device: torch.device, eos_token_ids: frozenset[int], seed: int = 0):
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[ScheduledRequest],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        """logits: [N, vocab] float32 (modified in place), one row per request in order;
+        generators: the request's own generator, or None for the global one."""
+        params = [r.sampling_params for r in requests]
+        self._mask_stop_tokens(logits, requests)
+        self._apply_penalties(logits, requests)
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(p.greedy for p in params) and not want_logprobs:
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(params))
+
+        temperatures = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=logits.device
+        )
+        logits.div_(temperatures[:, None])
+        # NOTE: logprobs are of the penalised, temperature-scaled distribution before the
+        # top_k / top_p / min_p cut, so that the top-N alternatives are all finite.
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        greedy_ids = logits.argmax(-1)
+        if all(p.greedy for p in params):
+            sampled = greedy_ids
+        else:
+            probs = torch.softmax(self._filter(logits, params), dim=-1)
+            sampled = self._draw(probs, generators)
+            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+            sampled = torch.where(is_greedy, greedy_ids, sampled)
+        token_ids = sampled.tolist()
+        if logprobs is None:
+            return SamplerOutput(token_ids, [None] * len(params))
+        return SamplerOutput(token_ids, self._logprobs(logprobs, sampled, params))
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if len(r.output_token_ids) < p.min_tokens:
+                stop_ids = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stop_ids |= self.eos_token_ids
+                if stop_ids:
+                    logits[i, sorted(stop_ids)] = float("-inf")
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+        if not rows:
+            return
+        device, vocab = logits.device, logits.shape[1]
+        params = [requests[i].sampling_params for i in rows]
+        x = logits[rows]  # [n, vocab]
+        # output token counts: [n, vocab]; the pad id `vocab` lands in a dropped column
+        outputs = _padded([requests[i].output_token_ids for i in rows], vocab, device)
+        counts = torch.zeros(len(rows), vocab + 1, device=device)
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+        counts = counts[:, :vocab]
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen_ids = _padded(
+                [[*requests[i].prompt_token_ids, *requests[i].output_token_ids] for i in rows],
+                vocab,
+                device,
+            )
+            seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, seen_ids, True)
+            penalised = torch.where(x > 0, x / repetition, x * repetition)
+            x = torch.where(seen[:, :vocab], penalised, x)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        x = x - frequency * counts - presence * (counts > 0)
+        logits[rows] = x
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Mask to -inf what top_k, then top_p, then min_p exclude."""
+        device, vocab = logits.device, logits.shape[1]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [N, vocab]
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
+            )
+            ranks = torch.arange(vocab, device=device)[None, :]
+            sorted_logits.masked_fill_(ranks >= top_k[:, None], float("-inf"))
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+            # drop a token when the more likely ones already reach top_p (keeps the first)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_logits.masked_fill_(before > top_p, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+        if any(p.min_p > 0.0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
+            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+            threshold = min_p * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits
+
+    def _draw(
+        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One categorical draw per row as argmax(probs / Exp(1) noise): [N] int64."""
+        noise = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            noise.exponential_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        logprobs: torch.Tensor, sampled: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> list[SampleLogprobs | None]:
+        num_top = max(p.logprobs or 0 for p in params)
+        chosen = logprobs.gather(1, sampled[:, None])[:, 0].tolist()
+        top = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        out: list[SampleLogprobs | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+            else:
+                pairs = zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs], strict=True)
+                out.append(SampleLogprobs(chosen[i], list(pairs)))
+        return out

@@ -1,0 +1,688 @@
+"""The HTTP front end: OpenAI-compatible routes over an Engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams ending in
+`data: [DONE]`), GET /v1/models, /health, /metrics, /scheduler/state. Every error has
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; invalid requests (bad
+JSON and schema errors included) are 400, never 422. Bodies are parsed here rather than
+by FastAPI so that a missing or wrong Content-Type is no error and the checks run in a
+fixed order: key, body size, JSON, schema, model, priority, load, context length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.output import SampleLogprobs
+from scheduler.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.engine import Engine, EngineDeadError, EngineStepError, RequestOutput, RequestStream
+from server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    UsageInfo,
+    random_id,
+)
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+_RequestT = TypeVar("_RequestT", bound=SamplingRequest)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=self.info).model_dump()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+def _error_type(status_code: int) -> str:
+    return "invalid_request_error" if status_code < 500 else "server_error"
+
+
+# ------------------------------------------------------------------ middleware
+
+
+class _ApiKeyMiddleware:
+    """401 for every path but /health and /metrics without `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(
+                    401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """413 for request bodies over max_bytes, by Content-Length or as they stream in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self._max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self._max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"Request body is larger than {self._max_bytes} bytes.",
+            code="request_too_large",
+        )
+
+
+# ------------------------------------------------------------------ the app
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    _install_error_handlers(app)
+    api = _OpenAIServing(engine, config)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        info = engine.info
+        return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if not engine.is_alive:
+            raise APIError(503, "The engine is not running.", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/scheduler/state")
+    async def scheduler_state() -> dict[str, Any]:
+        return await engine.snapshot()
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc.errors()).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # NOTE: Starlette re-raises after this response, so the server logs the traceback.
+        return APIError(500, f"Internal server error: {exc!r}", type="server_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), type=_error_type(exc.status_code))
+        return error.response()
+
+
+def _validation_error(errors: Sequence[Any]) -> APIError:
+    """One 400 naming every invalid field."""
+    parts, param = [], None
+    for error in errors:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+        if param is None and loc:
+            param = loc[0]
+    return APIError(400, "; ".join(parts) or "Invalid request.", param=param)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator, so that the generator's
+    `finally` (which aborts the request) runs even when the client went away while a
+    chunk was being sent rather than while the generator was waiting for one."""
+
+    body_iterator: AsyncGenerator[str, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+@dataclass
+class _Choice:
+    """A choice's text, tokens and logprobs gathered from its outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_output_tokens: int = 0
+
+
+class _OpenAIServing:
+    """Validation, tokenization and response shaping of the two generation routes."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.info.tokenizer
+
+    # -------------------------------------------------------------- routes
+
+    async def completions(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        body = await self._parse(raw, CompletionRequest)
+        self._check_admission(body)
+        if isinstance(body.prompts[0], str):
+            texts = [str(p) for p in body.prompts]
+            prompts = [self._encode(t, add_special_tokens=True) for t in texts]
+        else:
+            prompts = [list(p) for p in body.prompts]
+            texts = [self.tokenizer.decode(p) for p in prompts] if body.echo else []
+        max_tokens = body.max_tokens or _DEFAULT_COMPLETION_MAX_TOKENS
+        for prompt in prompts:
+            self._check_prompt(prompt, max_tokens)
+        params = self._sampling_params(body, max_tokens, body.logprobs)
+        request_id = random_id("cmpl")
+        stream = self._submit(request_id, prompts, params, body, arrival)
+        echo = texts if body.echo else None
+        if body.stream:
+            return self._sse(self._completion_events(request_id, stream, body, prompts, echo))
+        choices = await self._collect(stream, raw)
+        if choices is None:
+            return Response(status_code=499)
+        response = CompletionResponse(
+            id=request_id,
+            model=self.engine.info.model_name,
+            choices=[
+                self._completion_choice(i, c, body, prompts[i // body.n], echo)
+                for i, c in enumerate(choices)
+            ],
+            usage=_usage(prompts, choices),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    async def chat_completions(self, raw: Request) -> Response:
+        arrival = time.monotonic()
+        body = await self._parse(raw, ChatCompletionRequest)
+        self._check_admission(body)
+        prompt = self._render_chat(body)
+        self._check_prompt(prompt, body.requested_max_tokens or 0)
+        max_tokens = body.requested_max_tokens or self.engine.info.max_model_len - len(prompt)
+        params = self._sampling_params(body, max_tokens, body.num_logprobs)
+        request_id = random_id("chatcmpl")
+        stream = self._submit(request_id, [prompt], params, body, arrival)
+        if body.stream:
+            return self._sse(self._chat_events(request_id, stream, body, prompt))
+        choices = await self._collect(stream, raw)
+        if choices is None:
+            return Response(status_code=499)
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.engine.info.model_name,
+            choices=[
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=(
+                        self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None
+                    ),
+                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                    num_preemptions=c.num_preemptions,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=_usage([prompt], choices),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    # ------------------------------------------------------ validation
+
+    async def _parse(self, raw: Request, model: type[_RequestT]) -> _RequestT:
+        body = await raw.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"Request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "Request body must be a JSON object.")
+        try:
+            return model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise _validation_error(exc.errors(include_url=False)) from exc
+
+    def _check_admission(self, body: SamplingRequest) -> None:
+        info = self.engine.info
+        if body.model is not None and body.model != info.model_name:
+            raise APIError(
+                404, f"The model `{body.model}` does not exist; this server serves "
+                f"`{info.model_name}`.", param="model", code="model_not_found",
+            )
+        if body.priority != 0 and info.policy != "priority":
+            raise APIError(
+                400, f"priority is not supported under the {info.policy} scheduling policy: "
+                "start the server with `--scheduling-policy priority`.", param="priority",
+            )
+        if not self.engine.is_alive:
+            raise APIError(503, "The engine is not running.", type="server_error")
+        limit = self.config.max_waiting
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(
+                503, f"The server is overloaded: {limit} requests are waiting. Retry later.",
+                type="server_error", code="server_overloaded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        info = self.engine.info
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        bad = [t for t in prompt if t >= info.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"Token id {bad[0]} is out of range: the vocabulary has "
+                f"{info.vocab_size} tokens.", param="prompt",
+            )
+        limit = info.max_model_len
+        if len(prompt) >= limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(prompt)} input tokens, which leaves no room for output. "
+                "Please reduce the length of the input.", param="prompt",
+            )
+        if len(prompt) + max_tokens > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                "or of max_tokens.", param="max_tokens",
+            )
+
+    def _sampling_params(
+        self, body: SamplingRequest, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return body.to_sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.to_template_dict() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja errors: the messages do not fit the template
+            raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
+        return self._encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------ engine
+
+    def _submit(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        body: SamplingRequest,
+        arrival: float,
+    ) -> RequestStream:
+        try:
+            return self.engine.add_request(
+                request_id, prompts, params, n=body.n, stop=body.stop_strings,
+                priority=body.priority, arrival_time=arrival,
+            )
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="server_error") from exc
+
+    async def _collect(self, stream: RequestStream, raw: Request) -> list[_Choice] | None:
+        """Every choice's full output; None when the client went away first (aborted)."""
+
+        async def gather() -> list[_Choice]:
+            choices: dict[int, _Choice] = {}
+            async for output in stream:
+                _accumulate(choices.setdefault(output.index, _Choice()), output)
+            return [choices[i] for i in sorted(choices)]
+
+        gather_task = asyncio.ensure_future(gather())
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({gather_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not gather_task.done():
+                return None
+            return gather_task.result()
+        except EngineStepError as exc:
+            raise APIError(500, str(exc), type="server_error") from exc
+        finally:
+            for task in (gather_task, disconnect_task):
+                task.cancel()
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    # ------------------------------------------------------ streaming
+
+    def _sse(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+        return _EventStreamResponse(events, media_type="text/event-stream",
+                                    headers=_SSE_HEADERS)
+
+    async def _stream_guard(
+        self, stream: RequestStream, events: AsyncIterator[str]
+    ) -> AsyncGenerator[str, None]:
+        """Ends every stream with [DONE] (after an error event on failure) and aborts the
+        request when the client goes away mid-stream."""
+        try:
+            async for event in events:
+                yield event
+        except EngineStepError as exc:
+            error = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
+            yield _sse_data(error.model_dump_json())
+        finally:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+        yield "data: [DONE]\n\n"
+
+    def _completion_events(
+        self,
+        request_id: str,
+        stream: RequestStream,
+        body: CompletionRequest,
+        prompts: list[list[int]],
+        echo: list[str] | None,
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        model = self.engine.info.model_name
+
+        async def events() -> AsyncIterator[str]:
+            choices: dict[int, _Choice] = {}
+            for i in range(len(prompts) * body.n):
+                choices[i] = _Choice()
+                if echo is not None:
+                    text, logprobs = echo[i // body.n], None
+                    if body.logprobs is not None:
+                        logprobs = self._completion_logprobs(prompts[i // body.n], [], [], 0)
+                    choices[i].text = text
+                    choice = CompletionStreamChoice(index=i, text=text, logprobs=logprobs)
+                    yield self._completion_chunk(request_id, created, model, choice)
+            async for output in stream:
+                state = choices[output.index]
+                offset = len(state.text)
+                _accumulate(state, output)
+                logprobs = None
+                if body.logprobs is not None and output.token_ids:
+                    logprobs = self._completion_logprobs(
+                        [], output.token_ids, output.logprobs or [], offset
+                    )
+                if not output.text and logprobs is None and not output.finished:
+                    continue
+                choice = CompletionStreamChoice(
+                    index=output.index,
+                    text=output.text,
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,  # type: ignore[arg-type]
+                    num_preemptions=output.num_preemptions if output.finished else None,
+                )
+                yield self._completion_chunk(request_id, created, model, choice)
+            if body.include_usage_in_stream:
+                usage = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=_usage(prompts, list(choices.values())),
+                )
+                yield _sse_data(usage.model_dump_json())
+
+        return self._stream_guard(stream, events())
+
+    @staticmethod
+    def _completion_chunk(
+        request_id: str, created: int, model: str, choice: CompletionStreamChoice
+    ) -> str:
+        chunk = CompletionStreamResponse(id=request_id, created=created, model=model,
+                                         choices=[choice])
+        return _sse_data(chunk.model_dump_json())
+
+    def _chat_events(
+        self,
+        request_id: str,
+        stream: RequestStream,
+        body: ChatCompletionRequest,
+        prompt: list[int],
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        model = self.engine.info.model_name
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+            return _sse_data(c.model_dump_json())
+
+        async def events() -> AsyncIterator[str]:
+            choices = {i: _Choice() for i in range(body.n)}
+            for i in range(body.n):
+                yield chunk(ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content="")
+                ))
+            async for output in stream:
+                _accumulate(choices[output.index], output)
+                logprobs = None
+                if body.logprobs and output.token_ids:
+                    logprobs = self._chat_logprobs(output.token_ids, output.logprobs or [])
+                if not output.text and logprobs is None and not output.finished:
+                    continue
+                yield chunk(ChatCompletionStreamChoice(
+                    index=output.index,
+                    delta=DeltaMessage(content=output.text or None),
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,  # type: ignore[arg-type]
+                    num_preemptions=output.num_preemptions if output.finished else None,
+                ))
+            if body.include_usage_in_stream:
+                usage = ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=_usage([prompt], list(choices.values())),
+                )
+                yield _sse_data(usage.model_dump_json())
+
+        return self._stream_guard(stream, events())
+
+    # ------------------------------------------------------ logprobs
+
+    def _completion_choice(
+        self,
+        index: int,
+        choice: _Choice,
+        body: CompletionRequest,
+        prompt: list[int],
+        echo: list[str] | None,
+    ) -> CompletionChoice:
+        prefix = echo[index // body.n] if echo is not None else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = self._completion_logprobs(
+                prompt if echo is not None else [], choice.token_ids, choice.logprobs, 0
+            )
+        return CompletionChoice(
+            index=index,
+            text=prefix + choice.text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+            num_preemptions=choice.num_preemptions,
+        )
+
+    def _completion_logprobs(
+        self,
+        prompt_ids: list[int],
+        token_ids: list[int],
+        logprobs: list[SampleLogprobs],
+        text_offset: int,
+    ) -> CompletionLogprobs:
+        """Completions-shaped logprobs; echoed prompt tokens have none (not computed)."""
+        result = CompletionLogprobs()
+        offset = text_offset
+        for token_id in prompt_ids:
+            token = self._token_text(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(offset)
+            offset += len(token)
+        for token_id, sample in zip(token_ids, logprobs, strict=False):
+            token = self._token_text(token_id)
+            top = {self._token_text(t): lp for t, lp in sample.top}
+            top.setdefault(token, sample.logprob)
+            result.tokens.append(token)
+            result.token_logprobs.append(sample.logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[SampleLogprobs]
+    ) -> ChatChoiceLogprobs:
+        content = []
+        for token_id, sample in zip(token_ids, logprobs, strict=False):
+            token = self._token_text(token_id)
+            content.append(ChatTokenLogprob(
+                token=token,
+                logprob=sample.logprob,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    ChatTopLogprob(token=(t := self._token_text(tid)), logprob=lp,
+                                   bytes=list(t.encode()))
+                    for tid, lp in sample.top
+                ],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+    def _token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+
+def _accumulate(choice: _Choice, output: RequestOutput) -> None:
+    choice.text += output.text
+    choice.token_ids.extend(output.token_ids)
+    choice.logprobs.extend(output.logprobs or [])
+    choice.num_output_tokens = output.num_output_tokens
+    choice.num_preemptions = output.num_preemptions
+    if output.finish_reason is not None:
+        choice.finish_reason = output.finish_reason
+
+
+def _usage(prompts: list[list[int]], choices: Sequence[_Choice]) -> UsageInfo:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def _sse_data(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client closes the connection (the body was already read)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,307 @@
+"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`.
+
+This is the only module that parses command-line flags; it turns them into the
+frozen configs of each layer (ServerConfig, ModelConfig, SchedulerConfig; the
+CacheConfig follows from the KV cache the runner allocates) and runs uvicorn, or into
+a BenchConfig for bench/client.py. Flag names follow vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from bench import client as bench_client
+from bench.client import BenchConfig
+from model_runner.config import ModelConfig
+from scheduler.config import SchedulerConfig
+from server.config import ServerConfig
+
+logger = logging.getLogger("pagedserve")
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+_CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 1024
+_CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5GB", "2G" or "1073741824".
+
+    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
+    """
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512MiB)")
+    number, unit, binary, b = match.groups()
+    base = 1000 if unit and b and not binary else 1024
+    size = int(float(number) * base ** _SIZE_POWERS[unit.lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ServeConfigs:
+    server: ServerConfig
+    model: ModelConfig
+    scheduler: SchedulerConfig
+    enable_prefix_caching: bool
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pagedserve serve`."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", default=None,
+                       help="name clients send as `model` (default: from the model path)")
+    model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       default="auto", help="auto: float32 on the CPU, bfloat16 on CUDA")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's, capped by the KV cache)")
+    model.add_argument("--attention-backend", choices=("auto", "torch", "triton"),
+                       default="auto")
+    model.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: no CUDA graphs for decode")
+    model.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV cache blocks (default: from the memory budget)")
+    cache.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
+                       help="CPU KV cache budget, e.g. 2GiB, 512MiB or bytes (default 2GiB)")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="reuse cached KV blocks of shared prefixes")
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--scheduling-policy", "--policy", dest="scheduling_policy",
+                       choices=("fcfs", "priority"), default="fcfs")
+    sched.add_argument("--max-num-seqs", type=int, default=None,
+                       help=f"running requests at most (default {_CPU_MAX_NUM_SEQS} on the "
+                       f"CPU, {_CUDA_MAX_NUM_SEQS} on CUDA)")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"tokens per step (default {_CPU_MAX_NUM_BATCHED_TOKENS} on the "
+                       f"CPU, {_CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
+    sched.add_argument("--priority-aging-s", type=float, default=None,
+                       help="a waiting request gains one priority level per S seconds")
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                      help="require `Authorization: Bearer KEY` (not on /health, /metrics); "
+                      f"default: ${API_KEY_ENV}, which keeps the key out of `ps`")
+    http.add_argument("--max-waiting", type=int, default=None,
+                      help="answer 503 while this many requests wait (default: no limit)")
+    http.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                      help="on SIGTERM, how long in-flight requests may finish")
+    http.add_argument("--log-level", default="info",
+                      choices=("critical", "error", "warning", "info", "debug"))
+
+
+def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
+    """The layers' configs from parsed `serve` flags; ValueError on invalid values."""
+    max_num_seqs = args.max_num_seqs or (_CUDA_MAX_NUM_SEQS if cuda else _CPU_MAX_NUM_SEQS)
+    max_num_batched_tokens = args.max_num_batched_tokens or (
+        _CUDA_MAX_NUM_BATCHED_TOKENS if cuda else _CPU_MAX_NUM_BATCHED_TOKENS
+    )
+    model = ModelConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    scheduler = SchedulerConfig(
+        policy=args.scheduling_policy,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        priority_aging_s=args.priority_aging_s,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        shutdown_grace_s=args.shutdown_grace_s,
+        log_level=args.log_level,
+    )
+    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching)
+
+
+def parse_length_range(text: str) -> tuple[int, int]:
+    """"128" -> (128, 128); "64:256" -> (64, 256)."""
+    try:
+        low, _, high = text.partition(":")
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a length or LOW:HIGH range: {text!r}") from None
+
+
+def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
+    """"10:0.9,-10:0.1" -> ((10, 0.9), (-10, 0.1)); a missing weight is 1."""
+    try:
+        return tuple(
+            (int(priority), float(weight or 1.0))
+            for priority, _, weight in (part.partition(":") for part in text.split(","))
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a priority mix: {text!r}") from None
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pagedserve bench`."""
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://host:8000")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="requests in flight at most (default 8 without --request-rate)")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="Poisson arrivals per second (default: as fast as --concurrency)")
+    parser.add_argument("--input-len", type=parse_length_range, default=(128, 128),
+                        help="prompt tokens (or words): N or LOW:HIGH (default 128)")
+    parser.add_argument("--output-len", type=parse_length_range, default=(64, 64),
+                        help="max_tokens: N or LOW:HIGH (default 64)")
+    parser.add_argument("--prompt-token-ids", action=argparse.BooleanOptionalAction,
+                        default=True, help="send token-id prompts (else random words)")
+    parser.add_argument("--token-id-range", type=parse_length_range, default=(1000, 20000),
+                        help="LOW:HIGH of the random prompt token ids")
+    parser.add_argument("--priority-mix", type=parse_priority_mix, default=None,
+                        help='priority:weight pairs, e.g. "10:0.9,-10:0.1"')
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly max_tokens (server extension)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The bench config from parsed `bench` flags; ValueError on invalid values."""
+    return BenchConfig(
+        url=args.url,
+        model=args.model,
+        api_key=args.api_key,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prompt_token_ids=args.prompt_token_ids,
+        token_id_range=args.token_id_range,
+        priority_mix=args.priority_mix,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        json=args.json,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description="OpenAI-compatible LLM server with paged KV cache."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
+    add_bench_arguments(
+        commands.add_parser("bench", help="load-test an OpenAI-compatible server")
+    )
+    return parser
+
+
+def serve(configs: ServeConfigs) -> int:
+    """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
+    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
+    import uvicorn
+
+    from server.app import build_app
+    from server.engine import create_engine
+
+    logger.info("starting: %s", configs)
+    try:
+        engine = create_engine(
+            configs.model,
+            configs.scheduler,
+            enable_prefix_caching=configs.enable_prefix_caching,
+            served_model_name=configs.server.served_model_name,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        logger.error("cannot load the model: %s", exc)
+        return 1
+    app = build_app(engine, configs.server)
+    server = uvicorn.Server(uvicorn.Config(
+        app,
+        host=configs.server.host,
+        port=configs.server.port,
+        log_level=configs.server.log_level,
+        timeout_graceful_shutdown=math.ceil(configs.server.shutdown_grace_s),
+    ))
+    logger.info("serving %s on http://%s:%d", engine.info.model_name,
+                configs.server.host, configs.server.port)
+    # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped
+    # it; with the default handlers SIGTERM would then kill the process (status -15)
+    # after a clean drain. These handlers only log, so a drained server exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _log_stop_signal)
+    server.run()  # the app's lifespan starts the engine and, on shutdown, stops it
+    return 0
+
+
+def _log_stop_signal(signum: int, frame: FrameType | None) -> None:
+    logger.info("stopped by %s", signal.Signals(signum).name)
+
+
+def _has_cuda(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pagedserve` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        try:
+            bench_config = build_bench_config(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return bench_client.run(bench_config)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        configs = build_configs(args, cuda=_has_cuda(args.device))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return serve(configs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

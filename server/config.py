@@ -1,0 +1,46 @@
+"""HTTP server configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where to listen and what the HTTP front end accepts.
+
+    served_model_name: the name clients must send as `model` (None: the loaded model's
+    name). api_key: when set, every route but /health and /metrics needs
+    `Authorization: Bearer <key>`; it is left out of repr so it never reaches a log.
+    max_waiting: new requests get 503 while this many requests wait (None: no limit).
+    shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
+    aborted. max_body_bytes: larger request bodies get 413.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    max_waiting: int | None = None
+    shutdown_grace_s: float = 30.0
+    max_body_bytes: int = 8 * 1024**2
+    retry_after_s: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
+        if self.retry_after_s < 1:
+            raise ValueError("retry_after_s must be >= 1")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"unknown log level {self.log_level!r}")

@@ -1,0 +1,152 @@
+"""Prometheus metrics with the SPEC's names, in a registry of their own.
+
+prometheus-client appends `_total` to counter names, so counters are declared without
+it. Every series carries `model_name`; TTFT and queue time also carry `priority`,
+bounded to the first MAX_PRIORITY_LABELS distinct values (later ones are "other").
+Only the engine thread writes; /metrics reads through `render()`.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MAX_PRIORITY_LABELS = 16
+OTHER_PRIORITY = "other"
+
+# NOTE: no `*_created` series: the exposed names are exactly the SPEC's.
+prometheus_client.disable_created_metrics()
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class PriorityLabels:
+    """Maps priorities to label values: the first `limit` distinct ones as themselves."""
+
+    def __init__(self, limit: int = MAX_PRIORITY_LABELS) -> None:
+        self._limit = limit
+        self._seen: set[int] = set()
+
+    def __call__(self, priority: int) -> str:
+        if priority in self._seen:
+            return str(priority)
+        if len(self._seen) < self._limit:
+            self._seen.add(priority)
+            return str(priority)
+        return OTHER_PRIORITY
+
+
+class ServerMetrics:
+    """The server's metrics for one served model."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.priority_label = PriorityLabels()
+        r, m = self.registry, ["model_name"]
+        self._model_name = model_name
+        self.num_preemptions = Counter(
+            "pagedserve_num_preemptions", "Preemptions of running requests.", m, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of requests that started decoding.",
+            m, registry=r,
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Generated tokens.", m, registry=r
+        )
+        self.request_success = Counter(
+            "pagedserve_request_success", "Finished requests by finish reason.",
+            [*m, "finished_reason"], registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            m, registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+            m, registry=r,
+        )
+        self.num_requests_running = Gauge(
+            "pagedserve_num_requests_running", "Requests running.", m, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "pagedserve_num_requests_waiting", "Requests waiting (preempted ones included).",
+            m, registry=r,
+        )
+        self.kv_cache_usage_perc = Gauge(
+            "pagedserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+            m, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "pagedserve_time_to_first_token_seconds", "Arrival to first generated token.",
+            [*m, "priority"], buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pagedserve_inter_token_latency_seconds", "Time between generated tokens.",
+            m, buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "pagedserve_e2e_request_latency_seconds", "Arrival to finish.",
+            m, buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "pagedserve_request_queue_time_seconds", "Arrival to first scheduled.",
+            [*m, "priority"], buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        # Create the label-only series up front so that they are exposed before traffic.
+        for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens,
+                       self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.num_requests_running, self.num_requests_waiting,
+                       self.kv_cache_usage_perc, self.inter_token_latency,
+                       self.e2e_request_latency):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
+    def inc_preemptions(self, n: int) -> None:
+        if n > 0:
+            self.num_preemptions.labels(self._model_name).inc(n)
+
+    def inc_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.labels(self._model_name).inc(n)
+
+    def inc_generation_tokens(self, n: int) -> None:
+        if n > 0:
+            self.generation_tokens.labels(self._model_name).inc(n)
+
+    def inc_request_success(self, finished_reason: str) -> None:
+        self.request_success.labels(self._model_name, finished_reason).inc()
+
+    def inc_prefix_cache(self, queries: int, hits: int) -> None:
+        if queries > 0:
+            self.prefix_cache_queries.labels(self._model_name).inc(queries)
+        if hits > 0:
+            self.prefix_cache_hits.labels(self._model_name).inc(hits)
+
+    def set_scheduler_gauges(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.num_requests_running.labels(self._model_name).set(running)
+        self.num_requests_waiting.labels(self._model_name).set(waiting)
+        self.kv_cache_usage_perc.labels(self._model_name).set(kv_cache_usage)
+
+    def observe_ttft(self, seconds: float, priority: int) -> None:
+        label = self.priority_label(priority)
+        self.time_to_first_token.labels(self._model_name, label).observe(seconds)
+
+    def observe_queue_time(self, seconds: float, priority: int) -> None:
+        label = self.priority_label(priority)
+        self.request_queue_time.labels(self._model_name, label).observe(seconds)
+
+    def observe_inter_token_latency(self, seconds: float) -> None:
+        self.inter_token_latency.labels(self._model_name).observe(seconds)
+
+    def observe_e2e_latency(self, seconds: float) -> None:
+        self.e2e_request_latency.labels(self._model_name).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return prometheus_client.generate_latest(self.registry)

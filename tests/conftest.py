@@ -1,0 +1,106 @@
+"""Shared fixtures: a byte-level tokenizer and a scripted model runner, so that the server's
+engine and HTTP app run on the real Scheduler without a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvcache.config import CacheConfig
+from scheduler.config import SchedulerConfig
+from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from scheduler.scheduler import Scheduler
+from server.engine import Engine, EngineInfo
+
+BYTE_EOS = 256
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is the special EOS token "<eos>"."""
+
+    eos_token_id = BYTE_EOS
+
+    def __len__(self) -> int:
+        return 257
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        data = bytes(t for t in token_ids if t < 256)
+        text = data.decode(errors="replace")
+        if not skip_special_tokens and BYTE_EOS in token_ids:
+            text += "<eos>"
+        return text
+
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class ScriptedRunner:
+    """Samples the bytes of `script` in order (the k-th output token is script byte k),
+    then EOS; with logprobs, every token has logprob -0.5 and is its own top-1."""
+
+    def __init__(self, script: str = "Hello, wörld! Bye.") -> None:
+        self.tokens = [*script.encode(), BYTE_EOS]
+        self.num_steps = 0
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        out = ModelRunnerOutput()
+        for scheduled in plan.scheduled:
+            if not scheduled.sample:
+                continue
+            k = len(scheduled.output_token_ids)
+            token = self.tokens[min(k, len(self.tokens) - 1)]
+            out.sampled_token_ids[scheduled.request_id] = token
+            if scheduled.sampling_params.logprobs is not None:
+                out.logprobs[scheduled.request_id] = SampleLogprobs(-0.5, [(token, -0.5)])
+        return out
+
+
+MakeEngine = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_fake_engine() -> Iterator[MakeEngine]:
+    """Factory of started engines over the real Scheduler, a ScriptedRunner and a
+    ByteTokenizer; each is shut down after the test."""
+    engines: list[Engine] = []
+
+    def make(
+        *,
+        policy: str = "fcfs",
+        script: str = "Hello, wörld! Bye.",
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 128,
+        max_num_seqs: int = 16,
+        start: bool = True,
+    ) -> Engine:
+        scheduler = Scheduler(
+            SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=64, max_model_len=max_model_len),
+            CacheConfig(num_blocks=num_blocks, block_size=block_size),
+        )
+        info = EngineInfo(
+            model_name="fake-model",
+            max_model_len=scheduler.max_request_len,
+            vocab_size=257,
+            policy=policy,
+            tokenizer=ByteTokenizer(),
+            eos_token_ids=frozenset({BYTE_EOS}),
+        )
+        engine = Engine(scheduler, ScriptedRunner(script), info)
+        if start:
+            engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()

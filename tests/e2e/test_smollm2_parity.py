@@ -1,0 +1,84 @@
+"""The default model (SmolLM2-135M-Instruct) through the loader and the runner, greedy in
+float32: token for token what Hugging Face `generate` gives on the same weights.
+
+The first run converts the GGUF into $PAGEDSERVE_CACHE (about half a minute); later runs
+read the converted folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_runner.config import ModelConfig
+from model_runner.loader import LoadedModel, load_model
+from model_runner.runner import ModelRunner
+from tests.unit.test_model_runner import Engine, Seq
+
+pytestmark = pytest.mark.e2e
+
+NUM_NEW_TOKENS = 24
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model(ModelConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=1))
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    tokenizer = loaded.tokenizer
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(
+        loaded.model_path, dtype=torch.float32, local_files_only=True
+    ).eval()
+    hf.generation_config.eos_token_id = None  # fixed lengths, as the engine loop below
+    outputs = []
+    for prompt in prompts:
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def run(loaded: LoadedModel, prompts: list[list[int]], chunk_size: int | None) -> list[list[int]]:
+    config = ModelConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=64)
+    seqs = [Seq(f"r{i}", p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
+    return Engine(ModelRunner(loaded, config), chunk_size=chunk_size).run(seqs)
+
+
+def test_default_model_loads(loaded: LoadedModel):
+    assert loaded.hf_config.model_type == "llama"
+    assert loaded.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert loaded.dtype == torch.float32
+    assert loaded.tokenizer.chat_template
+    assert loaded.tokenizer.eos_token_id in loaded.eos_token_ids
+
+
+def test_batched_greedy_matches_generate(loaded, prompts, expected):
+    assert run(loaded, prompts, chunk_size=None) == expected
+
+
+def test_chunked_greedy_matches_generate(loaded, prompts, expected):
+    assert run(loaded, prompts, chunk_size=13) == expected

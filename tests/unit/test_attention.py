@@ -1,0 +1,118 @@
+"""The torch reference paged attention against dense causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runner.attention import (
+    TORCH_BACKEND,
+    paged_attention,
+    select_attention_backend,
+    write_kv_cache,
+)
+from model_runner.attention_metadata import AttentionMetadata
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q: [query_len, heads, dim] at the last query_len positions of k, v [ctx, kv_heads,
+    dim]; float64 softmax(q k^T) v with a causal offset mask."""
+    query_len, num_heads, _ = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.double().repeat_interleave(group, dim=1)  # [ctx, heads, dim]
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    rows = torch.arange(query_len)[:, None] + context_len - query_len
+    scores = scores.masked_fill(torch.arange(context_len)[None, :] > rows, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_case(
+    seqs: list[tuple[int, int]],  # (context_len, query_len) per sequence, decodes first
+    block_size: int,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-ctx // block_size) for ctx, _ in seqs)
+    num_blocks = len(seqs) * max_blocks + 3
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    # blocks handed out in a scrambled order, so that sequences are not contiguous
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    queries, expected, slots = [], [], []
+    for i, (ctx, qlen) in enumerate(seqs):
+        blocks = [free.pop() for _ in range(-(-ctx // block_size))]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        keys = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        values = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        positions = torch.arange(ctx)
+        seq_slots = (
+            torch.tensor(blocks)[positions // block_size] * block_size + positions % block_size
+        )
+        # cached prefix and new tokens alike: attention reads them all from the cache
+        write_kv_cache(keys, values, k_cache, v_cache, seq_slots)
+        q = torch.randn(qlen, num_heads, head_dim, generator=gen)
+        queries.append(q)
+        expected.append(dense_attention(q, keys, values, head_dim**-0.5))
+        slots.append(seq_slots[ctx - qlen :])
+    query_lens = torch.tensor([qlen for _, qlen in seqs])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32),
+        context_lens=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=int(query_lens.max()),
+        max_context_len=max(ctx for ctx, _ in seqs),
+        num_decode_seqs=sum(1 for _, qlen in seqs if qlen == 1),
+    )
+    out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), torch.cat(expected), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_prefill_ragged_lengths(block_size):
+    run_case([(1, 1), (5, 5), (17, 17), (33, 33)], block_size)
+
+
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_chunks_with_cached_prefix(block_size):
+    run_case([(40, 7), (16, 16), (33, 32), (20, 3)], block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_decode_batch(block_size):
+    run_case([(1, 1), (9, 1), (16, 1), (17, 1), (70, 1)], block_size)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (8, 1)])
+def test_gqa(num_heads, num_kv_heads):
+    run_case([(12, 1), (30, 1), (25, 25), (40, 9)], 4, num_heads, num_kv_heads, head_dim=16)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mixed_decode_and_prefill(seed):
+    run_case([(3, 1), (64, 1), (50, 50), (31, 6), (7, 7)], 16, head_dim=64, seed=seed)
+
+
+def test_write_kv_cache_places_tokens_at_slots():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([13, 2, 7]))
+    for row, slot in enumerate([13, 2, 7]):
+        assert torch.equal(k_cache[slot // 4, slot % 4], key[row])
+        assert torch.equal(v_cache[slot // 4, slot % 4], value[row])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_backend_selection_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu) is TORCH_BACKEND
+    assert select_attention_backend("torch", cpu) is TORCH_BACKEND
+    with pytest.raises(ValueError, match="CUDA"):
+        select_attention_backend("triton", cpu)

@@ -1,0 +1,511 @@
+"""The model runner on tiny random Llama-family models against Hugging Face, in float32.
+
+Each model is saved to a temporary folder (safetensors and a word-level tokenizer), loaded
+through the loader, and driven by a minimal hand-written engine loop (`Engine` below):
+no scheduler, blocks handed out by a counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from model_runner.config import ModelConfig
+from model_runner.kv_cache import bytes_per_block
+from model_runner.llama import rope_inv_freq
+from model_runner.loader import LoadedModel, load_model
+from model_runner.runner import ModelRunner, prepare_inputs
+from model_runner.sampler import Sampler
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+
+VOCAB = 256
+GREEDY = SamplingParams(temperature=0.0)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    # NOTE: a wide init makes the logits peaked, so greedy never rests on a near tie
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+CONFIGS = {
+    "llama3": lambda: LlamaConfig(
+        **TINY,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "smollm2": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+}
+
+
+def save_tokenizer(folder: Path) -> None:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
+
+
+def make_model_folder(folder: Path, hf_config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(hf_config).eval()
+    hf_model.save_pretrained(folder)
+    save_tokenizer(folder)
+    hf_model.generation_config.eos_token_id = None  # generate fixed lengths
+    return hf_model
+
+
+@dataclass
+class TinyModel:
+    hf: torch.nn.Module
+    loaded: LoadedModel
+
+    def runner(self, block_size: int = 4, num_kv_blocks: int = 256, seed: int = 0):
+        config = ModelConfig(
+            model=self.loaded.model_path,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            seed=seed,
+        )
+        return ModelRunner(self.loaded, config)
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory) -> TinyModel:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = make_model_folder(folder, CONFIGS[request.param]())
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> TinyModel:
+    folder = tmp_path_factory.mktemp("llama")
+    hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@dataclass
+class Seq:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = GREEDY
+    output: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_tokens
+
+
+class Engine:
+    """A minimal engine loop: every unfinished sequence gets up to `chunk_size` tokens a
+    step; blocks come from a counter and are never freed."""
+
+    def __init__(self, runner: ModelRunner, chunk_size: int | None = None) -> None:
+        self.runner = runner
+        self.chunk_size = chunk_size
+        self.next_block = itertools.count()
+
+    def step(self, seqs: list[Seq]) -> None:
+        scheduled = []
+        for s in seqs:
+            if s.done:
+                continue
+            tokens = s.tokens
+            n = len(tokens) - s.num_computed
+            if self.chunk_size is not None:
+                n = min(n, self.chunk_size)
+            end = s.num_computed + n
+            while len(s.block_table) * self.runner.block_size < end:
+                s.block_table.append(next(self.next_block))
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=s.request_id,
+                    token_ids=tokens[s.num_computed : end],
+                    num_computed_tokens=s.num_computed,
+                    block_table=list(s.block_table),
+                    sample=end == len(tokens),
+                    sampling_params=s.params,
+                    prompt_token_ids=s.prompt,
+                    output_token_ids=s.output,
+                )
+            )
+            s.num_computed = end
+        out = self.runner.execute(SchedulerOutput(scheduled=scheduled))
+        for s in seqs:
+            if s.request_id in out.sampled_token_ids:
+                s.output.append(out.sampled_token_ids[s.request_id])
+
+    def run(self, seqs: list[Seq]) -> list[list[int]]:
+        while not all(s.done for s in seqs):
+            self.step(seqs)
+        return [s.output for s in seqs]
+
+
+def greedy_seqs(lengths: list[int], max_tokens: int, seed: int = 0) -> list[Seq]:
+    return [Seq(f"r{i}", p, max_tokens) for i, p in enumerate(prompts(lengths, seed))]
+
+
+# --- logits -----------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_logits_match_hf_forward(tiny: TinyModel):
+    """Two prompts in one step, the second after a first chunk already in the cache."""
+    runner = tiny.runner(block_size=4)
+    p0, p1 = prompts([13, 21])
+    first = [ScheduledRequest("b", p1[:8], 0, list(range(10, 16)), False, GREEDY, p1, [])]
+    inputs = prepare_inputs(first, 4, runner.device)
+    tiny.loaded.model(
+        inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
+    )
+    step = [
+        ScheduledRequest("a", p0, 0, list(range(4)), True, GREEDY, p0, []),
+        ScheduledRequest("b", p1[8:], 8, list(range(10, 16)), True, GREEDY, p1, []),
+    ]
+    inputs = prepare_inputs(step, 4, runner.device)
+    hidden = tiny.loaded.model(
+        inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
+    )
+    logits = tiny.loaded.model.compute_logits(hidden)  # [13 + 13, vocab]
+    expected = torch.cat(
+        [tiny.hf(torch.tensor([p0])).logits[0], tiny.hf(torch.tensor([p1])).logits[0, 8:]]
+    )
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+# --- greedy parity through the runner ----------------------------------------------------
+
+
+def test_single_request_matches_generate(tiny: TinyModel):
+    seqs = greedy_seqs([11], max_tokens=12)
+    assert Engine(tiny.runner()).run(seqs) == [tiny.generate(seqs[0].prompt, 12)]
+
+
+def test_batched_requests_of_different_lengths(tiny: TinyModel):
+    seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
+    outputs = Engine(tiny.runner(block_size=8)).run(seqs)
+    assert outputs == [tiny.generate(s.prompt, 10) for s in seqs]
+
+
+@pytest.mark.parametrize("block_size,chunk_size", [(4, 5), (16, 7), (1, 3)])
+def test_chunked_prefill_matches_generate(llama: TinyModel, block_size, chunk_size):
+    seqs = greedy_seqs([23, 9, 31], max_tokens=8, seed=2)
+    outputs = Engine(llama.runner(block_size=block_size), chunk_size=chunk_size).run(seqs)
+    assert outputs == [llama.generate(s.prompt, 8) for s in seqs]
+
+
+def test_chunked_prefill_all_architectures(tiny: TinyModel):
+    seqs = greedy_seqs([19, 26], max_tokens=6, seed=3)
+    outputs = Engine(tiny.runner(block_size=4), chunk_size=6).run(seqs)
+    assert outputs == [tiny.generate(s.prompt, 6) for s in seqs]
+
+
+def test_staggered_arrivals_mix_decodes_and_prefills(llama: TinyModel):
+    """A request arriving while others decode: the step mixes decodes and a prefill, in
+    the scheduler's order (prefill first here); the runner reorders them."""
+    engine = Engine(llama.runner(block_size=4))
+    late = greedy_seqs([14], max_tokens=6, seed=4)[0]
+    late.request_id = "late"
+    seqs = greedy_seqs([5, 12], max_tokens=10, seed=5)
+    for _ in range(3):
+        engine.step(seqs)
+    engine.run([late, *seqs])
+    assert [s.output for s in [late, *seqs]] == [
+        llama.generate(s.prompt, s.max_tokens) for s in [late, *seqs]
+    ]
+
+
+def test_prefix_blocks_reused_from_the_cache(tiny: TinyModel):
+    block_size = 4
+    engine = Engine(tiny.runner(block_size=block_size))
+    (shared,) = prompts([3 * block_size], seed=6)
+    first = Seq("first", shared + [7, 8], max_tokens=4)
+    engine.run([first])
+    # later requests start with the first one's full blocks holding the shared prefix
+    tails = prompts([5, 1], seed=7)
+    later = [Seq(f"later{i}", shared + tail, max_tokens=6) for i, tail in enumerate(tails)]
+    for s in later:
+        s.block_table = first.block_table[:3]
+        s.num_computed = 3 * block_size
+    engine.run(later)
+    assert [s.output for s in later] == [tiny.generate(s.prompt, 6) for s in later]
+    assert first.output == tiny.generate(first.prompt, 4)
+
+
+def test_recompute_after_preemption(tiny: TinyModel):
+    engine = Engine(tiny.runner(block_size=4), chunk_size=6)
+    victim, other = greedy_seqs([10, 15], max_tokens=12, seed=8)
+    for _ in range(6):
+        engine.step([victim, other])
+    assert 0 < len(victim.output) < 12
+    # preempted: blocks gone, everything so far becomes the prompt and is computed again
+    generated = len(victim.output)
+    victim.prompt, victim.output = victim.tokens, []
+    victim.max_tokens -= generated
+    victim.block_table, victim.num_computed = [], 0
+    engine.run([victim, other])
+    original_prompt = victim.prompt[: len(victim.prompt) - generated]
+    assert victim.prompt[len(original_prompt) :] + victim.output == tiny.generate(
+        original_prompt, 12
+    )
+    assert other.output == tiny.generate(other.prompt, 12)
+
+
+# --- sampling through the runner ---------------------------------------------------------
+
+
+def test_seeded_sampling_ignores_batch_mates(llama: TinyModel):
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def sample(with_mates: bool) -> list[int]:
+        seqs = [Seq("seeded", prompts([9], seed=9)[0], 12, params)]
+        if with_mates:
+            seqs += [
+                Seq("mate1", prompts([20], seed=10)[0], 12, SamplingParams(temperature=1.0)),
+                Seq("mate2", prompts([4], seed=11)[0], 12, SamplingParams(seed=99, top_p=0.8)),
+            ]
+        Engine(llama.runner(block_size=4, seed=5 if with_mates else 0), chunk_size=7).run(seqs)
+        return seqs[0].output
+
+    alone = sample(with_mates=False)
+    assert sample(with_mates=True) == alone
+    assert len(set(alone)) > 1  # actually sampled
+
+
+def test_generators_dropped_for_finished_requests(llama: TinyModel):
+    runner = llama.runner()
+    seq = Seq("s", prompts([5])[0], 2, SamplingParams(seed=3))
+    Engine(runner).run([seq])
+    assert "s" in runner._generators
+    runner.execute(SchedulerOutput(finished_ids=["s"]))
+    assert "s" not in runner._generators
+
+
+def test_logprobs_returned(llama: TinyModel):
+    runner = llama.runner()
+    (prompt,) = prompts([6])
+    req = ScheduledRequest(
+        "lp", prompt, 0, [0, 1], True, SamplingParams(temperature=0.0, logprobs=3), prompt, []
+    )
+    out = runner.execute(SchedulerOutput(scheduled=[req]))
+    logprobs = out.logprobs["lp"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(llama.hf(torch.tensor([prompt])).logits[0, -1], -1)
+    assert out.sampled_token_ids["lp"] == int(expected.argmax())
+    assert logprobs.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    assert [t for t, _ in logprobs.top] == expected.topk(3).indices.tolist()
+
+
+# --- KV cache sizing and the loader --------------------------------------------------------
+
+
+def test_kv_cache_sized_from_memory_budget(llama: TinyModel):
+    config = ModelConfig(model=llama.loaded.model_path, block_size=8, kv_cache_memory=1 << 20)
+    runner = ModelRunner(llama.loaded, config)
+    block_bytes = bytes_per_block(2, 8, 2, 16, torch.float32)
+    assert runner.num_kv_blocks == (1 << 20) // block_bytes
+    k_cache, v_cache = runner.kv_cache.layers[0]
+    assert k_cache.shape == v_cache.shape == (runner.num_kv_blocks, 8, 2, 16)
+    assert len(runner.kv_cache.layers) == 2
+
+
+def test_loaded_model_fields(llama: TinyModel):
+    loaded = llama.loaded
+    assert loaded.eos_token_ids == frozenset({2})
+    assert loaded.max_model_len == 256
+    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    assert loaded.served_model_name == Path(loaded.model_path).name
+    assert loaded.tokenizer("t5 t7").input_ids == [5, 7]
+    capped = load_model(ModelConfig(model=loaded.model_path, max_model_len=100))
+    assert capped.max_model_len == 100
+
+
+def test_loader_errors(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model(ModelConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(ModelConfig(model=str(tmp_path)))
+    not_a_model = tmp_path / "weights.bin"
+    not_a_model.write_bytes(b"\0")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_model(ModelConfig(model=str(not_a_model)))
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB)
+    ).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(ModelConfig(model=str(gpt2)))
+
+
+# --- the sampler on hand-made logits -------------------------------------------------------
+
+
+def request(params: SamplingParams, prompt=(), output=(), request_id="x") -> ScheduledRequest:
+    return ScheduledRequest(request_id, [0], 0, [0], True, params, list(prompt), list(output))
+
+
+def sampler(seed: int = 0) -> Sampler:
+    return Sampler(torch.device("cpu"), frozenset({2}), seed)
+
+
+def test_sampler_seed_independent_of_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=0.8, seed=7)
+
+    def draws(batch: bool) -> list[int]:
+        gen = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(20):
+            if batch:
+                rows = [request(SamplingParams()), request(seeded), request(SamplingParams(seed=1))]
+                gens = [None, gen, torch.Generator().manual_seed(1)]
+                out.append(sampler()(logits.clone(), rows, gens).token_ids[1])
+            else:
+                out.append(sampler()(logits[1:2].clone(), [request(seeded)], [gen]).token_ids[0])
+        return out
+
+    assert draws(batch=True) == draws(batch=False)
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=t, top_k=1) for t in (0.5, 1.0, 3.0, 10.0)] * 2
+    out = sampler()(logits.clone(), [request(p) for p in params], [None] * 8)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_in_a_sampled_batch():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    params = [GREEDY, SamplingParams(temperature=2.0), GREEDY, SamplingParams(top_p=0.5)]
+    out = sampler()(logits.clone(), [request(p) for p in params], [None] * 4)
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[2] == int(
+        logits[2].argmax()
+    )
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    for params, allowed in [
+        (SamplingParams(top_p=0.6), {0, 1}),
+        (SamplingParams(top_p=0.4), {0}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),
+        (SamplingParams(top_k=3), {0, 1, 2}),
+    ]:
+        s = sampler(seed=3)
+        seen = {s(logits.clone(), [request(params)], [None]).token_ids[0] for _ in range(300)}
+        assert seen == allowed, params
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=0)
+    out = sampler()(logits.clone(), [request(params, prompt=[0, 1], output=[1, 3])], [None])
+    # seen tokens 0, 1, 3: positive halved, negative doubled; 2 and 4 untouched
+    processed = torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5])
+    assert out.token_ids == [0]  # ties at 1.0 between 0 and 2 break to the first
+    assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(processed, -1)[0]))
+
+
+def test_presence_and_frequency_penalties_openai_semantics():
+    logits = torch.zeros(1, 5)
+    params = SamplingParams(
+        temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, logprobs=5
+    )
+    # prompt tokens are not penalised; output token 1 twice, token 3 once
+    out = sampler()(logits, [request(params, prompt=[4, 4], output=[1, 1, 3])], [None])
+    processed = torch.tensor([0.0, -1.0, 0.0, -0.75, 0.0])
+    expected = dict(enumerate(torch.log_softmax(processed, -1).tolist()))
+    assert dict(out.logprobs[0].top) == pytest.approx(expected)
+
+
+def test_logprobs_match_log_softmax():
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=0.0, logprobs=4),
+        SamplingParams(temperature=2.0, logprobs=2),
+    ]
+    out = sampler()(logits.clone(), [request(p) for p in params], [None, None])
+    for row, (p, t) in enumerate(zip(params, (1.0, 2.0), strict=True)):
+        expected = torch.log_softmax(logits[row] / t, -1)
+        lp = out.logprobs[row]
+        assert lp.logprob == pytest.approx(float(expected[out.token_ids[row]]), abs=1e-6)
+        assert [i for i, _ in lp.top] == expected.topk(p.logprobs).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(expected.topk(p.logprobs).values.tolist())
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 0.0]])  # eos (2) is the argmax
+    early = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    assert sampler()(logits.clone(), [request(early, output=[4])], [None]).token_ids == [0]
+    late = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4)
+    assert sampler()(logits.clone(), [request(late, output=[4, 4])], [None]).token_ids == [2]
+
+
+def test_rope_from_legacy_config_attributes():
+    """Configs from before transformers 5 carry rope_theta and rope_scaling instead."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    legacy = SimpleNamespace(rope_theta=500000.0, rope_scaling=scaling)
+    current = SimpleNamespace(rope_parameters={**scaling, "rope_theta": 500000.0})
+    assert torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(current, 16))
+    assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(SimpleNamespace(), 16))
+    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
+        rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), 8)

@@ -1,0 +1,363 @@
+"""The HTTP app over an engine with a scripted runner: shapes, streaming and every error."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import build_app
+from server.config import ServerConfig
+
+SCRIPT = "Hello, wörld! Bye."
+SPEC_METRICS = {
+    "pagedserve_num_preemptions_total": "counter",
+    "pagedserve_prompt_tokens_total": "counter",
+    "pagedserve_generation_tokens_total": "counter",
+    "pagedserve_request_success_total": "counter",
+    "pagedserve_prefix_cache_queries_total": "counter",
+    "pagedserve_prefix_cache_hits_total": "counter",
+    "pagedserve_num_requests_running": "gauge",
+    "pagedserve_num_requests_waiting": "gauge",
+    "pagedserve_kv_cache_usage_perc": "gauge",
+    "pagedserve_time_to_first_token_seconds": "histogram",
+    "pagedserve_inter_token_latency_seconds": "histogram",
+    "pagedserve_e2e_request_latency_seconds": "histogram",
+    "pagedserve_request_queue_time_seconds": "histogram",
+}
+
+
+@pytest.fixture
+def serve(make_fake_engine) -> Iterator:
+    """serve(policy=..., **server_config) -> (TestClient, engine); closed after the test."""
+    clients = []
+
+    def make(policy: str = "fcfs", **config):
+        engine = make_fake_engine(policy=policy, start=False)
+        client = TestClient(build_app(engine, ServerConfig(**config)))
+        client.__enter__()
+        clients.append(client)
+        return client, engine
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def sse_events(client: TestClient, path: str, body: dict) -> list:
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def assert_error(response, status: int, *needles: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in error["message"]
+    return error
+
+
+def ok(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "Hel"
+
+
+def test_completion_response_shape(serve) -> None:
+    client, _ = serve()
+    body = client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"}).json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice == {"index": 0, "text": SCRIPT.encode()[:16].decode(), "logprobs": None,
+                      "finish_reason": "length", "num_preemptions": 0}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 16, "total_tokens": 18}
+
+
+def test_completion_without_content_type_header(serve) -> None:
+    client, _ = serve()
+    response = client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}')
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "He"
+
+
+def test_completion_prompts_times_n(serve) -> None:
+    client, _ = serve()
+    body = client.post(
+        "/v1/completions", json={"prompt": [[104, 105], [104]], "n": 2, "max_tokens": 2}
+    ).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
+def test_completion_echo_and_logprobs(serve) -> None:
+    client, _ = serve()
+    body = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "echo": True, "logprobs": 1}
+    ).json()
+    (choice,) = body["choices"]
+    assert choice["text"] == "hiHel"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["h", "i", "H", "e", "l"]
+    assert logprobs["token_logprobs"] == [None, None, -0.5, -0.5, -0.5]
+    assert logprobs["top_logprobs"] == [None, None, {"H": -0.5}, {"e": -0.5}, {"l": -0.5}]
+    assert logprobs["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_completion_stream(serve) -> None:
+    client, _ = serve()
+    events = sse_events(client, "/v1/completions", {
+        "prompt": "hi", "max_tokens": 40, "stream": True, "stream_options": {"include_usage": True},
+    })
+    *chunks, usage = events
+    assert all(c["object"] == "text_completion" for c in events)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == SCRIPT
+    assert all("usage" not in c for c in chunks)
+    assert all("num_preemptions" not in c["choices"][0] for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["num_preemptions"] == 0
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == len(SCRIPT.encode()) + 1
+
+
+def test_completion_stream_with_stop_string_and_echo(serve) -> None:
+    client, _ = serve()
+    events = sse_events(client, "/v1/completions", {
+        "prompt": "hi", "max_tokens": 40, "stream": True, "stop": [", w"], "echo": True,
+    })
+    assert "".join(e["choices"][0]["text"] for e in events) == "hiHello"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_completion(serve) -> None:
+    client, _ = serve()
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "logprobs": True,
+    }).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello"}
+    assert choice["finish_reason"] == "length" and choice["num_preemptions"] == 0
+    first = choice["logprobs"]["content"][0]
+    assert first == {"token": "H", "logprob": -0.5, "bytes": [72],
+                     "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": [72]}]}
+    prompt = "<user>hi\n<assistant>"
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_chat_without_max_tokens_runs_to_eos(serve) -> None:
+    client, _ = serve()
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert body["choices"][0]["message"]["content"] == SCRIPT
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_stream(serve) -> None:
+    client, _ = serve()
+    events = sse_events(client, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2,
+        "max_tokens": 4, "stream_options": {"include_usage": True},
+    })
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    role = {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"] for e in events[:2]] == [role, role]
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events[2:-1] if e["choices"][0]["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == "Hell"
+        assert mine[-1]["finish_reason"] == "length" and mine[-1]["num_preemptions"] == 0
+    assert events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_models_state_and_health(serve) -> None:
+    client, _ = serve()
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "fake-model" and models["data"][0]["max_model_len"] == 128
+    assert client.get("/health").status_code == 200
+    state = client.get("/scheduler/state").json()
+    assert state["policy"] == "fcfs" and state["kv_cache"]["usage"] == 0.0
+
+
+def test_metrics_expose_exactly_the_spec_names(serve) -> None:
+    client, _ = serve()
+    ok(client)
+    text = client.get("/metrics").text
+    types = dict(
+        line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE ")
+    )
+    assert types == SPEC_METRICS
+    ttft = 'pagedserve_time_to_first_token_seconds_count{model_name="fake-model",priority="0"}'
+    assert f"{ttft} 1.0" in text
+    assert 'pagedserve_generation_tokens_total{model_name="fake-model"} 3.0' in text
+
+
+@pytest.mark.parametrize(
+    ("body", "needles"),
+    [
+        (b"{not json", ("not valid JSON",)),
+        (b"[1, 2]", ("JSON object",)),
+        (b"", ("not valid JSON",)),
+        (b'{"prompt": "hi", "temperature": 9}', ("temperature",)),
+        (b'{"max_tokens": 3}', ("prompt",)),
+        (b'{"prompt": "hi", "n": 0}', ("n",)),
+        (b'{"prompt": ""}', ("empty",)),
+        (b'{"prompt": [300]}', ("300", "257")),
+        (b'{"prompt": "hi", "max_tokens": 200}', ("128", "202", "2 in the prompt", "200")),
+        (b'{"prompt": "' + b"x" * 130 + b'"}', ("128", "130")),
+        (b'{"prompt": "hi", "priority": 1}', ("--scheduling-policy priority",)),
+    ],
+)
+def test_invalid_requests_are_400_then_the_server_still_works(serve, body, needles) -> None:
+    client, _ = serve()
+    response = client.post("/v1/completions", content=body,
+                           headers={"content-type": "application/json"})
+    assert_error(response, 400, *needles)
+    ok(client)
+
+
+def test_invalid_chat_is_400(serve) -> None:
+    client, _ = serve()
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "x"}]})
+    assert_error(response, 400, "messages")
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 120})
+    assert_error(response, 400, "maximum context length is 128")
+
+
+def test_unknown_model_is_404(serve) -> None:
+    client, _ = serve()
+    error = assert_error(client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
+                         404, "gpt-9")
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    ok(client)
+
+
+def test_unknown_route_and_method_in_openai_shape(serve) -> None:
+    client, _ = serve()
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/completions"), 405)
+
+
+def test_priority_under_priority_policy(serve) -> None:
+    client, _ = serve(policy="priority")
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                    "priority": -5})
+    assert response.status_code == 200
+
+
+def test_body_too_large_is_413(serve) -> None:
+    client, _ = serve(max_body_bytes=2048)
+    assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000}), 413)
+
+    def chunks():
+        yield b'{"prompt": "'
+        yield b"x" * 5000
+        yield b'"}'
+
+    assert_error(client.post("/v1/completions", content=chunks()), 413)
+    ok(client)
+
+
+def test_api_key(serve) -> None:
+    client, _ = serve(api_key="s3cret")
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("GET", "/scheduler/state")):
+        assert_error(client.request(method, path, json={"prompt": "hi"}), 401)
+    wrong = {"Authorization": "Bearer nope"}
+    assert_error(client.post("/v1/completions", json={"prompt": "hi"}, headers=wrong), 401)
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    right = {"Authorization": "Bearer s3cret"}
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           headers=right)
+    assert response.status_code == 200
+
+
+def test_failed_step_is_500_and_the_next_request_works(serve) -> None:
+    client, engine = serve()
+    calls = []
+
+    def fail_first(plan) -> None:
+        calls.append(plan)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+
+    engine.fault_hook = fail_first
+    error = assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "injected")
+    assert error["type"] == "server_error"
+    ok(client)
+    assert client.get("/scheduler/state").json()["kv_cache"]["usage"] == 0.0
+
+
+def test_failed_step_mid_stream_sends_an_error_event(serve) -> None:
+    client, engine = serve()
+    calls = []
+
+    def fail_third(plan) -> None:
+        calls.append(plan)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+
+    engine.fault_hook = fail_third
+    events = sse_events(client, "/v1/completions", {"prompt": "hi", "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "He"
+    assert "injected" in events[-1]["error"]["message"]
+    ok(client)
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_dead_engine_answers_503(serve) -> None:
+    client, engine = serve()
+
+    def die(plan) -> None:
+        raise _Fatal
+
+    engine.fault_hook = die
+    assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "died")
+    assert_error(client.get("/health"), 503)
+    assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 503)
+    assert client.get("/scheduler/state").json()["kv_cache"]["usage"] == 0.0
+
+
+def test_max_waiting_is_503_with_retry_after(serve) -> None:
+    client, engine = serve(max_waiting=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def block(plan) -> None:
+        entered.set()
+        release.wait(10)
+
+    engine.fault_hook = block
+    results = []
+
+    def send() -> None:
+        results.append(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    threads[0].start()
+    assert entered.wait(5)  # the first request runs (blocked in its step)
+    threads[1].start()
+    for _ in range(500):  # the second one waits
+        if engine.num_waiting >= 1:
+            break
+        threading.Event().wait(0.01)
+    response = client.post("/v1/completions", json={"prompt": "hi"})
+    assert_error(response, 503, "overloaded")
+    assert response.headers["retry-after"] == "1"
+    engine.fault_hook = None
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert [r.status_code for r in results] == [200, 200]
+    ok(client)

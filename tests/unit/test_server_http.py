@@ -1,0 +1,165 @@
+"""A real uvicorn server (in a thread) over a scripted engine: client disconnects,
+graceful shutdown and the bench client, all without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from bench.client import format_summary, run_bench
+from server.app import build_app
+from server.cli import build_bench_config, build_parser
+from server.config import ServerConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.url = f"http://127.0.0.1:{config.port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            build_app(engine, config), host="127.0.0.1", port=config.port, log_level="warning",
+            timeout_graceful_shutdown=config.shutdown_grace_s,
+        ))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def live(make_fake_engine) -> Iterator:
+    servers: list[LiveServer] = []
+
+    def make(policy: str = "fcfs", step_s: float = 0.0, **config) -> LiveServer:
+        engine = make_fake_engine(policy=policy, start=False)
+        if step_s:
+            engine.fault_hook = lambda plan: time.sleep(step_s)
+        server = LiveServer(engine, ServerConfig(port=free_port(), **config))
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def wait_until_idle(url: str, timeout_s: float = 2.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = httpx.get(f"{url}/scheduler/state").json()
+        if not state["running"] and not state["waiting"]:
+            return state
+        assert time.monotonic() < deadline, f"request still in flight: {state}"
+        time.sleep(0.01)
+
+
+def assert_aborted(url: str) -> None:
+    """The one request in flight was aborted, well before it could have finished."""
+    state = wait_until_idle(url, timeout_s=2.0)
+    assert state["kv_cache"]["usage"] == 0.0
+    metrics = httpx.get(f"{url}/metrics").text
+    abort = 'pagedserve_request_success_total{finished_reason="abort",model_name="fake-model"}'
+    assert f"{abort} 1.0" in metrics
+
+
+LONG = {"prompt": "hi", "max_tokens": 120, "ignore_eos": True}  # ~1.2 s of steps
+
+
+def test_streaming_client_disconnect_aborts(live) -> None:
+    server = live(step_s=0.01)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    assert_aborted(server.url)
+
+
+def test_non_streaming_client_disconnect_aborts(live) -> None:
+    server = live(step_s=0.01)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.3)
+    assert_aborted(server.url)
+
+
+def test_graceful_shutdown_finishes_in_flight_streams(live) -> None:
+    server = live(step_s=0.01, shutdown_grace_s=10)
+    lines = []
+    body = {"prompt": "hi", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line and not lines:
+                server.server.should_exit = True  # what SIGTERM does
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in lines[-2]
+    server.thread.join(10)
+    assert not server.thread.is_alive()
+    assert not server.engine.is_alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
+
+
+def test_graceful_shutdown_aborts_what_outlives_the_grace_period(live) -> None:
+    server = live(step_s=0.01, shutdown_grace_s=0.2)
+    body = {**LONG, "stream": True}
+    lines = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        try:
+            for line in r.iter_lines():
+                if line and not lines:
+                    server.server.should_exit = True
+                lines.append(line)
+        except httpx.RemoteProtocolError:
+            pass  # the connection is cut when the grace period ends
+    server.thread.join(10)
+    assert not server.thread.is_alive()
+    assert "data: [DONE]" not in lines
+
+
+def test_bench_client_against_a_live_server(live) -> None:
+    server = live(policy="priority")
+    args = build_parser().parse_args([
+        "bench", "--url", server.url, "--num-requests", "12", "--concurrency", "4",
+        "--input-len", "4:8", "--output-len", "3:6", "--token-id-range", "1:200",
+        "--priority-mix", "5:0.5,-5:0.5", "--ignore-eos", "--json",
+    ])
+    summary = asyncio.run(run_bench(build_bench_config(args)))
+    assert summary["num_failed"] == 0, summary["errors"]
+    assert summary["model"] == "fake-model"
+    assert 12 * 3 <= summary["output_tokens"] <= 12 * 6
+    assert set(summary["by_priority"]) == {"5", "-5"}
+    assert summary["all"]["ttft_s"]["p50"] is not None
+    assert summary["output_token_throughput"] > 0
+    table = format_summary(summary)
+    assert "12 ok, 0 failed" in table and "TTFT p50/p90/p99" in table and "      -5" in table
+
+
+def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
+    server = live()
+    args = build_parser().parse_args([
+        "bench", "--url", server.url, "--num-requests", "5", "--request-rate", "50",
+        "--input-len", "3", "--output-len", "4", "--no-prompt-token-ids",
+    ])
+    summary = asyncio.run(run_bench(build_bench_config(args)))
+    assert summary["num_failed"] == 0, summary["errors"]
+    assert summary["output_tokens"] == 20
