@@ -33,6 +33,11 @@ unit: install
 e2e: install
 	$(PY) -m pytest -q tests/e2e
 
+# BENCH_ARGS e.g. "--workloads W1 --scale 0.5"; set LLAMA_SERVER=/path/to/llama-server to
+# include llama.cpp (see docs/benchmarks.md for how it was built).
+bench: install
+	$(PY) -m bench.compare $(BENCH_ARGS)
+
 gpu-check: install
 	$(PY) -m bench.gpu_check
 

@@ -12,6 +12,7 @@ when --priority-mix is given. Prompts are random token ids (default) or random w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from bench.workloads import WORKLOADS, BenchItem
 
 _WORDS = (
     "the of and to in is was for on that with as by at from his her are be this have "
@@ -32,12 +35,6 @@ _WORDS = (
 ).split()
 _PERCENTILES = (50, 90, 99)
 
-
-@dataclass
-class BenchItem:
-    prompt: str | list[int]
-    max_tokens: int
-    priority: int
 
 
 @dataclass
@@ -74,6 +71,8 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     json: bool = False
+    workload: str | None = None  # a name from bench.workloads: its requests and concurrency
+    scale: float = 1.0  # scales the workload's request count
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -92,6 +91,10 @@ class BenchConfig:
             raise ValueError("priority_mix weights must be > 0")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+        if self.workload is not None and self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}")
+        if self.scale <= 0:
+            raise ValueError("scale must be > 0")
 
 
 def make_items(config: BenchConfig) -> list[BenchItem]:
@@ -125,7 +128,7 @@ async def _send(
     }
     if config.ignore_eos:
         payload["ignore_eos"] = True
-    if config.priority_mix:
+    if item.priority:
         payload["priority"] = item.priority
     result = Result(item.priority)
     start = last = time.perf_counter()
@@ -172,10 +175,23 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 
 async def run_bench(config: BenchConfig) -> dict[str, Any]:
-    """Run the load and return the summary (see `summarize`)."""
-    items = make_items(config)
-    concurrency = config.concurrency or (8 if config.request_rate is None else len(items))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    """Run the load of the flags (or of --workload) and return the summary."""
+    if config.workload is not None:
+        workload = WORKLOADS[config.workload](config.scale, config.seed)
+        # NOTE: workloads measure fixed lengths: every output runs to its max_tokens.
+        config = dataclasses.replace(config, ignore_eos=True)
+        concurrency = config.concurrency or workload.concurrency
+        return await run_items(config, workload.requests, concurrency)
+    concurrency = config.concurrency or (8 if config.request_rate is None else config.num_requests)
+    return await run_items(config, make_items(config), concurrency)
+
+
+async def run_items(
+    config: BenchConfig, items: Sequence[BenchItem], concurrency: int
+) -> dict[str, Any]:
+    """Send `items`: at most `concurrency` in flight (or Poisson arrivals at
+    config.request_rate); items with a `send_at_s` go at that offset, outside the gate."""
+    limits = httpx.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with httpx.AsyncClient(
         base_url=config.url.rstrip("/"), timeout=config.timeout_s, limits=limits, headers=headers
@@ -184,14 +200,21 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         gate = asyncio.Semaphore(concurrency)
         rng = random.Random(config.seed + 1)
 
-        async def one(item: BenchItem) -> Result:
+        async def gated(item: BenchItem) -> Result:
             async with gate:
                 return await _send(client, config, model, item)
+
+        async def timed(item: BenchItem, at: float) -> Result:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            return await _send(client, config, model, item)
 
         start = time.perf_counter()
         tasks = []
         for item in items:
-            tasks.append(asyncio.create_task(one(item)))
+            if item.send_at_s is not None:
+                tasks.append(asyncio.create_task(timed(item, item.send_at_s)))
+                continue
+            tasks.append(asyncio.create_task(gated(item)))
             if config.request_rate is not None:
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         results = await asyncio.gather(*tasks)

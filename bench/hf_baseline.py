@@ -44,12 +44,12 @@ def run_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> B
     start = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
+        width = max(len(r.prompt) for r in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, r in enumerate(batch):
-            n = len(r.prompt_token_ids)
-            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
+            n = len(r.prompt)
+            ids[row, width - n :] = torch.tensor(r.prompt)
             mask[row, width - n :] = 1
         new = max(r.max_tokens for r in batch)
         model.generate(
@@ -76,7 +76,7 @@ def run_continuous(model: torch.nn.Module, workload: Workload) -> BaselineResult
     start = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=config, timeout=5) as manager:
         for i, r in enumerate(workload.requests):
-            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens)
+            manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens)
         pending = len(workload.requests)
         while pending:
             result = manager.get_result(timeout=60)

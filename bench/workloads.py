@@ -11,18 +11,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
+class BenchItem:
+    prompt: str | list[int]
     max_tokens: int
     priority: int = 0
-    send_at_s: float | None = None  # fixed arrival offset; None: as soon as a slot frees
+    send_at_s: float | None = None  # fixed arrival offset, outside the concurrency gate
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
     description: str
-    requests: list[BenchRequest]
+    requests: list[BenchItem]  # prompts are token-id lists; outputs forced (ignore_eos)
     concurrency: int
 
 
@@ -39,7 +39,7 @@ def w0(scale: float = 1.0, seed: int = 0) -> Workload:
     """One request at a time, 32 tokens in, 64 out: per-token latency."""
     rng = random.Random(seed)
     n = max(2, round(8 * scale))
-    reqs = [BenchRequest(_prompt(rng, 32), 64) for _ in range(n)]
+    reqs = [BenchItem(_prompt(rng, 32), 64) for _ in range(n)]
     return Workload("W0", f"{n} requests, 32 in / 64 out, 1 in flight", reqs, 1)
 
 
@@ -47,7 +47,7 @@ def w1(scale: float = 1.0, seed: int = 0) -> Workload:
     """64 requests, 128 in / 128 out, 16 in flight."""
     rng = random.Random(seed)
     n = max(4, round(64 * scale))
-    reqs = [BenchRequest(_prompt(rng, 128), 128) for _ in range(n)]
+    reqs = [BenchItem(_prompt(rng, 128), 128) for _ in range(n)]
     return Workload("W1", f"{n} requests, 128 in / 128 out, 16 in flight", reqs, 16)
 
 
@@ -56,7 +56,7 @@ def wv(scale: float = 1.0, seed: int = 0) -> Workload:
     rng = random.Random(seed)
     n = max(8, round(128 * scale))
     reqs = [
-        BenchRequest(_prompt(rng, rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)
+        BenchItem(_prompt(rng, rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)
     ]
     return Workload("WV", f"{n} requests, 32..512 in / 16..256 out, 64 in flight", reqs, 64)
 
@@ -66,10 +66,10 @@ def wp(scale: float = 1.0, seed: int = 0, high_every_s: float = 2.0) -> Workload
     high-priority request (priority -10, 128 in / 32 out) every `high_every_s` seconds."""
     rng = random.Random(seed)
     n_low = max(4, round(48 * scale))
-    low = [BenchRequest(_prompt(rng, 128), 256, priority=10) for _ in range(n_low)]
+    low = [BenchItem(_prompt(rng, 128), 256, priority=10) for _ in range(n_low)]
     n_high = max(2, round(12 * scale))
     high = [
-        BenchRequest(_prompt(rng, 128), 32, priority=-10, send_at_s=(i + 1) * high_every_s)
+        BenchItem(_prompt(rng, 128), 32, priority=-10, send_at_s=(i + 1) * high_every_s)
         for i in range(n_high)
     ]
     return Workload(

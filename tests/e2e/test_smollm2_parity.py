@@ -70,7 +70,7 @@ def run(loaded: LoadedModel, prompts: list[list[int]], chunk_size: int | None) -
 
 def test_default_model_loads(loaded: LoadedModel):
     assert loaded.hf_config.model_type == "llama"
-    assert loaded.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert loaded.served_model_name == "SmolLM2-135M-Instruct"
     assert loaded.dtype == torch.float32
     assert loaded.tokenizer.chat_template
     assert loaded.tokenizer.eos_token_id in loaded.eos_token_ids

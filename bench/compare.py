@@ -1,0 +1,231 @@
+"""Side-by-side throughput of pagedserve and its CPU peers on the same workloads, same run.
+
+    python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
+
+Systems: `pagedserve` and `llama-server` (llama.cpp, built separately: --llama-server
+PATH) are started as servers here and driven by bench.client over HTTP; `hf-seq`,
+`hf-static` and `hf-cb` are Hugging Face `generate` sequential, static batching and
+continuous batching, run in this process on the same converted weights. Every output is
+forced to its requested length. Prints one table per workload with each system's output
+tokens/s and its ratio to every baseline; --json writes the raw results too. WP also
+measures the high-priority TTFT on an idle server and the low-priority throughput
+without high-priority arrivals, the two references of its targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import BenchConfig, run_items
+from bench.workloads import WORKLOADS, BenchItem, Workload
+
+SERVERS = ("pagedserve", "llama-server")
+HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(url, proc)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def pagedserve_cmd(port: int, args: argparse.Namespace, num_kv_blocks: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+           "--scheduling-policy", "priority", "--dtype", args.dtype, "--log-level", "warning"]
+    if num_kv_blocks is not None:
+        cmd += ["--num-kv-blocks", str(num_kv_blocks)]
+    return cmd + args.pagedserve_args.split()
+
+
+def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) -> list[str]:
+    from model_runner.loader import default_gguf_path
+
+    longest = max(len(r.prompt) + r.max_tokens for r in workload.requests)
+    slots = workload.concurrency + sum(r.send_at_s is not None for r in workload.requests)
+    return [args.llama_server, "-m", str(default_gguf_path()), "--port", str(port),
+            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * (longest + 16)),
+            "--no-webui"]
+
+
+def _run_client(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
+    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600)
+    return asyncio.run(run_items(config, items, concurrency))
+
+
+def _warm_up(url: str) -> None:
+    _run_client(url, [BenchItem(list(range(1000, 1032)), 8)], 1)
+
+
+def _server_result(system: str, summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "system": system,
+        "output_tps": summary["output_token_throughput"],
+        "duration_s": summary["duration_s"],
+        "failed": summary["num_failed"],
+        "ttft_p50_ms": _ms(summary["all"]["ttft_s"]["p50"]),
+        "itl_p50_ms": _ms(summary["all"]["itl_s"]["p50"]),
+        "by_priority": summary["by_priority"],
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000
+
+
+def run_server(system: str, workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start the server once, run the workload (and WP's references) against it."""
+    port = _free_port()
+    log = Path(args.log_dir) / f"{system}-{workload.name}.log"
+    if system == "pagedserve":
+        cmd = pagedserve_cmd(port, args, args.wp_kv_blocks if workload.name == "WP" else None)
+    else:
+        cmd = llama_server_cmd(port, args, workload)
+    results = []
+    with _server(cmd, port, log) as url:
+        _warm_up(url)
+        if workload.name == "WP":
+            low = [r for r in workload.requests if r.send_at_s is None]
+            high = [r for r in workload.requests if r.send_at_s is not None]
+            idle = [
+                _run_client(url, [dataclasses.replace(h, send_at_s=None)], 1) for h in high[:3]
+            ]
+            low_only = _run_client(url, low, workload.concurrency)
+            alone = _server_result(f"{system} (low only)", low_only)
+            ttft_idle = statistics.median(s["all"]["ttft_s"]["p50"] for s in idle)
+            alone["high_ttft_idle_ms"] = ttft_idle * 1000
+            results.append(alone)
+        summary = _run_client(url, workload.requests, workload.concurrency)
+        results.append(_server_result(system, summary))
+    return results
+
+
+def run_hf(system: str, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from bench import hf_baseline
+    from model_runner.loader import resolve_model_folder
+
+    torch.set_num_threads(args.threads)
+    folder, _ = resolve_model_folder(None)
+    dtype = getattr(torch, "float32" if args.dtype == "auto" else args.dtype)
+    model = hf_baseline.load_hf_model(str(folder), dtype)
+    if system == "hf-seq":
+        result = hf_baseline.run_static(model, workload, 1)
+    elif system == "hf-static":
+        result = hf_baseline.run_static(model, workload, workload.concurrency)
+    else:
+        result = hf_baseline.run_continuous(model, workload)
+    return {"system": result.system, "output_tps": result.output_tps,
+            "duration_s": result.elapsed_s, "failed": 0}
+
+
+def format_table(workload: Workload, results: list[dict[str, Any]]) -> str:
+    baselines = [r for r in results if not r["system"].startswith("pagedserve")]
+    head = "| system | output tok/s | TTFT p50 ms | ITL p50 ms |" + "".join(
+        f" x {b['system']} |" for b in baselines)
+    lines = [f"### {workload.name}: {workload.description}", "", head,
+             "|---" * (4 + len(baselines)) + "|"]
+    for r in results:
+        cells = [r["system"], f"{r['output_tps']:.1f}", _fmt(r.get("ttft_p50_ms")),
+                 _fmt(r.get("itl_p50_ms"))]
+        cells += [f"{r['output_tps'] / b['output_tps']:.2f}" for b in baselines]
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in results:
+        if "high_ttft_idle_ms" in r:
+            lines.append(f"\nhigh-priority TTFT on an idle server: {r['high_ttft_idle_ms']:.0f} ms")
+        if r["failed"]:
+            lines.append(f"\n{r['system']}: {r['failed']} requests FAILED")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="W0,W1,WV,WP")
+    parser.add_argument("--systems", default=None,
+                        help="default: pagedserve,hf-static,hf-seq,hf-cb, and llama-server "
+                        "when --llama-server is given")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every request count")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""),
+                        help="path to llama.cpp's llama-server binary")
+    parser.add_argument("--wp-kv-blocks", type=int, default=384,
+                        help="KV blocks for WP: about half the low-priority working set")
+    parser.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
+    parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--json", default=None, help="also write all results to this file")
+    args = parser.parse_args(argv)
+    default = "pagedserve,llama-server," if args.llama_server else "pagedserve,"
+    systems = (args.systems or default + "hf-static,hf-seq,hf-cb").split(",")
+    unknown = set(systems) - set(SERVERS) - set(HF_SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    if "llama-server" in systems and not Path(args.llama_server).is_file():
+        parser.error("llama-server needs --llama-server PATH (or $LLAMA_SERVER)")
+    everything = {}
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name](args.scale)
+        results: list[dict[str, Any]] = []
+        for system in systems:
+            if system in SERVERS:
+                results += run_server(system, workload, args)
+            elif name != "WP":  # WP is about priorities: servers only
+                results.append(run_hf(system, workload, args))
+            print(f"{name} {system}: {results[-1]['output_tps']:.1f} tok/s", file=sys.stderr)
+        print(format_table(workload, results) + "\n", flush=True)
+        everything[name] = results
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
