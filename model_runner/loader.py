@@ -36,7 +36,7 @@ from transformers import (
 )
 
 from model_runner.config import ModelConfig
-from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, can_prepack
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.load_weights(_iter_safetensors(folder))
     model.init_rope_cache(max_model_len)
     model.eval()
+    if can_prepack(device, dtype):
+        model.prepack_weights()
 
     tokenizer = _load_tokenizer(folder)
     return LoadedModel(
