@@ -30,9 +30,13 @@ def write_kv_cache(
     """Store the new keys and values of a step at their slots.
 
     key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64, every slot valid.
+    block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64; a negative slot
+    (a padding row of a CUDA-graph batch) is skipped, as in the Triton kernel.
     """
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     # flat caches: [num_blocks * block_size, num_kv_heads, head_dim] (views, no copy)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -13,6 +13,7 @@ import torch
 from model_runner.attention import select_attention_backend
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.config import ModelConfig
+from model_runner.cuda_graphs import create_decode_graph_runner, host_to_device
 from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -80,7 +81,7 @@ def prepare_inputs(
     num_decode_seqs = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else num_seqs
 
     def to_device(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+        return host_to_device(a, dtype, device)  # pinned + non_blocking on CUDA
 
     meta = AttentionMetadata(
         slot_mapping=to_device(slot_mapping, torch.int64),
@@ -116,8 +117,14 @@ class ModelRunner:
         self.attn = select_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.device, loaded.eos_token_ids, config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        # CUDA graphs for decode-only steps (None: every step runs eagerly)
+        self.decode_graphs = create_decode_graph_runner(
+            self.model, self.attn, config, self.max_model_len, self.device
+        )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture(self.kv_cache.layers)
         logger.info(
             "KV cache: %d blocks of %d tokens, %s attention",
             self.num_kv_blocks,
@@ -137,14 +144,11 @@ class ModelRunner:
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
-        inputs = prepare_inputs(requests, self.block_size, self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache.layers, self.attn
-        )  # [T, H]
+        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
         sampling = [r for r in requests if r.sample]
         if not sampling:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
         result = self.sampler(logits, sampling, [self._generator(r) for r in sampling])
         output = ModelRunnerOutput()
         for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
@@ -152,6 +156,18 @@ class ModelRunner:
             if logprobs is not None:
                 output.logprobs[r.request_id] = logprobs
         return output
+
+    def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step and the rows that sample; decode-only steps go
+        through the graph runner when there is one."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(requests):
+            return graphs.forward(requests, self.kv_cache.layers)
+        inputs = prepare_inputs(requests, self.block_size, self.device)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache.layers, self.attn
+        )
+        return hidden, inputs.sample_rows
 
     def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
         seed = request.sampling_params.seed
@@ -214,3 +230,5 @@ class ModelRunner:
         )
         rows = hidden[:1].expand(min(config.max_num_seqs, num_tokens), -1)
         self.model.compute_logits(rows).sort(dim=-1)
+        if self.decode_graphs is not None:
+            self.decode_graphs.profile(cache.layers)  # the largest decode bucket
