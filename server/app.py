@@ -5,7 +5,14 @@ Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams end
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; invalid requests (bad
 JSON and schema errors included) are 400, never 422. Bodies are parsed here rather than
 by FastAPI so that a missing or wrong Content-Type is no error and the checks run in a
-fixed order: key, body size, JSON, schema, model, priority, load, context length.
+fixed order: key, body size, JSON, schema, model, priority, load, context length; the
+OpenAPI schema still documents the request models (`openapi_extra`).
+
+Limits that keep one request from taking the server down: the body size (413), the JSON
+nesting depth and integer size, the protocol's bounds on every field and list (n, prompts
+x n, stop strings, stop token ids, logprobs, messages), the prompt's characters (checked
+before tokenizing, so that a huge prompt costs no tokenizer time) and tokens against the
+context, and prompt plus max_tokens against the context: each is a 400 naming the limit.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -20,10 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pydantic
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -60,6 +71,11 @@ from server.protocol import (
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DEFAULT_COMPLETION_MAX_TOKENS = 16
+# A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
+# After the grace period the engine aborts what is left; handlers then need a moment to
+# send their last chunk before uvicorn cuts the connections.
+_ABORT_FLUSH_S = 2.0
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
 
@@ -95,16 +111,25 @@ def _error_type(status_code: int) -> str:
 
 
 class _ApiKeyMiddleware:
-    """401 for every path but /health and /metrics without `Authorization: Bearer <key>`."""
+    """401 for every path but /health and /metrics without `Authorization: Bearer <key>`.
+
+    The key is compared in constant time (hmac.compare_digest) and never logged.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        # NOTE: compare_digest runs whatever the scheme, so that timing tells nothing.
+        key_matches = hmac.compare_digest(token.strip(), self._key)
+        return scheme.lower() == b"bearer" and key_matches
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            if not self._authorized(scope):
                 error = APIError(
                     401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
@@ -166,13 +191,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     if config.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
     _install_error_handlers(app)
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
     api = _OpenAIServing(engine, config)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              openapi_extra=_json_request_body(CompletionRequest),
+              responses=_generation_responses(CompletionResponse, CompletionStreamResponse))
     async def completions(request: Request) -> Response:
         return await api.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              openapi_extra=_json_request_body(ChatCompletionRequest),
+              responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await api.chat_completions(request)
 
@@ -196,6 +226,91 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return await engine.snapshot()
 
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, with a shutdown (SIGTERM) that lets in-flight requests run for
+    `grace_s`, then aborts what is left in the engine, so that every client still gets a
+    well-formed end (finish_reason "abort", then `data: [DONE]` on a stream) before
+    uvicorn closes the connections, `_ABORT_FLUSH_S` later."""
+
+    def __init__(self, app: FastAPI, engine: Engine, config: ServerConfig) -> None:
+        super().__init__(uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_FLUSH_S,
+        ))
+        self._engine = engine
+        self._grace_s = config.shutdown_grace_s
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        abort = asyncio.get_running_loop().call_later(self._grace_s, self._engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
+# ------------------------------------------------------------------ OpenAPI
+
+
+def _json_request_body(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a JSON body of `model` (parsed by hand, see the top)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _generation_responses(
+    response: type[pydantic.BaseModel], chunk: type[pydantic.BaseModel]
+) -> dict[int | str, dict[str, Any]]:
+    """The answers of a generation route: the response, or an SSE stream of `chunk` objects
+    ending in `data: [DONE]`, or an error in OpenAI's shape."""
+    # One server-sent event: a chunk, an error (then the end), or the final [DONE].
+    event_data = {"anyOf": [
+        {"type": "string", "const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": f"#/components/schemas/{chunk.__name__}"},
+            {"$ref": "#/components/schemas/ErrorResponse"},
+        ]}},
+    ]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": event_data}}
+    stream = {"schema": event}
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {
+            "model": response,
+            "description": "The completion, or with `stream` a text/event-stream of chunks.",
+            "content": {"text/event-stream": stream},
+        },
+    }
+    for status, why in ((400, "Invalid request"), (401, "Missing or wrong API key"),
+                        (404, "Unknown model"), (413, "Request body too large"),
+                        (500, "A step of the engine failed"),
+                        (503, "Engine not running, or too many requests waiting")):
+        responses[status] = {"model": ErrorResponse, "description": why}
+    return responses
+
+
+def _install_openapi(app: FastAPI, request_models: Sequence[type[pydantic.BaseModel]]) -> None:
+    """Add the request models (and the chunk models) to the schema's components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            models = [
+                *((m, "validation") for m in request_models),
+                (CompletionStreamResponse, "serialization"),
+                (ChatCompletionChunk, "serialization"),
+            ]
+            _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in defs.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -264,6 +379,7 @@ class _OpenAIServing:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.info.tokenizer
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, engine.info.max_model_len)
 
     # -------------------------------------------------------------- routes
 
@@ -271,15 +387,19 @@ class _OpenAIServing:
         arrival = time.monotonic()
         body = await self._parse(raw, CompletionRequest)
         self._check_admission(body)
+        max_tokens = body.max_tokens or _DEFAULT_COMPLETION_MAX_TOKENS
+        prompts: list[list[int]] = []
         if isinstance(body.prompts[0], str):
             texts = [str(p) for p in body.prompts]
-            prompts = [self._encode(t, add_special_tokens=True) for t in texts]
+            for text in texts:  # one by one: the first prompt over a limit ends the work
+                self._check_prompt_chars(text, "prompt", "prompt")
+                prompts.append(self._encode(text, add_special_tokens=True))
+                self._check_prompt(prompts[-1], max_tokens)
         else:
             prompts = [list(p) for p in body.prompts]
+            for prompt in prompts:
+                self._check_prompt(prompt, max_tokens)
             texts = [self.tokenizer.decode(p) for p in prompts] if body.echo else []
-        max_tokens = body.max_tokens or _DEFAULT_COMPLETION_MAX_TOKENS
-        for prompt in prompts:
-            self._check_prompt(prompt, max_tokens)
         params = self._sampling_params(body, max_tokens, body.logprobs)
         request_id = random_id("cmpl")
         stream = self._submit(request_id, prompts, params, body, arrival)
@@ -289,7 +409,7 @@ class _OpenAIServing:
         choices = await self._collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        response = CompletionResponse(
+        return _json_response(CompletionResponse(
             id=request_id,
             model=self.engine.info.model_name,
             choices=[
@@ -297,8 +417,7 @@ class _OpenAIServing:
                 for i, c in enumerate(choices)
             ],
             usage=_usage(prompts, choices),
-        )
-        return JSONResponse(response.model_dump(mode="json"))
+        ))
 
     async def chat_completions(self, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -315,7 +434,7 @@ class _OpenAIServing:
         choices = await self._collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        response = ChatCompletionResponse(
+        return _json_response(ChatCompletionResponse(
             id=request_id,
             model=self.engine.info.model_name,
             choices=[
@@ -331,8 +450,7 @@ class _OpenAIServing:
                 for i, c in enumerate(choices)
             ],
             usage=_usage([prompt], choices),
-        )
-        return JSONResponse(response.model_dump(mode="json"))
+        ))
 
     # ------------------------------------------------------ validation
 
@@ -340,10 +458,19 @@ class _OpenAIServing:
         body = await raw.body()
         try:
             data = json.loads(body)
+        except RecursionError as exc:
+            raise APIError(400, "Request body is not valid JSON: nested too deeply.") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"Request body is not valid JSON: {exc}") from exc
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise APIError(400, "Request body is not valid JSON: a number is too long.") from exc
         if not isinstance(data, dict):
             raise APIError(400, "Request body must be a JSON object.")
+        if _SURROGATE_ESCAPE_RE.search(body) and _has_lone_surrogate(data):
+            raise APIError(
+                400, "Request body is not valid JSON: a string holds an unpaired UTF-16 "
+                "surrogate (\\ud800-\\udfff), which is no Unicode character."
+            )
         try:
             return model.model_validate(data)
         except pydantic.ValidationError as exc:
@@ -363,12 +490,31 @@ class _OpenAIServing:
             )
         if not self.engine.is_alive:
             raise APIError(503, "The engine is not running.", type="server_error")
+        vocab_size = info.vocab_size
+        bad_stop = [t for t in body.stop_token_ids or () if t >= vocab_size]
+        if bad_stop:
+            raise APIError(
+                400, f"stop_token_ids: token id {bad_stop[0]} is out of range: the vocabulary "
+                f"has {vocab_size} tokens.", param="stop_token_ids",
+            )
         limit = self.config.max_waiting
         if limit is not None and self.engine.num_waiting >= limit:
             raise APIError(
                 503, f"The server is overloaded: {limit} requests are waiting. Retry later.",
                 type="server_error", code="server_overloaded",
                 headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    def _check_prompt_chars(self, text: str, what: str, param: str) -> None:
+        """400 for a text that surely has more tokens than the context, before tokenizing
+        it (which takes seconds for megabytes)."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {self.engine.info.max_model_len} "
+                f"tokens, at most {limit} characters of text. However, your {what} is "
+                f"{len(text)} characters long. Please reduce the length of the {param}.",
+                param=param,
             )
 
     def _check_prompt(self, prompt: list[int], max_tokens: int) -> None:
@@ -415,6 +561,7 @@ class _OpenAIServing:
             )
         except Exception as exc:  # jinja errors: the messages do not fit the template
             raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
+        self._check_prompt_chars(text, "rendered chat", "messages")
         return self._encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------ engine
@@ -654,6 +801,50 @@ class _OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+
+def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """Characters beyond which a text cannot fit in max_model_len tokens (None: unknown).
+
+    No token decodes to more characters than its vocabulary entry has (byte-level BPE
+    writes each byte as one character, SentencePiece a space as one), so a text longer
+    than max_model_len x the longest entry has more tokens than the context holds.
+    NOTE: a normalizer may shorten the text before it is split (NFC composes up to three
+    characters into one), hence the slack when the tokenizer has one.
+    """
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # no get_vocab (or an unusual one): no limit but the tokens'
+        return None
+    if longest == 0:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 1 if backend is None or backend.normalizer is None else 4
+    return max_model_len * longest * slack
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string anywhere in parsed JSON holds an unpaired surrogate."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _json_response(model: pydantic.BaseModel) -> Response:
+    """`model` as JSON; NOTE: pydantic writes a NaN or infinite float as null, where
+    JSONResponse would raise (a 500 after the work was done)."""
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def _accumulate(choice: _Choice, output: RequestOutput) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import re
 import signal
@@ -197,6 +196,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--workload", choices=sorted(bench_client.WORKLOADS), default=None,
+                        help="a fixed workload of docs/benchmarks.md (overrides the length, "
+                        "count and priority flags)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="scale the workload's request count")
 
 
 def build_bench_config(args: argparse.Namespace) -> BenchConfig:
@@ -218,6 +222,8 @@ def build_bench_config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         timeout_s=args.timeout,
         json=args.json,
+        workload=args.workload,
+        scale=args.scale,
     )
 
 
@@ -236,9 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
-    import uvicorn
-
-    from server.app import build_app
+    from server.app import GracefulServer, build_app
     from server.engine import create_engine
 
     logger.info("starting: %s", configs)
@@ -252,14 +256,9 @@ def serve(configs: ServeConfigs) -> int:
     except (FileNotFoundError, ValueError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
-    app = build_app(engine, configs.server)
-    server = uvicorn.Server(uvicorn.Config(
-        app,
-        host=configs.server.host,
-        port=configs.server.port,
-        log_level=configs.server.log_level,
-        timeout_graceful_shutdown=math.ceil(configs.server.shutdown_grace_s),
-    ))
+    # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
+    # abort the rest (each client gets finish_reason "abort"), then exit.
+    server = GracefulServer(build_app(engine, configs.server), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
                 configs.server.host, configs.server.port)
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped

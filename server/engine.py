@@ -132,6 +132,11 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    pass
+
+
+@dataclass
 class _Snapshot:
     future: concurrent.futures.Future[dict[str, Any]]
 
@@ -141,7 +146,7 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Snapshot | _Stop
+_Command = _Add | _Abort | _AbortAll | _Snapshot | _Stop
 
 
 @dataclass
@@ -283,12 +288,20 @@ class Engine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    def abort_all(self) -> None:
+        """Abort every request queued so far (the shutdown's grace period is over);
+        thread-safe, and a no-op once the thread has exited."""
+        with self._cond:
+            self._commands.append(_AbortAll())
+            self._cond.notify()
+
     async def snapshot(self) -> dict[str, Any]:
-        """The scheduler's state (`Scheduler.snapshot()`), taken by the engine thread."""
+        """The scheduler's state (`Scheduler.snapshot()`), taken by the engine thread, with
+        `integrity`: "ok", or why `check_integrity()` failed."""
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         with self._cond:
             if self._thread is None or self._closed:
-                return self._scheduler.snapshot()  # no thread mutates the scheduler now
+                return self._snapshot()  # no thread mutates the scheduler now
             self._commands.append(_Snapshot(future))
             self._cond.notify()
         return await asyncio.wrap_future(future)
@@ -336,8 +349,10 @@ class Engine:
                     self._groups[command.group_id] = added
             elif isinstance(command, _Abort):
                 self._abort(list(self._groups.get(command.group_id, ())))
+            elif isinstance(command, _AbortAll):
+                self._abort(list(self._choices))
             elif isinstance(command, _Snapshot):
-                command.future.set_result(self._scheduler.snapshot())
+                command.future.set_result(self._snapshot())
             else:
                 stop = True
         if stop:
@@ -353,9 +368,18 @@ class Engine:
         for command in commands:
             if isinstance(command, _Snapshot):
                 try:
-                    command.future.set_result(self._scheduler.snapshot())
+                    command.future.set_result(self._snapshot())
                 except Exception as exc:
                     command.future.set_exception(exc)
+
+    def _snapshot(self) -> dict[str, Any]:
+        state = self._scheduler.snapshot()
+        try:
+            self._scheduler.check_integrity()
+            state["integrity"] = "ok"
+        except Exception as exc:
+            state["integrity"] = f"failed: {exc}"
+        return state
 
     def _add(self, choice: _Choice) -> bool:
         try:

@@ -1,26 +1,63 @@
 """OpenAI-compatible request and response models (completions, chat, models, errors).
 
-Requests ignore unknown fields and bound every numeric field; a validation error becomes
-an HTTP 400 in `server/app.py`. `num_preemptions` is our per-choice extension.
+Requests ignore unknown fields and bound every numeric field and every list, so that no
+single request can make the server do unbounded work; a validation error becomes an HTTP
+400 in `server/app.py` whose message names the field and its limit. `num_preemptions` is
+our per-choice extension.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.sampling_params import SamplingParams
 
 MAX_N = 16
+MAX_CHOICES = 128  # prompts x n: each choice is a scheduler request of its own
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+MIN_REPETITION_PENALTY = 0.01
+# NOTE: a temperature this small is greedy: dividing float32 logits by it gives inf/NaN.
+GREEDY_TEMPERATURE_EPS = 1e-5
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # n > 1 uses seed + i: still a valid seed
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+# NOTE: the validators below check these fields by hand (for clearer messages); these JSON
+# schemas tell the OpenAPI document (and so schemathesis) the same constraints.
+_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_PROMPT_SCHEMA = WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKEN_IDS_SCHEMA,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS_SCHEMA},
+]})
+_STOP_STRING_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+_STOP_SCHEMA = WithJsonSchema({"anyOf": [
+    _STOP_STRING_SCHEMA,
+    {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _STOP_STRING_SCHEMA},
+    {"type": "null"},
+]})
+_STOP_TOKEN_IDS_SCHEMA = WithJsonSchema({"anyOf": [
+    {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0}},
+    {"type": "null"},
+]})
 
 
 def random_id(prefix: str) -> str:
@@ -47,12 +84,14 @@ class SamplingRequest(_Request):
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
+    stop_token_ids: Annotated[list[int] | None, _STOP_TOKEN_IDS_SCHEMA] = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=10.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)
@@ -66,6 +105,8 @@ class SamplingRequest(_Request):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @field_validator("stop_token_ids")
@@ -94,8 +135,11 @@ class SamplingRequest(_Request):
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The scheduler/runner view of this request (stop strings stay in the server)."""
         top_k = self.top_k if self.top_k is not None else 0
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature < GREEDY_TEMPERATURE_EPS:
+            temperature = 0.0
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(top_k, 0),
             min_p=self.min_p or 0.0,
@@ -116,7 +160,7 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], _PROMPT_SCHEMA]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -130,13 +174,23 @@ class CompletionRequest(SamplingRequest):
         if all(isinstance(p, str) for p in prompt):
             return prompt
         if all(_is_token_id(t) for t in prompt):
-            return prompt
+            return [int(t) for t in prompt]
         if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-            return prompt
+            return [[int(t) for t in p] for p in prompt]
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids (ints >= 0) "
             "or a list of non-empty lists of token ids"
         )
+
+    @model_validator(mode="after")
+    def _check_num_choices(self) -> CompletionRequest:
+        num_prompts = len(self.prompts)
+        if num_prompts * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"at most {MAX_CHOICES} choices (prompts x n) per request: {num_prompts} "
+                f"prompts x n={self.n} is {num_prompts * self.n}"
+            )
+        return self
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
@@ -150,6 +204,10 @@ class CompletionRequest(SamplingRequest):
 
 
 def _is_token_id(t: Any) -> bool:
+    """An int >= 0; NOTE: or an integral float (JSON's 7.0 is the integer 7, as for every
+    other integer field)."""
+    if isinstance(t, float):
+        return t.is_integer() and t >= 0
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
@@ -179,7 +237,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -24,6 +24,9 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return 257
 
+    def get_vocab(self) -> dict[str, int]:
+        return {**{chr(i): i for i in range(256)}, "<eos>": BYTE_EOS}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
@@ -81,6 +84,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         max_model_len: int = 128,
         max_num_seqs: int = 16,
         start: bool = True,
+        runner: object | None = None,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
@@ -95,7 +99,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             tokenizer=ByteTokenizer(),
             eos_token_ids=frozenset({BYTE_EOS}),
         )
-        engine = Engine(scheduler, ScriptedRunner(script), info)
+        engine = Engine(scheduler, runner or ScriptedRunner(script), info)
         if start:
             engine.start()
         engines.append(engine)
