@@ -38,6 +38,10 @@ e2e: install
 bench: install
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
+# a bounded soak: mixed priorities, streams, disconnects and bad requests at 64 in flight
+soak: install
+	$(PY) -m bench.soak --duration 120
+
 gpu-check: install
 	$(PY) -m bench.gpu_check
 

@@ -109,10 +109,26 @@ def _prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
 
 
+# NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees
+# every row count up to its token budget, which grew the process by ~1 GB. Row counts are
+# padded to a few buckets (1, 2, 4, multiples of 8 up to 64, then of 32) so the set of
+# shapes stays small; the finer buckets at the low end keep small decode batches cheap.
+def _padded_rows(rows: int) -> int:
+    if rows <= 4:
+        return 1 << (rows - 1).bit_length()
+    step = 8 if rows <= 64 else 32
+    return -(-rows // step) * step
+
+
 def _packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """x [N, in] @ packed weight -> [N, out], with N padded as `_padded_rows` says."""
+    rows = x.shape[0]
+    padded = _padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:rows]
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,7 @@ from server.config import ServerConfig
 logger = logging.getLogger("pagedserve")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-_CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 1024
+_CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 512
 _CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
