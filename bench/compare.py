@@ -218,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             if system in SERVERS:
                 results += run_server(system, workload, args)
             elif name != "WP":  # WP is about priorities: servers only
-                results.append(run_hf(system, workload, args))
+                try:
+                    results.append(run_hf(system, workload, args))
+                except RuntimeError as exc:  # a peer that breaks must not lose the others
+                    print(f"{name} {system} FAILED: {exc}", file=sys.stderr)
+                    continue
             print(f"{name} {system}: {results[-1]['output_tps']:.1f} tok/s", file=sys.stderr)
         print(format_table(workload, results) + "\n", flush=True)
         everything[name] = results

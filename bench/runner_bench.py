@@ -120,6 +120,35 @@ def best_prefill_tps(prefill: Callable[[], object], repeats: int) -> float:
     return PREFILL_LEN / min(elapsed)
 
 
+def copy_bandwidth(num_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by a large tensor copy: the machine's floor."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * num_bytes / best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def decode_floor_s(
+    loaded: LoadedModel, batch_size: int, context_len: int, bandwidth: float
+) -> float:
+    """Weights (the tied LM head once) plus the KV bytes a decode step reads, over bandwidth."""
+    model = loaded.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = loaded.hf_config
+    kv_bytes = (
+        batch_size * context_len * cfg.num_hidden_layers * 2 * model.num_kv_heads
+        * model.head_dim * loaded.dtype.itemsize
+    )
+    return (weight_bytes + kv_bytes) / bandwidth
+
+
 def bench_dtype(
     dtype: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
 ) -> list[tuple]:
@@ -137,14 +166,19 @@ def bench_dtype(
     ours.generate(warm, 3)
     hf_generate(hf, warm, 3)
 
+    bandwidth = copy_bandwidth()
+    print(f"  copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
     rows = []
     for batch_size in batch_sizes:
         prompts = make_prompts(batch_size, vocab)
         ours_tps = decode_tps(ours.generate(prompts, decode_steps + 1), batch_size)
         hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
         rows.append((dtype, f"decode batch {batch_size}", ours_tps, hf_tps))
+        floor_ms = 1000 * decode_floor_s(loaded, batch_size, PROMPT_LEN + decode_steps, bandwidth)
         print(
-            f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s", flush=True
+            f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s   "
+            f"step {1000 * batch_size / ours_tps:.1f} ms, bandwidth floor {floor_ms:.1f} ms",
+            flush=True,
         )
 
     (prompt,) = torch.randint(1000, vocab, (1, PREFILL_LEN)).tolist()
