@@ -20,65 +20,37 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench.client import BenchConfig, run_items
+from bench.server_process import ServerProcess, free_port, pagedserve_command
 from bench.workloads import WORKLOADS, BenchItem, Workload
 
 SERVERS = ("pagedserve", "llama-server")
 HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
-
-
 @contextlib.contextmanager
 def _server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(url, proc)
-            yield url
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    server = ServerProcess(command=cmd, port=port, log_prefix=f"{log.stem}-")
+    try:
+        server.wait_healthy()
+        yield server.url
+    finally:
+        server.terminate(timeout_s=30)
+        log.write_text(server.log_tail(10**9))
+        server.remove_log()
 
 
 def pagedserve_cmd(port: int, args: argparse.Namespace, num_kv_blocks: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-           "--scheduling-policy", "priority", "--dtype", args.dtype, "--log-level", "warning"]
+    flags = ["--scheduling-policy", "priority", "--dtype", args.dtype, "--log-level", "warning"]
     if num_kv_blocks is not None:
-        cmd += ["--num-kv-blocks", str(num_kv_blocks)]
-    return cmd + args.pagedserve_args.split()
+        flags += ["--num-kv-blocks", str(num_kv_blocks)]
+    return pagedserve_command(port, flags + args.pagedserve_args.split())
 
 
 def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) -> list[str]:
@@ -118,7 +90,7 @@ def _ms(value: float | None) -> float | None:
 
 def run_server(system: str, workload: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Start the server once, run the workload (and WP's references) against it."""
-    port = _free_port()
+    port = free_port()
     log = Path(args.log_dir) / f"{system}-{workload.name}.log"
     if system == "pagedserve":
         cmd = pagedserve_cmd(port, args, args.wp_kv_blocks if workload.name == "WP" else None)

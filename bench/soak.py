@@ -19,11 +19,7 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -33,6 +29,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from bench.server_process import ServerProcess
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _WORDS = (
@@ -74,53 +72,6 @@ class SoakError(Exception):
 
 
 # ------------------------------------------------------------------ the server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalServer:
-    """`python -m server.cli serve` on a free loopback port; its log in a temp file."""
-
-    def __init__(self, server_args: Sequence[str], api_key: str | None) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="pagedserve-soak-", suffix=".log",
-                                               delete=False)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if api_key:
-            env["PAGEDSERVE_API_KEY"] = api_key  # not on the command line
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port), *server_args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parents[1])
-        self.pid = self.proc.pid
-
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; "
-                                   f"log: {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"the server did not become healthy; log: {self.log.name}")
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 def read_rss_kib(pid: int) -> int | None:
@@ -397,27 +348,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.duration <= 0 or args.concurrency < 1:
         raise SystemExit("--duration must be > 0 and --concurrency >= 1")
-    server: LocalServer | None = None
+    server: ServerProcess | None = None
     if args.url is not None:
         host = urlsplit(args.url).hostname
         if host not in _LOOPBACK:
             raise SystemExit(f"--url must be on the loopback interface, not {host!r}")
         url, pid = args.url.rstrip("/"), args.pid
     else:
-        server = LocalServer(args.server_args.split(), args.api_key)
+        # NOTE: the key travels in the environment, not on the command line.
+        env = {"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else None
+        server = ServerProcess(args.server_args.split(), env=env, log_prefix="pagedserve-soak-")
         print(f"starting a server ({args.server_args}); log: {server.log.name}",
               file=sys.stderr)
         try:
             server.wait_healthy()
         except RuntimeError:
-            server.stop()
+            server.terminate()
             raise
         url, pid = server.url, server.pid
     try:
         report = asyncio.run(soak(url, pid, args))
     finally:
         if server is not None:
-            returncode = server.stop()
+            returncode = server.terminate()
             print(f"server stopped with status {returncode}", file=sys.stderr)
     if server is not None:
         report["server_exit_status"] = returncode
