@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
-from tests.unit.test_model_runner import Engine, Seq
+from tests.model_helpers import Engine, Seq
 
 pytestmark = pytest.mark.e2e
 

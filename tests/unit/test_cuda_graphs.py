@@ -21,7 +21,7 @@ from model_runner.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from model_runner.loader import load_model, resolve_dtype
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest
-from tests.unit.test_model_runner import (
+from tests.model_helpers import (
     CONFIGS,
     GREEDY,
     Engine,

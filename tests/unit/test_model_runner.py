@@ -1,111 +1,38 @@
 """The model runner on tiny random Llama-family models against Hugging Face, in float32.
 
 Each model is saved to a temporary folder (safetensors and a word-level tokenizer), loaded
-through the loader, and driven by a minimal hand-written engine loop (`Engine` below):
-no scheduler, blocks handed out by a counter.
+through the loader, and driven by the minimal engine loop of tests/model_helpers.py
+(`Engine`): no scheduler, blocks handed out by a counter.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block
 from model_runner.llama import rope_inv_freq
-from model_runner.loader import LoadedModel, load_model
+from model_runner.loader import load_model
 from model_runner.runner import ModelRunner, prepare_inputs
 from model_runner.sampler import Sampler
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-
-VOCAB = 256
-GREEDY = SamplingParams(temperature=0.0)
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    # NOTE: a wide init makes the logits peaked, so greedy never rests on a near tie
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+from tests.model_helpers import (
+    CONFIGS,
+    GREEDY,
+    VOCAB,
+    Engine,
+    Seq,
+    TinyModel,
+    greedy_seqs,
+    make_model_folder,
+    prompts,
 )
-CONFIGS = {
-    "llama3": lambda: LlamaConfig(
-        **TINY,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    ),
-    "smollm2": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
-    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
-    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
-}
-
-
-def save_tokenizer(folder: Path) -> None:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(folder)
-
-
-def make_model_folder(folder: Path, hf_config) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(hf_config).eval()
-    hf_model.save_pretrained(folder)
-    save_tokenizer(folder)
-    hf_model.generation_config.eos_token_id = None  # generate fixed lengths
-    return hf_model
-
-
-@dataclass
-class TinyModel:
-    hf: torch.nn.Module
-    loaded: LoadedModel
-
-    def runner(self, block_size: int = 4, num_kv_blocks: int = 256, seed: int = 0):
-        config = ModelConfig(
-            model=self.loaded.model_path,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            seed=seed,
-        )
-        return ModelRunner(self.loaded, config)
-
-    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = self.hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -120,82 +47,6 @@ def llama(tmp_path_factory) -> TinyModel:
     folder = tmp_path_factory.mktemp("llama")
     hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
     return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-@dataclass
-class Seq:
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams = GREEDY
-    output: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def done(self) -> bool:
-        return len(self.output) >= self.max_tokens
-
-
-class Engine:
-    """A minimal engine loop: every unfinished sequence gets up to `chunk_size` tokens a
-    step; blocks come from a counter and are never freed."""
-
-    def __init__(self, runner: ModelRunner, chunk_size: int | None = None) -> None:
-        self.runner = runner
-        self.chunk_size = chunk_size
-        self.next_block = itertools.count()
-
-    def step(self, seqs: list[Seq]) -> None:
-        scheduled = []
-        for s in seqs:
-            if s.done:
-                continue
-            tokens = s.tokens
-            n = len(tokens) - s.num_computed
-            if self.chunk_size is not None:
-                n = min(n, self.chunk_size)
-            end = s.num_computed + n
-            while len(s.block_table) * self.runner.block_size < end:
-                s.block_table.append(next(self.next_block))
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=s.request_id,
-                    token_ids=tokens[s.num_computed : end],
-                    num_computed_tokens=s.num_computed,
-                    block_table=list(s.block_table),
-                    sample=end == len(tokens),
-                    sampling_params=s.params,
-                    prompt_token_ids=s.prompt,
-                    output_token_ids=s.output,
-                )
-            )
-            s.num_computed = end
-        out = self.runner.execute(SchedulerOutput(scheduled=scheduled))
-        for s in seqs:
-            if s.request_id in out.sampled_token_ids:
-                s.output.append(out.sampled_token_ids[s.request_id])
-
-    def run(self, seqs: list[Seq]) -> list[list[int]]:
-        while not all(s.done for s in seqs):
-            self.step(seqs)
-        return [s.output for s in seqs]
-
-
-def greedy_seqs(lengths: list[int], max_tokens: int, seed: int = 0) -> list[Seq]:
-    return [Seq(f"r{i}", p, max_tokens) for i, p in enumerate(prompts(lengths, seed))]
-
-
-# --- logits -----------------------------------------------------------------------------
 
 
 @torch.inference_mode()
