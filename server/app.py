@@ -214,7 +214,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         if not engine.is_alive:
-            raise APIError(503, "The engine is not running.", type="server_error")
+            raise APIError(503, f"The engine is not serving: {engine.unavailable_reason()}.",
+                           type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -489,7 +490,8 @@ class _OpenAIServing:
                 "start the server with `--scheduling-policy priority`.", param="priority",
             )
         if not self.engine.is_alive:
-            raise APIError(503, "The engine is not running.", type="server_error")
+            raise APIError(503, f"The engine is not serving: {self.engine.unavailable_reason()}.",
+                           type="server_error")
         vocab_size = info.vocab_size
         bad_stop = [t for t in body.stop_token_ids or () if t >= vocab_size]
         if bad_stop:

@@ -107,6 +107,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="answer 503 while this many requests wait (default: no limit)")
     http.add_argument("--shutdown-grace-s", type=float, default=30.0,
                       help="on SIGTERM, how long in-flight requests may finish")
+    http.add_argument("--step-timeout-s", type=float, default=300.0,
+                      help="a step running longer marks the engine hung: /health and new "
+                      "requests answer 503 until it returns")
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
 
@@ -145,6 +148,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
+        step_timeout_s=args.step_timeout_s,
         log_level=args.log_level,
     )
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching)
@@ -252,6 +256,7 @@ def serve(configs: ServeConfigs) -> int:
             configs.scheduler,
             enable_prefix_caching=configs.enable_prefix_caching,
             served_model_name=configs.server.served_model_name,
+            step_timeout_s=configs.server.step_timeout_s,
         )
     except (FileNotFoundError, ValueError) as exc:
         logger.error("cannot load the model: %s", exc)

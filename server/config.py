@@ -14,7 +14,8 @@ class ServerConfig:
     `Authorization: Bearer <key>`; it is left out of repr so it never reaches a log.
     max_waiting: new requests get 503 while this many requests wait (None: no limit).
     shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
-    aborted. max_body_bytes: larger request bodies get 413.
+    aborted. max_body_bytes: larger request bodies get 413. step_timeout_s: an engine step
+    running longer makes /health and new requests answer 503 (None: no limit).
     """
 
     host: str = "127.0.0.1"
@@ -23,6 +24,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
+    step_timeout_s: float | None = 300.0
     max_body_bytes: int = 8 * 1024**2
     retry_after_s: int = 1
     log_level: str = "info"
@@ -38,6 +40,8 @@ class ServerConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.retry_after_s < 1:

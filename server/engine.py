@@ -175,6 +175,8 @@ class Engine:
     copied for the engine thread's own decoding, so handlers may keep encoding with it.
     `fault_hook` is for tests only: when set, every step calls it with the plan, after
     `schedule()` and before `execute()`; an exception it raises fails that step.
+    A step running longer than `step_timeout_s` counts as a hung engine: `is_alive` turns
+    False (so /health and new requests get 503) until the step returns.
     """
 
     def __init__(
@@ -183,8 +185,11 @@ class Engine:
         runner: Any,
         info: EngineInfo,
         metrics: ServerMetrics | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         self.info = info
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the running step
         self.metrics = metrics or ServerMetrics(info.model_name)
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self._scheduler = scheduler
@@ -209,8 +214,17 @@ class Engine:
         return (
             self._dead is None
             and not self._stopping
+            and not self.is_stalled
             and self._thread is not None
             and self._thread.is_alive()
+        )
+
+    @property
+    def is_stalled(self) -> bool:
+        """Whether the running step has outlived `step_timeout_s`."""
+        started, timeout = self._step_started, self.step_timeout_s
+        return started is not None and timeout is not None and (
+            time.monotonic() - started > timeout
         )
 
     @property
@@ -251,7 +265,7 @@ class Engine:
         from the event loop that will consume the returned stream.
         """
         if not self.is_alive:
-            raise EngineDeadError(self._dead_message())
+            raise EngineDeadError(self.unavailable_reason())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, len(prompts) * n)
         choices = []
@@ -276,7 +290,7 @@ class Engine:
                 )
         with self._cond:
             if not self.is_alive:
-                raise EngineDeadError(self._dead_message())
+                raise EngineDeadError(self.unavailable_reason())
             self._commands.append(_Add(request_id, choices))
             self._num_pending_adds += len(choices)
             self._cond.notify()
@@ -306,9 +320,12 @@ class Engine:
             self._cond.notify()
         return await asyncio.wrap_future(future)
 
-    def _dead_message(self) -> str:
+    def unavailable_reason(self) -> str:
+        """Why the engine takes no requests now (meaningful when `is_alive` is False)."""
         if self._dead is not None:
             return f"engine loop died: {self._dead!r}"
+        if self.is_stalled:
+            return f"engine step has run for over {self.step_timeout_s:g} s (--step-timeout-s)"
         return "engine is not running" if not self._stopping else "server is shutting down"
 
     # ------------------------------------------------------------- engine side
@@ -391,6 +408,13 @@ class Engine:
         return True
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
+        try:
+            self._run_step()
+        finally:
+            self._step_started = None
+
+    def _run_step(self) -> None:
         plan: SchedulerOutput | None = None
         try:
             plan = self._scheduler.schedule()
@@ -566,6 +590,7 @@ def create_engine(
     *,
     enable_prefix_caching: bool = True,
     served_model_name: str | None = None,
+    step_timeout_s: float | None = None,
 ) -> Engine:
     """Load the model, size the KV cache and build the scheduler that matches it.
 
@@ -597,4 +622,4 @@ def create_engine(
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
     )
-    return Engine(scheduler, runner, info)
+    return Engine(scheduler, runner, info, step_timeout_s=step_timeout_s)

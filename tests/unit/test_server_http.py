@@ -146,3 +146,33 @@ def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
     summary = asyncio.run(run_bench(build_bench_config(args)))
     assert summary["num_failed"] == 0, summary["errors"]
     assert summary["output_tokens"] == 20
+
+
+def test_hung_step_answers_503_until_it_returns(live) -> None:
+    """A step that outlives step_timeout_s: /health and new requests get 503 at once,
+    and the server serves again once the step returns."""
+    server = live()
+    release = threading.Event()
+    server.engine.step_timeout_s = 0.2
+    server.engine.fault_hook = lambda plan: release.wait(10)
+    body = {"prompt": "hang", "max_tokens": 2}
+    statuses: list[int] = []
+    hung = threading.Thread(target=lambda: statuses.append(
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=15).status_code))
+    hung.start()
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(f"{server.url}/health")).status_code == 200:
+        assert time.monotonic() < deadline, "a hung step never turned /health to 503"
+        time.sleep(0.05)
+    assert health.status_code == 503
+    assert "step-timeout-s" in health.json()["error"]["message"]
+    start = time.monotonic()
+    refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=5)
+    assert refused.status_code == 503 and time.monotonic() - start < 2
+    server.engine.fault_hook = None
+    release.set()
+    hung.join(10)
+    assert statuses == [200]  # the slow step's request still completes
+    wait_until_idle(server.url)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
