@@ -121,16 +121,18 @@ def test_disconnect_storm_frees_everything(live) -> None:
                                           timeout_range_s=(0.02, 0.4)))
     assert sum(result.outcomes.values()) == 64
     assert result.outcomes.get("vanished", 0) >= 10 and result.outcomes.get("timeout", 0) >= 10
-    # every request was accounted for exactly once: finished, or aborted
-    # NOTE: a client that timed out may leave its handler still to run on a busy machine:
-    # that request reaches the engine (and the count) a moment later, so wait for it.
+    # every request the server received was accounted for once: finished, or aborted.
+    # NOTE: on a busy machine a client with a tiny timeout can give up before its request
+    # is even sent, and a handler whose client already left can reach the engine late:
+    # so every request that did not time out must be counted, and none twice.
+    must_count = 64 - result.outcomes.get("timeout", 0)
     deadline = time.monotonic() + 20
-    while metric(server.url, "pagedserve_request_success_total") < 64:
+    while metric(server.url, "pagedserve_request_success_total") < must_count:
         assert time.monotonic() < deadline, "requests were never accounted for"
         time.sleep(0.1)
     wait_idle(server.url)
-    assert metric(server.url, "pagedserve_request_success_total") == 64
-    assert metric(server.url, "pagedserve_request_success_total", finished_reason="abort") >= 20
+    assert must_count <= metric(server.url, "pagedserve_request_success_total") <= 64
+    assert metric(server.url, "pagedserve_request_success_total", finished_reason="abort") >= 10
     assert_still_serving(server.url)
 
 
