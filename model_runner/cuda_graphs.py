@@ -32,6 +32,7 @@ import torch
 from model_runner.attention import AttentionBackend
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.config import ModelConfig
+from model_runner.kv_cache import fill_block_tables
 from model_runner.llama import KVCaches, LlamaForCausalLM
 from scheduler.output import ScheduledRequest
 
@@ -213,14 +214,7 @@ class DecodeGraphRunner:
             raise ValueError(f"a context of {int(pos.max()) + 1} tokens exceeds "
                              f"max_model_len {self.max_model_len}")
         tables = self._host_tables.numpy()[: batch_size * width].reshape(batch_size, width)
-        for i, r in enumerate(requests):
-            n = int(num_blocks[i])
-            if len(r.block_table) < n:
-                raise ValueError(
-                    f"request {r.request_id}: {len(r.block_table)} blocks cannot hold "
-                    f"{int(pos[i]) + 1} tokens"
-                )
-            tables[i, :n] = r.block_table[:n]
+        fill_block_tables(requests, context_lens, bs, tables)
         slots[:num_seqs] = tables[np.arange(num_seqs), num_blocks - 1] * bs + pos % bs
         # padding rows: token 0 at position 0, no KV write, one key in block 0
         ids[num_seqs:batch_size] = 0

@@ -18,6 +18,7 @@ from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
+    fill_block_tables,
     num_blocks_for_memory,
     profile_cuda_num_blocks,
 )
@@ -64,14 +65,7 @@ def prepare_inputs(
 
     num_blocks = -(-context_lens // block_size)  # [num_seqs], blocks each context covers
     block_tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
-    for i, r in enumerate(requests):
-        n = int(num_blocks[i])
-        if len(r.block_table) < n:
-            raise ValueError(
-                f"request {r.request_id}: {len(r.block_table)} blocks cannot hold "
-                f"{int(context_lens[i])} tokens"
-            )
-        block_tables[i, :n] = r.block_table[:n]
+    fill_block_tables(requests, context_lens, block_size, block_tables)
     slot_mapping = (
         block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
