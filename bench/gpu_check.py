@@ -593,22 +593,11 @@ def _hf_static_tps(hf, prompts: list[list[int]], max_tokens: list[int], num_step
     import statistics
 
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
-    class StepTimes(LogitsProcessor):
-        def __init__(self) -> None:
-            self.times: list[float] = []
+    from bench.hf_baseline import StepTimes, left_pad
 
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
-
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+    ids, mask = left_pad(prompts)
     ids, mask = ids.to(device), mask.to(device)
     steps = min(num_steps, max(max_tokens))
     timer = StepTimes()

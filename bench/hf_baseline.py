@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor
 
 from bench.workloads import Workload
 
@@ -26,6 +27,28 @@ class BaselineResult:
     @property
     def output_tps(self) -> float:
         return self.output_tokens / self.elapsed_s
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static batch: input ids and attention mask [batch, longest], prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+class StepTimes(LogitsProcessor):
+    """Records when each generation step's logits are ready (a no-op on the scores)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -44,13 +67,7 @@ def run_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> B
     start = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, r in enumerate(batch):
-            n = len(r.prompt)
-            ids[row, width - n :] = torch.tensor(r.prompt)
-            mask[row, width - n :] = 1
+        ids, mask = left_pad([list(r.prompt) for r in batch], pad_id)
         new = max(r.max_tokens for r in batch)
         model.generate(
             input_ids=ids,

@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
+from bench.hf_baseline import StepTimes, left_pad
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
@@ -73,26 +74,10 @@ class RunnerLoop:
         return times
 
 
-class StepTimes(LogitsProcessor):
-    """Records when each generation step's logits are ready (a no-op on the scores)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
-
-
 @torch.inference_mode()
 def hf_generate(model, prompts: list[list[int]], num_new_tokens: int) -> list[float]:
     """Static batch, left-padded; returns the time of each generation step."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
+    ids, mask = left_pad(prompts)
     timer = StepTimes()
     model.generate(
         ids,
