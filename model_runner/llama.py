@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 
 from model_runner.attention import AttentionBackend
 from model_runner.attention_metadata import AttentionMetadata
+from model_runner.cpu_linear import PackedLinear, pack_linear
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
@@ -81,54 +82,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may run on a copy of its weight prepacked for oneDNN.
+    """nn.Linear that may run on a packed copy of its weight (CPU, see cpu_linear.py).
 
-    NOTE: on the CPU in float32, oneDNN's blocked weight layout makes the skinny matmuls
-    of decode steps markedly faster than the plain row-major GEMM (see
-    docs/benchmarks.md); `prepack` is called once after the weights are loaded.
+    `pack` is called once after the weights are loaded.
     """
 
-    packed_weight: torch.Tensor | None = None
+    packed: PackedLinear | None = None
 
-    def prepack(self) -> None:
-        self.packed_weight = _prepack(self.weight)
+    def pack(self, weight_dtype: str) -> None:
+        self.packed = pack_linear(self.weight, self.bias, weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed_weight, self.bias)
-
-
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN prepacked linears are used: float32 on a CPU with oneDNN."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def _prepack(weight: torch.Tensor) -> torch.Tensor:
-    # NOTE: the batch size is only a layout hint; any number of rows works.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
-
-
-# NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees
-# every row count up to its token budget, which grew the process by ~1 GB. Row counts are
-# padded to a few buckets (1, 2, 4, multiples of 8 up to 64, then of 32) so the set of
-# shapes stays small; the finer buckets at the low end keep small decode batches cheap.
-def _padded_rows(rows: int) -> int:
-    if rows <= 4:
-        return 1 << (rows - 1).bit_length()
-    step = 8 if rows <= 64 else 32
-    return -(-rows // step) * step
-
-
-def _packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [N, in] @ packed weight -> [N, out], with N padded as `_padded_rows` says."""
-    rows = x.shape[0]
-    padded = _padded_rows(rows)
-    if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:rows]
+        return self.packed(x)
 
 
 class RMSNorm(nn.Module):
@@ -263,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: PackedLinear | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -294,18 +261,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on hidden [N, H]: float32 logits [N, vocab]."""
         if self.packed_lm_head is not None:
-            return _packed_linear(hidden, self.packed_lm_head, None).float()
+            return self.packed_lm_head(hidden).float()
         return F.linear(hidden, self._lm_head_weight()).float()
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    def prepack_weights(self) -> None:
-        """Prepack every projection and the LM head for oneDNN (see `can_prepack`)."""
+    def pack_weights(self, weight_dtype: str) -> None:
+        """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
-        self.packed_lm_head = _prepack(self._lm_head_weight())
+                module.pack(weight_dtype)
+        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -36,7 +36,8 @@ from transformers import (
 )
 
 from model_runner.config import ModelConfig
-from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, can_prepack
+from model_runner.cpu_linear import can_pack, check_weight_dtype
+from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     folder, served_name = resolve_model_folder(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    check_weight_dtype(device, dtype, config.weight_dtype)
     hf_config = _load_hf_config(folder)
     max_model_len = _max_model_len(hf_config, config.max_model_len)
 
@@ -113,8 +115,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.load_weights(_iter_safetensors(folder))
     model.init_rope_cache(max_model_len)
     model.eval()
-    if can_prepack(device, dtype):
-        model.prepack_weights()
+    if can_pack(device, dtype, config.weight_dtype):
+        model.pack_weights(config.weight_dtype)
 
     tokenizer = _load_tokenizer(folder)
     return LoadedModel(

@@ -21,6 +21,7 @@ from types import FrameType
 from bench import client as bench_client
 from bench.client import BenchConfig
 from model_runner.config import ModelConfig
+from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
 
@@ -67,6 +68,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="auto: float32 on the CPU, bfloat16 on CUDA")
+    model.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
+                       help="float16: a float32 CPU model keeps its projection weights in "
+                       "float16 (half the bytes per step, float32 sums; greedy output may "
+                       "differ from float32 on a few tokens)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's, capped by the KV cache)")
     model.add_argument("--attention-backend", choices=("auto", "torch", "triton"),
@@ -123,6 +128,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     model = ModelConfig(
         model=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         device=args.device,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

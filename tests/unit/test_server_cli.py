@@ -64,14 +64,15 @@ def test_every_flag_reaches_its_config() -> None:
         "--max-num-batched-tokens", "256", "--max-model-len", "512",
         "--no-enable-prefix-caching", "--priority-aging-s", "2.5", "--max-waiting", "10",
         "--api-key", "k", "--enforce-eager", "--attention-backend", "torch", "--seed", "3",
-        "--shutdown-grace-s", "1", "--log-level", "warning",
+        "--shutdown-grace-s", "1", "--log-level", "warning", "--weight-dtype", "float16",
     )
     m, s, srv = c.model, c.scheduler, c.server
     assert (m.model, m.device, m.dtype, m.block_size, m.num_kv_blocks) == (
         "/m", "cpu", "bfloat16", 32, 100)
     assert (m.kv_cache_memory, m.gpu_memory_utilization, m.max_model_len) == (
         512 * 1024**2, 0.5, 512)
-    assert (m.enforce_eager, m.attention_backend, m.seed) == (True, "torch", 3)
+    assert (m.enforce_eager, m.attention_backend, m.seed, m.weight_dtype) == (
+        True, "torch", 3, "float16")
     assert (s.policy, s.max_num_seqs, s.max_num_batched_tokens, s.priority_aging_s) == (
         "priority", 4, 256, 2.5)
     assert (srv.served_model_name, srv.host, srv.port, srv.api_key, srv.max_waiting) == (
@@ -87,7 +88,7 @@ def test_scheduling_policy_long_name() -> None:
 @pytest.mark.parametrize(
     "flags",
     [["--policy", "lifo"], ["--block-size", "x"], ["--kv-cache-memory", "lots"],
-     ["--device", "tpu"]],
+     ["--device", "tpu"], ["--weight-dtype", "int8"]],
 )
 def test_bad_flags_exit_2(flags: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
