@@ -66,6 +66,73 @@ def paged_attention(
     return out
 
 
+# A decode group is padded to its longest context. A new group starts where its padding
+# would pass both a share of the group's real blocks and a number of blocks: a group costs
+# a few calls per layer, worth it only when they save more than a little copying.
+_DECODE_PADDING_SHARE = 0.25
+_DECODE_PADDING_BLOCKS = 32
+
+
+@dataclass
+class _DecodeGroup:
+    """Decode sequences of similar context length, attended to in one batched call."""
+
+    rows: torch.Tensor  # [g] int64: the sequences' query rows
+    blocks: torch.Tensor  # [g * num_blocks] int64: their block tables, padded and flattened
+    num_blocks: int
+    mask: torch.Tensor | None  # [g, 1, 1, num_blocks * block_size] bool; None: no padding
+
+
+@dataclass
+class _DecodePlan:
+    """What every layer's decode attention of one step shares: the groups, and the buffers
+    the keys and values are gathered into (allocated once a step, not once a layer)."""
+
+    groups: list[_DecodeGroup]
+    key_buffer: torch.Tensor  # [max over groups of g * num_blocks, *k_cache.shape[1:]]
+    value_buffer: torch.Tensor
+
+
+def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan:
+    """Sort the decode sequences by context length and cut them into groups whose padding
+    stays small (see _DECODE_PADDING_SHARE and _decode_attention)."""
+    block_size = k_cache.shape[1]
+    num_decodes = meta.num_decode_seqs
+    lens = meta.context_lens[:num_decodes].tolist()
+    order = sorted(range(num_decodes), key=lens.__getitem__)
+    spans: list[tuple[int, int]] = []  # [start, end) in `order`
+    start, real = 0, 0
+    for end, row in enumerate(order):
+        num_blocks = -(-lens[row] // block_size)
+        padding = (end - start + 1) * num_blocks - (real + num_blocks)
+        if padding > max(_DECODE_PADDING_SHARE * (real + num_blocks), _DECODE_PADDING_BLOCKS):
+            spans.append((start, end))
+            start, real = end, 0
+        real += num_blocks
+    spans.append((start, num_decodes))
+
+    device = k_cache.device
+    groups = []
+    for start, end in spans:
+        rows = order[start:end]
+        num_blocks = -(-lens[rows[-1]] // block_size)
+        row_index = torch.tensor(rows, device=device)
+        blocks = meta.block_tables[row_index, :num_blocks].flatten().to(torch.int64)
+        group_lens = torch.tensor([lens[r] for r in rows], device=device)
+        mask = None
+        if lens[rows[0]] < num_blocks * block_size:
+            positions = torch.arange(num_blocks * block_size, device=device)
+            mask = (positions[None, :] < group_lens[:, None])[:, None, None, :]
+        groups.append(_DecodeGroup(row_index, blocks, num_blocks, mask))
+    capacity = max(g.blocks.numel() for g in groups)
+    buffer_shape = (capacity, *k_cache.shape[1:])
+    return _DecodePlan(
+        groups,
+        torch.empty(buffer_shape, dtype=k_cache.dtype, device=device),
+        torch.empty(buffer_shape, dtype=k_cache.dtype, device=device),
+    )
+
+
 def _decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -73,29 +140,37 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """One query row per sequence, all sequences in one batched call."""
+    """One query row per sequence; one batched call per group of similar lengths.
+
+    NOTE: attention here is bound by moving keys and values: each group's blocks are
+    gathered (index_select copies whole blocks; advanced indexing goes element by element
+    and is several times slower on the CPU) into buffers the step reuses in every layer,
+    since fresh large buffers cost a page fault per 4 KiB. Grouping by length keeps the
+    padding of a batch of mixed lengths from multiplying the bytes moved.
+    """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    context_lens = meta.context_lens[:num_seqs].to(torch.int64)
-    max_len = int(context_lens.max())
-    num_blocks = -(-max_len // block_size)
-    blocks = meta.block_tables[:num_seqs, :num_blocks].flatten()
-    # NOTE: index_select copies whole blocks; advanced indexing goes element by element
-    # and is several times slower on the CPU.
-    # gathered: [num_seqs, num_blocks * block_size, num_kv_heads, head_dim] -> heads first
-    gathered = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    keys = k_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(gathered).transpose(1, 2)
-    # mask: [num_seqs, 1, 1, padded_len], True where the key exists
-    padded_len = num_blocks * block_size
-    positions = torch.arange(padded_len, device=query.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    # NOTE: the `group` query heads that share a kv head ride in the query-length axis,
-    # which is free here: a decode row sees all its keys, so they all share one mask.
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)  # [seqs, kv_heads, group, dim]
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return o.reshape(num_seqs, num_heads, head_dim)
+    group_size = num_heads // num_kv_heads
+    plan = meta.scratch.get("torch_decode")
+    if plan is None:
+        plan = meta.scratch["torch_decode"] = _decode_plan(meta, k_cache)
+    out = torch.empty_like(query)
+    for g in plan.groups:
+        n = g.rows.numel()
+        # gathered: [n, num_blocks * block_size, num_kv_heads, head_dim] -> heads first
+        gathered = (n, g.num_blocks * block_size, num_kv_heads, head_dim)
+        keys = plan.key_buffer[: g.blocks.numel()]
+        values = plan.value_buffer[: g.blocks.numel()]
+        torch.index_select(k_cache, 0, g.blocks, out=keys)
+        torch.index_select(v_cache, 0, g.blocks, out=values)
+        keys = keys.view(gathered).transpose(1, 2)
+        values = values.view(gathered).transpose(1, 2)
+        # NOTE: the `group_size` query heads that share a kv head ride in the query-length
+        # axis, which is free here: a decode row sees all its keys, so they share one mask.
+        q = query.index_select(0, g.rows).view(n, num_kv_heads, group_size, head_dim)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, scale=scale)
+        out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
+    return out
 
 
 def _prefill_attention(

@@ -7,11 +7,16 @@ values are written into the paged cache at slot_mapping (slot = block * block_si
 offset); attention then reads every key and value of sequence i (context_lens[i] of them)
 from the cache through block_tables[i], with the causal offset: query row at position p
 sees keys at positions 0..p.
+
+A backend may keep what it derives from the metadata once per step (and reuses in every
+layer) in `scratch`; a new step brings a new AttentionMetadata, or empties the scratch of
+a reused one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +30,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     num_decode_seqs: int = 0  # the first num_decode_seqs sequences have query_len == 1
+    scratch: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -234,10 +234,12 @@ class DecodeGraphRunner:
 
     def _run(self, batch_size: int, kv_caches: KVCaches) -> None:
         """The forward of one bucket on the static buffers, into the static output."""
+        meta = self._metas[batch_size]
+        meta.scratch.clear()  # static metadata, new contents: a new step
         hidden = self.model(
             self.input_ids[:batch_size],
             self.positions[:batch_size],
-            self._metas[batch_size],
+            meta,
             kv_caches,
             self.attn,
         )  # [batch_size, H]

@@ -35,7 +35,7 @@ def run_case(
     num_kv_heads: int = 2,
     head_dim: int = 32,
     seed: int = 0,
-) -> None:
+) -> AttentionMetadata:
     gen = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-ctx // block_size) for ctx, _ in seqs)
     num_blocks = len(seqs) * max_blocks + 3
@@ -72,6 +72,7 @@ def run_case(
     )
     out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=2e-5, rtol=1e-5)
+    return meta
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -87,6 +88,23 @@ def test_chunks_with_cached_prefix(block_size):
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 def test_decode_batch(block_size):
     run_case([(1, 1), (9, 1), (16, 1), (17, 1), (70, 1)], block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_decode_batch_of_far_apart_lengths_in_groups(block_size):
+    """Lengths in scrambled order, far enough apart that the batch is cut into several
+    groups of similar length, each padded only to its own longest."""
+    lengths = [300, 2, 150, 299, 40, 1, 151, 41, 260, 3]
+    meta = run_case([(n, 1) for n in lengths], block_size, seed=block_size)
+    groups = meta.scratch["torch_decode"].groups
+    assert len(groups) > 1
+    assert sorted(r for g in groups for r in g.rows.tolist()) == list(range(len(lengths)))
+
+
+def test_decode_batch_of_equal_lengths_needs_no_mask():
+    meta = run_case([(32, 1), (32, 1), (32, 1)], 16)
+    (group,) = meta.scratch["torch_decode"].groups
+    assert group.mask is None
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3), (8, 1)])
