@@ -201,9 +201,10 @@ def bench_variant(
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
     """Share of positions with the reference's token, and of sequences identical to it."""
-    pairs = [(a, b) for x, y in zip(tokens, reference, strict=True) for a, b in zip(x, y)]
+    seqs = list(zip(tokens, reference, strict=True))
+    pairs = [(a, b) for x, y in seqs for a, b in zip(x, y, strict=True)]
     positions = sum(a == b for a, b in pairs) / len(pairs)
-    same = sum(x == y for x, y in zip(tokens, reference, strict=True))
+    same = sum(x == y for x, y in seqs)
     return f"{positions:.1%} of tokens, {same}/{len(reference)} sequences identical"
 
 
