@@ -2,14 +2,15 @@
 
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
 
-Systems: `pagedserve` and `llama-server` (llama.cpp, built separately: --llama-server
-PATH) are started as servers here and driven by bench.client over HTTP; `hf-seq`,
-`hf-static` and `hf-cb` are Hugging Face `generate` sequential, static batching and
-continuous batching, run in this process on the same converted weights. Every output is
-forced to its requested length. Prints one table per workload with each system's output
-tokens/s and its ratio to every baseline; --json writes the raw results too. WP also
-measures the high-priority TTFT on an idle server and the low-priority throughput
-without high-priority arrivals, the two references of its targets.
+Systems: `pagedserve` (float32), `pagedserve-fp16w` (`--weight-dtype float16`) and
+`llama-server` (llama.cpp, built separately: --llama-server PATH) are started as servers
+here and driven by bench.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
+Face `generate` sequential, static batching and continuous batching, run in this process
+on the same converted weights. Every output is forced to its requested length. Prints one
+table per workload with each system's output tokens/s and its ratio to every baseline;
+--json writes the raw results too. WP also measures the high-priority TTFT on an idle
+server and the low-priority throughput without high-priority arrivals, the two
+references of its targets.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from bench.client import BenchConfig, run_items
 from bench.server_process import ServerProcess, free_port, pagedserve_command
 from bench.workloads import WORKLOADS, BenchItem, Workload
 
-SERVERS = ("pagedserve", "llama-server")
+# pagedserve as served by default (float32, exact) and on float16 weights
+PAGEDSERVE_VARIANTS = {"pagedserve": [], "pagedserve-fp16w": ["--weight-dtype", "float16"]}
+SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server")
 HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
 
 
@@ -46,8 +49,11 @@ def _server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
         server.remove_log()
 
 
-def pagedserve_cmd(port: int, args: argparse.Namespace, num_kv_blocks: int | None) -> list[str]:
+def pagedserve_cmd(
+    system: str, port: int, args: argparse.Namespace, num_kv_blocks: int | None
+) -> list[str]:
     flags = ["--scheduling-policy", "priority", "--dtype", args.dtype, "--log-level", "warning"]
+    flags += PAGEDSERVE_VARIANTS[system]
     if num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(num_kv_blocks)]
     return pagedserve_command(port, flags + args.pagedserve_args.split())
@@ -92,8 +98,9 @@ def run_server(system: str, workload: Workload, args: argparse.Namespace) -> lis
     """Start the server once, run the workload (and WP's references) against it."""
     port = free_port()
     log = Path(args.log_dir) / f"{system}-{workload.name}.log"
-    if system == "pagedserve":
-        cmd = pagedserve_cmd(port, args, args.wp_kv_blocks if workload.name == "WP" else None)
+    if system in PAGEDSERVE_VARIANTS:
+        num_kv_blocks = args.wp_kv_blocks if workload.name == "WP" else None
+        cmd = pagedserve_cmd(system, port, args, num_kv_blocks)
     else:
         cmd = llama_server_cmd(port, args, workload)
     results = []
@@ -162,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="W0,W1,WV,WP")
     parser.add_argument("--systems", default=None,
-                        help="default: pagedserve,hf-static,hf-seq,hf-cb, and llama-server "
-                        "when --llama-server is given")
+                        help="default: pagedserve,pagedserve-fp16w,hf-static,hf-seq,hf-cb, and "
+                        "llama-server when --llama-server is given")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every request count")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     args = parser.parse_args(argv)
-    default = "pagedserve,llama-server," if args.llama_server else "pagedserve,"
+    default = "pagedserve,pagedserve-fp16w," + ("llama-server," if args.llama_server else "")
     systems = (args.systems or default + "hf-static,hf-seq,hf-cb").split(",")
     unknown = set(systems) - set(SERVERS) - set(HF_SYSTEMS)
     if unknown:
