@@ -34,6 +34,8 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LEN = 16
 PREFILL_LEN = 512
 BLOCK_SIZE = 16
+# the long-context decode row: WV's batch and range of contexts
+LONG_BATCH, LONG_CONTEXTS = 64, (32, 768)
 
 
 def make_prompts(batch_size: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -95,6 +97,24 @@ def hf_generate(model, prompts: list[list[int]], num_new_tokens: int) -> list[fl
     return timer.times
 
 
+def long_context_decode(runner: ModelRunner, steps: int) -> tuple[float, int]:
+    """Median decode step of LONG_BATCH sequences at contexts random in LONG_CONTEXTS, and
+    their total context. The cache is not filled first: attention moves the same bytes
+    whatever the cache holds, and a prefill of that many tokens would take a minute."""
+    gen = torch.Generator().manual_seed(0)
+    contexts = torch.randint(*LONG_CONTEXTS, (LONG_BATCH,), generator=gen).tolist()
+    width = -(-LONG_CONTEXTS[1] // runner.block_size)
+    requests = [
+        ScheduledRequest(str(i), [7], n - 1, list(range(i * width, (i + 1) * width)), True,
+                         GREEDY, [7] * (n - 1), [7])
+        for i, n in enumerate(contexts)
+    ]
+    elapsed = [_timed(lambda: runner.execute(SchedulerOutput(scheduled=requests)))
+               for _ in range(steps)]
+    runner.execute(SchedulerOutput(finished_ids=[r.request_id for r in requests]))
+    return statistics.median(elapsed), sum(contexts)
+
+
 def decode_tps(times: list[float], batch_size: int) -> float:
     """Tokens/s from the median step time (robust to a machine shared with others)."""
     return batch_size / statistics.median(b - a for a, b in itertools.pairwise(times))
@@ -126,15 +146,16 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def decode_floor_s(
-    loaded: LoadedModel, weight_dtype: str, batch_size: int, context_len: int, bandwidth: float
+    loaded: LoadedModel, weight_dtype: str, total_context: int, bandwidth: float
 ) -> float:
-    """Weights (the tied LM head once) plus the KV bytes a decode step reads, over bandwidth."""
+    """Weights (the tied LM head once) plus the KV bytes a decode step reads (keys and
+    values of `total_context` tokens over all sequences), over bandwidth."""
     model = loaded.model
     weight_size = 2 if weight_dtype == "float16" else loaded.dtype.itemsize
     weight_bytes = sum(p.numel() for p in model.parameters()) * weight_size
     cfg = loaded.hf_config
     kv_bytes = (
-        batch_size * context_len * cfg.num_hidden_layers * 2 * model.num_kv_heads
+        total_context * cfg.num_hidden_layers * 2 * model.num_kv_heads
         * model.head_dim * loaded.dtype.itemsize
     )
     return (weight_bytes + kv_bytes) / bandwidth
@@ -160,7 +181,7 @@ def bench_variant(
         weight_dtype=weight_dtype,
         device="cpu",
         block_size=BLOCK_SIZE,
-        num_kv_blocks=1024,
+        num_kv_blocks=LONG_BATCH * -(-LONG_CONTEXTS[1] // BLOCK_SIZE),
     )
     loaded: LoadedModel = load_model(config)
     ours = RunnerLoop(ModelRunner(loaded, config))
@@ -181,14 +202,21 @@ def bench_variant(
         ours_tps = decode_tps(ours.generate(prompts, decode_steps + 1)[0], batch_size)
         hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
         rows.append((variant, f"decode batch {batch_size}", ours_tps, hf_tps))
-        floor_ms = 1000 * decode_floor_s(
-            loaded, weight_dtype, batch_size, PROMPT_LEN + decode_steps, bandwidth
-        )
+        total_context = batch_size * (PROMPT_LEN + decode_steps)
+        floor_ms = 1000 * decode_floor_s(loaded, weight_dtype, total_context, bandwidth)
         print(
             f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s   "
             f"step {1000 * batch_size / ours_tps:.1f} ms, bandwidth floor {floor_ms:.1f} ms",
             flush=True,
         )
+
+    step_s, total_context = long_context_decode(ours.runner, decode_steps)
+    low, high = LONG_CONTEXTS
+    workload = f"decode batch {LONG_BATCH} ctx {low}..{high}"
+    rows.append((variant, workload, LONG_BATCH / step_s, None))
+    floor_ms = 1000 * decode_floor_s(loaded, weight_dtype, total_context, bandwidth)
+    print(f"  {rows[-1][1]:<22} ours {rows[-1][2]:8.1f} tok/s   step {1000 * step_s:.1f} ms, "
+          f"bandwidth floor {floor_ms:.1f} ms", flush=True)
 
     (prompt,) = torch.randint(1000, vocab, (1, PREFILL_LEN)).tolist()
     ours_tps = best_prefill_tps(lambda: ours.generate([prompt], 1), prefill_repeats)
@@ -242,7 +270,10 @@ def main() -> None:
     print("\n| dtype | workload | pagedserve runner tok/s | HF generate tok/s | ratio |")
     print("|---|---|---|---|---|")
     for variant, workload, ours, hf in rows:
-        print(f"| {variant} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
+        if hf is None:  # no HF counterpart
+            print(f"| {variant} | {workload} | {ours:.1f} | - | - |")
+        else:
+            print(f"| {variant} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
     if "float32" in tokens:
         for variant in tokens.keys() - {"float32"}:
             print(
