@@ -9,7 +9,8 @@ schedule():
      decode, a chunk for an unfinished prefill) within the budget; when the KV pool is
      out of blocks, a victim is preempted (`pick_lowest_priority` or
      `pick_latest_admitted`), possibly the request itself;
-  2. then, unless step 1 preempted anyone, waiting requests in policy order are admitted
+  2. then, unless step 1 preempted anyone (under priority: only requests more urgent than
+     every one preempted), waiting requests in policy order are admitted
      while seats, budget and blocks last. Under priority, a waiting request that does not
      fit preempts running requests of strictly worse priority (`_admit_by_preempting`).
      The first request that cannot be admitted is parked in `skipped_waiting` and
@@ -200,9 +201,15 @@ class Scheduler:
         step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
         self.waiting.age(step.now)
         self._schedule_running(step)
-        # NOTE: a preemption means the pool is short now: admitting would only thrash.
         if not step.preempted:
             self._schedule_waiting(step)
+        elif self.policy is SchedulingPolicy.PRIORITY:
+            # NOTE: a preemption means the pool is short now: admitting would only thrash,
+            # except a request more urgent than every one just preempted. It would take
+            # their blocks anyway (`_admit_by_preempting`), none of them can come straight
+            # back, and it need not wait for a step without preemptions, which in a full
+            # pool is rare.
+            self._schedule_waiting(step, must_beat=min(r.priority for r in step.preempted))
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
         return self._build_output(step)
@@ -368,10 +375,13 @@ class Scheduler:
         step.preempted.append(request)
         self.num_preemptions_total += 1
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: _Step, must_beat: int | None = None) -> None:
+        """Admit waiting requests in policy order; with `must_beat`, only requests of a
+        strictly better (smaller) base priority."""
         while self.waiting and step.budget > 0:
             request = self.waiting.pop()
-            if not self._admit(request, step):
+            too_late = must_beat is not None and request.priority >= must_beat
+            if too_late or not self._admit(request, step):
                 self.skipped_waiting.add(request)
                 return
 

@@ -263,6 +263,27 @@ def test_preemption_step_admits_nobody() -> None:
     assert "r5" not in scheduled_ids(out)
 
 
+def test_preemption_step_admits_only_requests_more_urgent_than_its_victims() -> None:
+    """Under priority, a full pool that preempts every step must not keep an urgent
+    request waiting: it is admitted in the preempting step; a request no better than the
+    victim is not."""
+    scheduler = make_scheduler(policy="priority", num_blocks=8)
+    running = make_requests(3, 7, 10, priorities=[5, 5, 5])
+    add_all(scheduler, running)
+    step(scheduler)  # 3 x 2 blocks of 8
+    step(scheduler)  # token 8 still fits in block 2
+    (urgent,) = make_requests(1, 3, 4, priorities=[0], first_id=10, first_arrival=10)
+    (lax,) = make_requests(1, 3, 4, priorities=[9], first_id=11, first_arrival=11)
+    add_all(scheduler, [urgent, lax])
+    out, _ = step(scheduler)  # r0 and r1 take the 2 free blocks; r2 preempts itself
+    assert out.preempted_ids == ["r2"]
+    assert scheduled_ids(out) == ["r0", "r1", "r10"]
+    assert lax.status is RequestStatus.WAITING
+    run_until_done(scheduler)
+    requests = [*running, urgent, lax]
+    assert {r.request_id: r.output_token_ids for r in requests} == undisturbed_outputs(requests)
+
+
 # ---- priority admission ----
 
 
