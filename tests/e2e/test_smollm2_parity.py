@@ -82,3 +82,26 @@ def test_batched_greedy_matches_generate(loaded, prompts, expected):
 
 def test_chunked_greedy_matches_generate(loaded, prompts, expected):
     assert run(loaded, prompts, chunk_size=13) == expected
+
+
+def test_float16_weights_match_generate_on_rounded_weights(prompts):
+    """--weight-dtype float16 on the real model: the same tokens as HF `generate` with the
+    projection and LM-head weights rounded to float16 (the embedding lookup stays float32
+    on both sides, so the tied LM head is untied on the HF side)."""
+    loaded = load_model(ModelConfig(model=None, weight_dtype="float16", num_kv_blocks=1))
+    hf = AutoModelForCausalLM.from_pretrained(
+        loaded.model_path, dtype=torch.float32, local_files_only=True
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("proj.weight"):
+                param.copy_(param.half().float())
+        hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().half().float())
+    expected = [
+        hf.generate(
+            torch.tensor([p]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    assert run(loaded, prompts, chunk_size=None) == expected
