@@ -146,13 +146,11 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def decode_floor_s(
-    loaded: LoadedModel, weight_dtype: str, total_context: int, bandwidth: float
+    loaded: LoadedModel, weight_bytes: int, total_context: int, bandwidth: float
 ) -> float:
-    """Weights (the tied LM head once) plus the KV bytes a decode step reads (keys and
-    values of `total_context` tokens over all sequences), over bandwidth."""
+    """Weight bytes plus the KV bytes a decode step reads (keys and values of
+    `total_context` tokens over all sequences), over bandwidth."""
     model = loaded.model
-    weight_size = 2 if weight_dtype == "float16" else loaded.dtype.itemsize
-    weight_bytes = sum(p.numel() for p in model.parameters()) * weight_size
     cfg = loaded.hf_config
     kv_bytes = (
         total_context * cfg.num_hidden_layers * 2 * model.num_kv_heads
@@ -189,6 +187,9 @@ def bench_variant(
         loaded.model_path, dtype=loaded.dtype, local_files_only=True
     ).eval()
     hf.generation_config.eos_token_id = None  # fixed lengths
+    # the tied LM head once; float16 weights are 2 bytes
+    weight_size = 2 if weight_dtype == "float16" else loaded.dtype.itemsize
+    weight_bytes = sum(p.numel() for p in hf.parameters()) * weight_size
     vocab = int(loaded.hf_config.vocab_size)
     warm = make_prompts(2, vocab, seed=1)
     ours.generate(warm, 3)
@@ -203,7 +204,7 @@ def bench_variant(
         hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
         rows.append((variant, f"decode batch {batch_size}", ours_tps, hf_tps))
         total_context = batch_size * (PROMPT_LEN + decode_steps)
-        floor_ms = 1000 * decode_floor_s(loaded, weight_dtype, total_context, bandwidth)
+        floor_ms = 1000 * decode_floor_s(loaded, weight_bytes, total_context, bandwidth)
         print(
             f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s   "
             f"step {1000 * batch_size / ours_tps:.1f} ms, bandwidth floor {floor_ms:.1f} ms",
@@ -214,7 +215,7 @@ def bench_variant(
     low, high = LONG_CONTEXTS
     workload = f"decode batch {LONG_BATCH} ctx {low}..{high}"
     rows.append((variant, workload, LONG_BATCH / step_s, None))
-    floor_ms = 1000 * decode_floor_s(loaded, weight_dtype, total_context, bandwidth)
+    floor_ms = 1000 * decode_floor_s(loaded, weight_bytes, total_context, bandwidth)
     print(f"  {rows[-1][1]:<22} ours {rows[-1][2]:8.1f} tok/s   step {1000 * step_s:.1f} ms, "
           f"bandwidth floor {floor_ms:.1f} ms", flush=True)
 

@@ -84,18 +84,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Linear(nn.Linear):
     """nn.Linear that may run on a packed copy of its weight (CPU, see cpu_linear.py).
 
-    `pack` is called once after the weights are loaded.
+    `pack` is called once after the weights are loaded; the packed copy is then the only
+    one (the plain weight is dropped, so the weights are not held twice).
     """
 
     packed: PackedLinear | None = None
 
     def pack(self, weight_dtype: str) -> None:
         self.packed = pack_linear(self.weight, self.bias, weight_dtype)
+        self.weight = _dropped(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.packed(x)
+
+
+def _dropped(weight: nn.Parameter) -> nn.Parameter:
+    """An empty stand-in for a weight whose packed copy replaced it."""
+    return nn.Parameter(weight.new_empty(0), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -272,6 +279,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(weight_dtype)
         self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype)
+        if not self.tie_word_embeddings:  # a tied one is the embedding table too
+            self.lm_head.weight = _dropped(self.lm_head.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -39,6 +39,7 @@ def test_onednn_linear_matches_plain(rows: int, bias: bool) -> None:
         got = linear(x)
     assert got.shape == (rows, 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert linear.weight.numel() == 0  # the packed copy is the only one
 
 
 def test_row_buckets_are_few_and_cover_every_count() -> None:
@@ -56,13 +57,14 @@ def test_float16_weights_match_plain_on_rounded_weights(rows: int, bias: bool) -
     linear = Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
     expected = F.linear(x, linear.weight.half().float(), linear.bias)
+    unrounded = F.linear(x, linear.weight, linear.bias)
     linear.pack("float16")
     with torch.inference_mode():
         got = linear(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # and the rounding is really there: the float32 weights give other numbers
-    assert not torch.allclose(got, F.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-7)
+    assert not torch.allclose(got, unrounded, rtol=0, atol=1e-7)
 
 
 @needs_fbgemm
