@@ -99,11 +99,12 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan:
     block_size = k_cache.shape[1]
     num_decodes = meta.num_decode_seqs
     lens = meta.context_lens[:num_decodes].tolist()
+    blocks_of = [-(-n // block_size) for n in lens]
     order = sorted(range(num_decodes), key=lens.__getitem__)
     spans: list[tuple[int, int]] = []  # [start, end) in `order`
     start, real = 0, 0
     for end, row in enumerate(order):
-        num_blocks = -(-lens[row] // block_size)
+        num_blocks = blocks_of[row]
         padding = (end - start + 1) * num_blocks - (real + num_blocks)
         if padding > max(_DECODE_PADDING_SHARE * (real + num_blocks), _DECODE_PADDING_BLOCKS):
             spans.append((start, end))
@@ -115,7 +116,7 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan:
     groups = []
     for start, end in spans:
         rows = order[start:end]
-        num_blocks = -(-lens[rows[-1]] // block_size)
+        num_blocks = blocks_of[rows[-1]]  # the longest of the group
         row_index = torch.tensor(rows, device=device)
         blocks = meta.block_tables[row_index, :num_blocks].flatten().to(torch.int64)
         group_lens = torch.tensor([lens[r] for r in rows], device=device)
@@ -148,7 +149,7 @@ def _decode_attention(
     since fresh large buffers cost a page fault per 4 KiB. Grouping by length keeps the
     padding of a batch of mixed lengths from multiplying the bytes moved.
     """
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     plan = meta.scratch.get("torch_decode")

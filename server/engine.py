@@ -607,10 +607,10 @@ def create_engine(
     The context length is the model's (or model_config.max_model_len), capped to what
     the KV cache holds. Loading errors are raised here.
 
-    NOTE: the model runs on the thread that loaded it. Torch ops that open OpenMP
-    parallel regions on a second thread, after the loading thread opened its own,
-    run each decode step ~40% slower on a 2-core CPU (22 -> 32 ms at batch 1 on float16
-    weights): libgomp then keeps two thread pools for two cores.
+    NOTE: the model runs on the thread that loaded it. Run on a second thread after the
+    loading thread had opened OpenMP parallel regions, every parallel op (the GEMMs,
+    SDPA) was slower and a decode step ~40% slower on a 2-core CPU (22 -> 32 ms at batch 1
+    on float16 weights; measured, cause in libgomp not pinned down).
     """
     built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
 

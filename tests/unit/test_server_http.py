@@ -4,45 +4,16 @@ graceful shutdown and the bench client, all without a model."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from bench.client import format_summary, run_bench
-from server.app import build_app
 from server.cli import build_bench_config, build_parser
-from server.config import ServerConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, engine, config: ServerConfig) -> None:
-        self.engine = engine
-        self.url = f"http://127.0.0.1:{config.port}"
-        self.server = uvicorn.Server(uvicorn.Config(
-            build_app(engine, config), host="127.0.0.1", port=config.port, log_level="warning",
-            timeout_graceful_shutdown=config.shutdown_grace_s,
-        ))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+from tests.reliability_helpers import LiveServer
 
 
 @pytest.fixture
@@ -53,7 +24,7 @@ def live(make_fake_engine) -> Iterator:
         engine = make_fake_engine(policy=policy, start=False)
         if step_s:
             engine.fault_hook = lambda plan: time.sleep(step_s)
-        server = LiveServer(engine, ServerConfig(port=free_port(), **config))
+        server = LiveServer(engine, **config)
         servers.append(server)
         return server
 
