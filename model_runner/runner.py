@@ -108,7 +108,9 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
-        self.attn = select_attention_backend(config.attention_backend, self.device)
+        self.attn = select_attention_backend(
+            config.attention_backend, self.device, self.model.head_dim
+        )
         self.sampler = Sampler(self.device, loaded.eos_token_ids, config.seed)
         self._generators: dict[str, torch.Generator] = {}
         # CUDA graphs for decode-only steps (None: every step runs eagerly)

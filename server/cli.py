@@ -20,6 +20,7 @@ from types import FrameType
 
 from bench import client as bench_client
 from bench.client import BenchConfig
+from model_runner.attention import ATTENTION_BACKENDS
 from model_runner.config import ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
@@ -74,8 +75,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        "differ from float32 on a few tokens)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's, capped by the KV cache)")
-    model.add_argument("--attention-backend", choices=("auto", "torch", "triton"),
-                       default="auto")
+    model.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="auto: triton on CUDA, the C++ kernels (cpu) on the CPU when they "
+                       "build, else the torch reference")
     model.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: no CUDA graphs for decode")
     model.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")

@@ -88,12 +88,19 @@ class TinyModel:
     hf: torch.nn.Module
     loaded: LoadedModel
 
-    def runner(self, block_size: int = 4, num_kv_blocks: int = 256, seed: int = 0):
+    def runner(
+        self,
+        block_size: int = 4,
+        num_kv_blocks: int = 256,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ):
         config = ModelConfig(
             model=self.loaded.model_path,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             seed=seed,
+            attention_backend=attention_backend,
         )
         return ModelRunner(self.loaded, config)
 

@@ -130,7 +130,12 @@ def test_write_kv_cache_places_tokens_at_slots():
 
 def test_backend_selection_on_cpu():
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu) is TORCH_BACKEND
-    assert select_attention_backend("torch", cpu) is TORCH_BACKEND
+    assert select_attention_backend("torch", cpu, 64) is TORCH_BACKEND
+    # a head_dim the C++ kernels do not take: auto falls back, asking for them fails
+    assert select_attention_backend("auto", cpu, 36) is TORCH_BACKEND
+    with pytest.raises(ValueError, match="multiples of 8"):
+        select_attention_backend("cpu", cpu, 36)
     with pytest.raises(ValueError, match="CUDA"):
-        select_attention_backend("triton", cpu)
+        select_attention_backend("triton", cpu, 64)
+    with pytest.raises(ValueError, match="unknown"):
+        select_attention_backend("flash", cpu, 64)

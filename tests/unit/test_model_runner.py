@@ -89,6 +89,15 @@ def test_batched_requests_of_different_lengths(tiny: TinyModel):
     assert outputs == [tiny.generate(s.prompt, 10) for s in seqs]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_attention_backends_match_generate(tiny: TinyModel, backend: str):
+    # "auto" picks "cpu" (the C++ kernels) on the CPU; the reference must agree too
+    seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
+    runner = tiny.runner(block_size=8, attention_backend=backend)
+    assert runner.attn.name == backend
+    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 10) for s in seqs]
+
+
 @pytest.mark.parametrize("block_size,chunk_size", [(4, 5), (16, 7), (1, 3)])
 def test_chunked_prefill_matches_generate(llama: TinyModel, block_size, chunk_size):
     seqs = greedy_seqs([23, 9, 31], max_tokens=8, seed=2)

@@ -11,6 +11,7 @@ position past the context turns its output into NaN and fails the comparison.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -24,7 +25,8 @@ if not ON_CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from model_runner import triton_attention as ta  # noqa: E402
-from model_runner.attention_metadata import AttentionMetadata  # noqa: E402
+from tests import attention_helpers  # noqa: E402
+from tests.attention_helpers import assert_close, dense_reference  # noqa: E402
 
 if not ON_CUDA:
     from triton.runtime.interpreter import InterpretedFunction
@@ -36,11 +38,6 @@ if not ON_CUDA:
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 SMALL_TILES = ta.TileConfig(prefill_block_m=16, prefill_block_n=16, decode_block_n=16,
                             num_splits=1)
-TOLERANCE = {  # (atol, rtol) against a float64 reference of the same (rounded) inputs
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (5e-3, 1e-2),
-    torch.bfloat16: (3e-2, 5e-2),
-}
 # NOTE: Triton 3.x's interpreter stores bfloat16 as uint16 and its tl.dot multiplies those
 # bit patterns as integers, so bf16 attention can only be checked on a GPU. Loads, stores
 # and casts of bf16 are fine (write_kv_cache is tested in bf16 everywhere).
@@ -52,111 +49,7 @@ BF16_DOT_REASON = "Triton's interpreter computes tl.dot on bfloat16 bit patterns
 # --------------------------------------------------------------------------------------
 
 
-class Batch:
-    """One step's inputs: queries, caches holding every key of every sequence, metadata."""
-
-    def __init__(
-        self,
-        query_lens: list[int],
-        context_lens: list[int],
-        *,
-        block_size: int = 16,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        head_dim: int = 64,
-        dtype: torch.dtype = torch.float32,
-        num_decode_seqs: int = 0,
-        num_padding_rows: int = 0,
-        seed: int = 0,
-    ) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        num_seqs = len(query_lens)
-        blocks_per_seq = [-(-c // block_size) for c in context_lens]
-        # Block 0 is never allocated: padded block-table entries point at NaN.
-        num_blocks = 1 + sum(blocks_per_seq) + 2
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        v_cache = torch.full(shape, float("nan"), dtype=dtype)
-        # Scattered, shuffled blocks, so that a wrong block-table lookup shows.
-        free = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()
-        block_tables = torch.zeros(num_seqs, max(max(blocks_per_seq), 1), dtype=torch.int32)
-        slots = []  # per sequence: the slot of every position
-        for i, n in enumerate(blocks_per_seq):
-            blocks = [free.pop() for _ in range(n)]
-            block_tables[i, :n] = torch.tensor(blocks, dtype=torch.int32)
-            slots.append([blocks[p // block_size] * block_size + p % block_size
-                          for p in range(context_lens[i])])
-        num_tokens = sum(query_lens) + num_padding_rows
-        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        row = 0
-        for i, (q_len, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
-            cached = slots[i][: ctx - q_len]
-            flat_k[cached] = torch.randn(len(cached), num_kv_heads, head_dim,
-                                         generator=gen).to(dtype)
-            flat_v[cached] = torch.randn(len(cached), num_kv_heads, head_dim,
-                                         generator=gen).to(dtype)
-            slot_mapping[row: row + q_len] = torch.tensor(slots[i][ctx - q_len:])
-            row += q_len
-        # This step's new keys and values (padding rows carry junk and slot -1).
-        self.new_k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-        self.new_v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-        self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
-        self.meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(DEVICE),
-            query_start_loc=query_start_loc.to(DEVICE),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-            block_tables=block_tables.to(DEVICE),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            num_decode_seqs=num_decode_seqs,
-        )
-        self.k_cache, self.v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
-        self.new_k, self.new_v = self.new_k.to(DEVICE), self.new_v.to(DEVICE)
-        self.query = self.query.to(DEVICE)
-        self.num_rows = sum(query_lens)
-        self.scale = head_dim**-0.5
-
-    def write_new_kv_with_torch(self) -> None:
-        """Store the new keys/values with plain indexing (attention-only tests)."""
-        valid = self.meta.slot_mapping >= 0
-        slots = self.meta.slot_mapping[valid]
-        heads, dim = self.k_cache.shape[2:]
-        self.k_cache.view(-1, heads, dim)[slots] = self.new_k[valid]
-        self.v_cache.view(-1, heads, dim)[slots] = self.new_v[valid]
-
-
-def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Gather each sequence's keys by its block table, then dense causal-with-offset
-    softmax attention in float64. Rows outside every sequence come back as 0."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = query.shape[1] // num_kv_heads
-    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-    starts = meta.query_start_loc.tolist()
-    for i, ctx in enumerate(meta.context_lens.tolist()):
-        start, end = starts[i], starts[i + 1]
-        blocks = meta.block_tables[i, : -(-ctx // block_size)].long()
-        # keys, values: [ctx, num_heads, head_dim]
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        keys = keys.double().repeat_interleave(group, dim=1)
-        values = values.double().repeat_interleave(group, dim=1)
-        q = query[start:end].double()  # [q_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        positions = ctx - (end - start) + torch.arange(end - start, device=query.device)
-        visible = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-    return out
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, num_rows: int) -> None:
-    atol, rtol = TOLERANCE[out.dtype]
-    torch.testing.assert_close(out[:num_rows].double(), ref[:num_rows], atol=atol, rtol=rtol)
+Batch = functools.partial(attention_helpers.Batch, device=DEVICE)
 
 
 def skip_bf16_in_interpreter(dtype: torch.dtype) -> None:

@@ -1,0 +1,50 @@
+"""The "cpu" attention backend: the C++ kernels of csrc/cpu_attention.cpp.
+
+Decode rows read their keys and values straight from the paged cache (the torch
+reference gathers them first); prompt chunks use the reference's prefill path, whose
+time goes to matmul-shaped work that torch's fused CPU attention already does well.
+`write_kv_cache` and `paged_attention` have the signatures of model_runner/attention.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_runner.attention import prefill_attention
+from model_runner.attention_metadata import AttentionMetadata
+from model_runner.cpu_kernels import load_cpu_kernels
+
+load_cpu_kernels()  # registers torch.ops.pagedserve.*
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """As attention.write_kv_cache: negative slots are skipped, without a host sync."""
+    torch.ops.pagedserve.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """As attention.paged_attention."""
+    num_decodes = meta.num_decode_seqs
+    if num_decodes == meta.num_seqs:
+        return torch.ops.pagedserve.decode_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    out = torch.empty_like(query)
+    if num_decodes > 0:
+        out[:num_decodes] = torch.ops.pagedserve.decode_attention(
+            query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        )
+    prefill_attention(query, k_cache, v_cache, meta, scale, out)
+    return out

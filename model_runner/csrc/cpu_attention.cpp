@@ -1,0 +1,255 @@
+// Paged decode attention and KV-cache writes for the CPU, as torch ops
+// (torch.ops.pagedserve.*). Keys and values are read once, straight from their blocks:
+// the torch reference (model_runner/attention.py) gathers them into contiguous buffers
+// first, which moves every byte three times. model_runner/cpu_kernels.py builds this file.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Eight floats in a vector register (GCC/Clang vector extension; AVX when compiled for it).
+typedef float Vec8 __attribute__((vector_size(32)));
+
+template <typename T>
+inline Vec8 load8(const T* p) {
+  Vec8 v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+}
+
+inline float sum8(Vec8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// q . k over R registers, summed as a tree: a chain of R dependent FMAs would stall.
+template <typename T>
+inline float dot(const Vec8* q, const T* k, int R) {
+  Vec8 part[4] = {};
+  for (int r = 0; r < R; ++r) part[r % 4] += q[r] * load8(k + r * 8);
+  return sum8((part[0] + part[1]) + (part[2] + part[3]));
+}
+
+constexpr int MAX_HEAD_DIM = 256;
+
+typedef int32_t Int32x8 __attribute__((vector_size(32)));
+
+// e^x for x <= 0, to float32 precision (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-6 polynomial in r, times 2^n). Inputs below -87 give ~1e-38 instead of 0.
+inline Vec8 exp8(Vec8 x) {
+  const Vec8 lowest = Vec8{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const Vec8 t = x * 1.44269504088896341f + 0.5f;  // x / ln2, rounded below by floor
+  Int32x8 n = __builtin_convertvector(t, Int32x8);  // truncates toward zero
+  Vec8 nf = __builtin_convertvector(n, Vec8);
+  const Int32x8 above = nf > t;                      // -1 where truncation rounded up
+  n += above;
+  nf = __builtin_convertvector(n, Vec8);
+  const Vec8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Int32x8 bits = (n + 127) << 23;
+  Vec8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Blocks are scattered, so the hardware prefetcher misses the jump to the next one.
+inline void prefetch(const char* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+// One sequence, in one pass over its blocks (online softmax): for each kv head and each
+// query head of its group, the block's keys are scored, the running maximum, sum and
+// output rescaled when the maximum grows, and the block's values added. A block's rows
+// stay in cache across the group's heads; the query and the output row stay in registers
+// (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
+// constants, 0 takes head_dim at run time). Float32 throughout.
+template <int STATIC_D, typename T>
+void decode_one(int head_dim, const T* q_in, const T* k_all, const T* v_all, const int32_t* table,
+                int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                int64_t block_stride, float scale, float* scores, Vec8* acc, T* out) {
+  const int D = STATIC_D ? STATIC_D : head_dim;
+  const int R = D / 8;  // vector registers per row
+  constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const int64_t token_stride = num_kv_heads * D;
+  std::vector<float> max(num_heads, -std::numeric_limits<float>::max()), sum(num_heads, 0.f);
+  std::fill(acc, acc + num_heads * R, Vec8{});
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = std::min(block_size, len - b * block_size);
+    const int64_t next = table[std::min(b + 1, num_blocks - 1)] * block_stride;
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      const T* keys = k_all + table[b] * block_stride + kv * D;
+      const T* values = v_all + table[b] * block_stride + kv * D;
+      for (int64_t i = 0; i < block_size; ++i) {
+        prefetch(reinterpret_cast<const char*>(k_all + next + i * token_stride + kv * D),
+                 D * sizeof(T));
+        prefetch(reinterpret_cast<const char*>(v_all + next + i * token_stride + kv * D),
+                 D * sizeof(T));
+      }
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        Vec8 q[MAX_R];
+        for (int r = 0; r < R; ++r) q[r] = load8(q_in + h * D + r * 8) * scale;
+        float block_max = max[h];
+        for (int64_t i = 0; i < n; ++i) {
+          const T* k = keys + i * token_stride;
+          scores[i] = dot(q, k, R);
+          block_max = std::max(block_max, scores[i]);
+        }
+        Vec8 out_row[MAX_R];
+        const float shrink = block_max > max[h] ? std::exp(max[h] - block_max) : 1.f;
+        for (int r = 0; r < R; ++r) out_row[r] = acc[h * R + r] * shrink;
+        float block_sum = 0.f;
+        for (int64_t i = 0; i < n; i += 8) {
+          Vec8 p;
+          std::memcpy(&p, scores + i, sizeof(p));
+          p = exp8(p - block_max);
+          std::memcpy(scores + i, &p, sizeof(p));
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          block_sum += scores[i];
+          const T* v = values + i * token_stride;
+          for (int r = 0; r < R; ++r) out_row[r] += scores[i] * load8(v + r * 8);
+        }
+        for (int r = 0; r < R; ++r) acc[h * R + r] = out_row[r];
+        sum[h] = sum[h] * shrink + block_sum;
+        max[h] = block_max;
+      }
+    }
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float inv_sum = len > 0 ? 1.f / sum[h] : 0.f;  // no keys: a zero row
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 8; ++j) {
+        out[h * D + r * 8 + j] = static_cast<T>(acc[h * R + r][j] * inv_sum);
+      }
+    }
+  }
+}
+
+template <int STATIC_D, typename T>
+void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t block_stride = k_cache.stride(0), table_stride = block_tables.stride(0);
+  const T* q_all = query.data_ptr<T>();
+  const T* k_all = k_cache.data_ptr<T>();
+  const T* v_all = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* out_all = out.data_ptr<T>();
+  const int D = STATIC_D ? STATIC_D : static_cast<int>(query.size(2));
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block_size + 8);  // one head's block, padded to 8
+    std::vector<Vec8> acc(num_heads * D / 8);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      decode_one<STATIC_D>(D, q_all + seq * num_heads * D, k_all, v_all,
+                           tables + seq * table_stride, lens[seq], num_heads, num_kv_heads,
+                           block_size, block_stride, static_cast<float>(scale), scores.data(),
+                           acc.data(), out_all + seq * num_heads * D);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [n, heads, d], caches 4-d");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must have one layout");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
+              "a cache token's heads must be contiguous");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
+  TORCH_CHECK(query.size(2) % 8 == 0 && query.size(2) <= MAX_HEAD_DIM, "head_dim ",
+              query.size(2), " is not a multiple of 8 up to ", MAX_HEAD_DIM);
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(block_tables.size(0) >= query.size(0) && context_lens.size(0) >= query.size(0),
+              "one block table and context length per query row");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  at::Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention",
+                                  [&] {
+    switch (q.size(2)) {
+      case 64:
+        decode_attention_kernel<64, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+        break;
+      case 128:
+        decode_attention_kernel<128, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+        break;
+      default:
+        decode_attention_kernel<0, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+    }
+  });
+  return out;
+}
+
+// Copies each token's keys and values (rows of num_kv_heads * head_dim) into its slot;
+// a negative slot (a padding row) is skipped.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key, value: [n, kv_heads, d]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == v_cache.scalar_type(),
+              "key/value and cache dtypes differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t num_tokens = key.size(0);
+  const int64_t row = key.size(1) * key.size(2);
+  TORCH_CHECK(k_cache.numel() % row == 0 && k_cache.size(2) * k_cache.size(3) == row,
+              "cache rows and key rows differ");
+  const int64_t num_slots = k_cache.numel() / row;
+  const at::Tensor k = key.stride(2) == 1 && key.stride(1) == key.size(2) ? key : key.contiguous();
+  const at::Tensor v =
+      value.stride(2) == 1 && value.stride(1) == value.size(2) ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is past the cache's ", num_slots);
+  }
+  const int64_t bytes = row * k.element_size();
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  char* k_dst = static_cast<char*>(k_cache.data_ptr());
+  char* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_row_stride = k.stride(0) * k.element_size();
+  const int64_t v_row_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0) continue;
+    std::copy_n(k_src + t * k_row_stride, bytes, k_dst + slot[t] * bytes);
+    std::copy_n(v_src + t * v_row_stride, bytes, v_dst + slot[t] * bytes);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve, m) {
+  m.def("decode_attention", &decode_attention);
+  m.def("write_kv_cache", &write_kv_cache);
+}

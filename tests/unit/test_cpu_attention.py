@@ -1,0 +1,109 @@
+"""The C++ CPU kernels (the "cpu" attention backend) against a dense float64 reference,
+the torch reference backend, and through a whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runner import attention, cpu_attention
+from model_runner.attention import select_attention_backend
+from tests.attention_helpers import Batch, assert_close, dense_reference
+
+CPU = torch.device("cpu")
+
+
+def step(batch: Batch) -> torch.Tensor:
+    """Writes the step's new keys and values, then attends, through the cpu backend."""
+    cpu_attention.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
+                                 batch.meta.slot_mapping)
+    return cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                         batch.meta, batch.scale)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1)])
+def test_decode(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    # contexts shorter than, equal to and past a block, and one long one
+    contexts = [1, 15, 16, 17, 40, 300]
+    batch = Batch([1] * len(contexts), contexts, block_size=block_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, num_decode_seqs=len(contexts), seed=block_size)
+    out = step(batch)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decode_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None:
+    contexts = [3, 33, 130]
+    batch = Batch([1] * 3, contexts, head_dim=head_dim, dtype=dtype, num_decode_seqs=3, seed=1)
+    out = step(batch)
+    assert out.dtype == dtype
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+def test_scores_far_apart_keep_their_softmax() -> None:
+    # A key scoring far above the rest must take all the weight, whichever block it is
+    # in: the running maximum and sum are rescaled when a later block raises the maximum.
+    batch = Batch([1, 1], [40, 40], num_decode_seqs=2, seed=3)
+    step(batch)
+    block_size = batch.k_cache.shape[1]
+    for seq, position in enumerate([2, 37]):  # an early block, then the last one
+        block = int(batch.meta.block_tables[seq, position // block_size])
+        batch.k_cache[block, position % block_size] = 20 * batch.query[seq].view(2, 2, 64)[:, 0]
+    out = cpu_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                                        batch.scale)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+def test_mixed_step_skips_padding_rows() -> None:
+    # 3 decodes, a prompt, a chunk after a cached prefix, a one-token chunk, 3 padding rows
+    batch = Batch([1, 1, 1, 19, 8, 1], [1, 17, 40, 19, 32, 6], num_decode_seqs=3,
+                  num_padding_rows=3, seed=2)
+    out = step(batch)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+def test_matches_torch_backend_bit_for_bit_on_the_cache() -> None:
+    batch = Batch([1, 1, 12], [9, 50, 12], num_decode_seqs=2, seed=4)
+    batch.k_cache.nan_to_num_(1e3)  # the torch backend masks gathered blocks: keep it finite
+    batch.v_cache.nan_to_num_(-1e3)
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    attention.write_kv_cache(batch.new_k, batch.new_v, ref_k, ref_v, batch.meta.slot_mapping)
+    out = step(batch)
+    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v)
+    ref = attention.paged_attention(batch.query, ref_k, ref_v, batch.meta, batch.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_cache_rejects_a_slot_past_the_cache() -> None:
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    key = torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_attention.write_kv_cache(key, key, k_cache, v_cache, torch.tensor([3, 8]))
+
+
+@pytest.mark.parametrize("head_dim", [16, 40])
+def test_decode_head_dims_taken_at_run_time(head_dim: int) -> None:
+    # 64 and 128 are compiled as constants; other multiples of 8 take the run-time path
+    batch = Batch([1] * 3, [4, 20, 70], head_dim=head_dim, num_decode_seqs=3, seed=6)
+    out = step(batch)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+def test_decode_rejects_a_head_dim_it_was_not_built_for() -> None:
+    batch = Batch([1], [5], head_dim=36, num_decode_seqs=1)
+    with pytest.raises(RuntimeError, match="head_dim 36"):
+        step(batch)
+
+
+def test_backend_selection() -> None:
+    assert select_attention_backend("auto", CPU, 64).name == "cpu"
+    assert select_attention_backend("cpu", CPU, 40).name == "cpu"
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        select_attention_backend("cpu", torch.device("cuda"), 64)
