@@ -2,7 +2,8 @@
 
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
 
-Systems: `pagedserve` (float32), `pagedserve-fp16w` (`--weight-dtype float16`) and
+Systems: `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype float16
+--kv-cache-dtype float16`: float32 sums on 2-byte weights and KV) and
 `llama-server` (llama.cpp, built separately: --llama-server PATH) are started as servers
 here and driven by bench.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
 Face `generate` sequential, static batching and continuous batching, run in this process
@@ -32,7 +33,10 @@ from bench.server_process import ServerProcess, free_port, pagedserve_command
 from bench.workloads import WORKLOADS, BenchItem, Workload
 
 # pagedserve as served by default (float32, exact) and on float16 weights
-PAGEDSERVE_VARIANTS = {"pagedserve": [], "pagedserve-fp16w": ["--weight-dtype", "float16"]}
+PAGEDSERVE_VARIANTS = {
+    "pagedserve": [],
+    "pagedserve-fp16": ["--weight-dtype", "float16", "--kv-cache-dtype", "float16"],
+}
 SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server")
 HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
 
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="W0,W1,WV,WP")
     parser.add_argument("--systems", default=None,
-                        help="default: pagedserve,pagedserve-fp16w,hf-static,hf-seq,hf-cb, and "
+                        help="default: pagedserve,pagedserve-fp16,hf-static,hf-seq,hf-cb, and "
                         "llama-server when --llama-server is given")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every request count")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     args = parser.parse_args(argv)
-    default = "pagedserve,pagedserve-fp16w," + ("llama-server," if args.llama_server else "")
+    default = "pagedserve,pagedserve-fp16," + ("llama-server," if args.llama_server else "")
     systems = (args.systems or default + "hf-static,hf-seq,hf-cb").split(",")
     unknown = set(systems) - set(SERVERS) - set(HF_SYSTEMS)
     if unknown:

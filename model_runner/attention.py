@@ -30,10 +30,12 @@ def write_kv_cache(
 ) -> None:
     """Store the new keys and values of a step at their slots.
 
-    key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks,
-    block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64; a negative slot
-    (a padding row of a CUDA-graph batch) is skipped, as in the Triton kernel.
+    key, value: [num_tokens, num_kv_heads, head_dim], cast to the caches' dtype; k_cache,
+    v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens]
+    int64; a negative slot (a padding row of a CUDA-graph batch) is skipped, as in the
+    Triton kernel.
     """
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
@@ -55,8 +57,9 @@ def paged_attention(
     query: [num_tokens, num_heads, head_dim] laid out as `meta` describes (the first
     meta.num_decode_seqs sequences have one row each); num_heads is a multiple of the
     caches' num_kv_heads (GQA). Query row at position p of sequence i sees the keys at
-    positions 0..p, read through meta.block_tables[i]. Returns [num_tokens, num_heads,
-    head_dim].
+    positions 0..p, read through meta.block_tables[i]. The caches may hold a narrower
+    dtype than the query (a float16 cache under a float32 model); keys and values are
+    widened to the query's. Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
     num_decodes = meta.num_decode_seqs
@@ -170,7 +173,9 @@ def _decode_attention(
         # NOTE: the `group_size` query heads that share a kv head ride in the query-length
         # axis, which is free here: a decode row sees all its keys, so they share one mask.
         q = query.index_select(0, g.rows).view(n, num_kv_heads, group_size, head_dim)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=scale
+        )
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
     return out
 
@@ -195,9 +200,9 @@ def prefill_attention(
         # NOTE: 4-d inputs (a batch of one): 3-d ones miss torch's fused CPU kernel.
         # keys, values: [1, num_kv_heads, context_len, head_dim]
         keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-        keys = keys.transpose(0, 1)[None]
+        keys = keys.transpose(0, 1)[None].to(query.dtype)
         values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-        values = values.transpose(0, 1)[None]
+        values = values.transpose(0, 1)[None].to(query.dtype)
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_dim]
         if query_len == context_len:
             o = F.scaled_dot_product_attention(

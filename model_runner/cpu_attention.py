@@ -25,7 +25,9 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """As attention.write_kv_cache: negative slots are skipped, without a host sync."""
-    torch.ops.pagedserve.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    torch.ops.pagedserve.write_kv_cache(
+        key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, slot_mapping
+    )
 
 
 def paged_attention(

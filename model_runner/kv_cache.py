@@ -1,5 +1,6 @@
 """The physical paged KV cache: per layer, a key and a value tensor of
-(num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype on its device."""
+(num_blocks, block_size, num_kv_heads, head_dim) on the model's device, in the model's
+dtype or (CPU, float32 model) a 2-byte one."""
 
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ def allocate_kv_cache(
         for _ in range(num_layers)
     ]
     return KVCache(layers, num_blocks, block_size)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The cache's dtype for ModelConfig.kv_cache_dtype `name`: "auto" is the model's; a
+    2-byte cache under a float32 model is for the CPU (its attention widens on load)."""
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)
+    if dtype != model_dtype and (device.type != "cpu" or model_dtype != torch.float32):
+        raise ValueError(
+            f"--kv-cache-dtype {name} is for a float32 model on the CPU; this model runs in "
+            f"{str(model_dtype).removeprefix('torch.')} on {device.type} (use auto)"
+        )
+    return dtype
 
 
 def num_blocks_for_memory(budget_bytes: int, block_bytes: int) -> int:

@@ -19,6 +19,7 @@ from model_runner.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     fill_block_tables,
+    kv_cache_dtype,
     num_blocks_for_memory,
     profile_cuda_num_blocks,
 )
@@ -108,6 +109,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.attn = select_attention_backend(
             config.attention_backend, self.device, self.model.head_dim
         )
@@ -179,7 +181,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, config: ModelConfig) -> KVCache:
         model = self.model
         block_bytes = bytes_per_block(
-            model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.dtype
+            model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.kv_dtype
         )
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -202,7 +204,7 @@ class ModelRunner:
             self.block_size,
             model.num_kv_heads,
             model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 

@@ -21,7 +21,7 @@ from types import FrameType
 from bench import client as bench_client
 from bench.client import BenchConfig
 from model_runner.attention import ATTENTION_BACKENDS
-from model_runner.config import ModelConfig
+from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
@@ -73,6 +73,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="float16: a float32 CPU model keeps its projection weights in "
                        "float16 (half the bytes per step, float32 sums; greedy output may "
                        "differ from float32 on a few tokens)")
+    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="float16/bfloat16: a float32 CPU model keeps its KV cache in 2 "
+                       "bytes (twice the blocks in --kv-cache-memory, half the attention "
+                       "bytes; greedy output may differ from float32 on a few tokens)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's, capped by the KV cache)")
     model.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -131,6 +135,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         model=args.model,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

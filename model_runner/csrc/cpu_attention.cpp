@@ -7,6 +7,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,12 +24,27 @@ namespace {
 // Eight floats in a vector register (GCC/Clang vector extension; AVX when compiled for it).
 typedef float Vec8 __attribute__((vector_size(32)));
 
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+// Eight elements as float32: float16 through F16C where compiled for it, bfloat16 by
+// moving its bits to the top half of a float32.
 template <typename T>
 inline Vec8 load8(const T* p) {
   Vec8 v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    U16x8 bits;
+    std::memcpy(&bits, p, sizeof(bits));
+    const U32x8 wide = __builtin_convertvector(bits, U32x8) << 16;
+    std::memcpy(&v, &wide, sizeof(v));
   } else {
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+#endif
     for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
   }
   return v;
@@ -82,10 +101,11 @@ inline void prefetch(const char* p, int64_t bytes) {
 // stay in cache across the group's heads; the query and the output row stay in registers
 // (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
 // constants, 0 takes head_dim at run time). Float32 throughout.
-template <int STATIC_D, typename T>
-void decode_one(int head_dim, const T* q_in, const T* k_all, const T* v_all, const int32_t* table,
-                int64_t len, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                int64_t block_stride, float scale, float* scores, Vec8* acc, T* out) {
+template <int STATIC_D, typename Q, typename T>
+void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
+                const int32_t* table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
+                int64_t block_size, int64_t block_stride, float scale, float* scores, Vec8* acc,
+                Q* out) {
   const int D = STATIC_D ? STATIC_D : head_dim;
   const int R = D / 8;  // vector registers per row
   constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
@@ -140,25 +160,25 @@ void decode_one(int head_dim, const T* q_in, const T* k_all, const T* v_all, con
     const float inv_sum = len > 0 ? 1.f / sum[h] : 0.f;  // no keys: a zero row
     for (int r = 0; r < R; ++r) {
       for (int j = 0; j < 8; ++j) {
-        out[h * D + r * 8 + j] = static_cast<T>(acc[h * R + r][j] * inv_sum);
+        out[h * D + r * 8 + j] = static_cast<Q>(acc[h * R + r][j] * inv_sum);
       }
     }
   }
 }
 
-template <int STATIC_D, typename T>
+template <int STATIC_D, typename Q, typename T>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t block_stride = k_cache.stride(0), table_stride = block_tables.stride(0);
-  const T* q_all = query.data_ptr<T>();
+  const Q* q_all = query.data_ptr<Q>();
   const T* k_all = k_cache.data_ptr<T>();
   const T* v_all = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  T* out_all = out.data_ptr<T>();
+  Q* out_all = out.data_ptr<Q>();
   const int D = STATIC_D ? STATIC_D : static_cast<int>(query.size(2));
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(block_size + 8);  // one head's block, padded to 8
@@ -170,6 +190,23 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
                            acc.data(), out_all + seq * num_heads * D);
     }
   });
+}
+
+// Head dims 64 and 128 as compile-time constants; any other multiple of 8 at run time.
+template <typename Q, typename T>
+void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables,
+                            const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64:
+      decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      break;
+    case 128:
+      decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      break;
+    default:
+      decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
@@ -185,7 +222,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
               query.size(2), " is not a multiple of 8 up to ", MAX_HEAD_DIM);
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() ||
+                  (query.scalar_type() == at::kFloat &&
+                   (k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kBFloat16)),
+              "the cache holds the query's dtype, or float16/bfloat16 under a float32 query");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
   TORCH_CHECK(block_tables.size(0) >= query.size(0) && context_lens.size(0) >= query.size(0),
@@ -194,17 +234,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   at::Tensor out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention",
-                                  [&] {
-    switch (q.size(2)) {
-      case 64:
-        decode_attention_kernel<64, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
-        break;
-      case 128:
-        decode_attention_kernel<128, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
-        break;
-      default:
-        decode_attention_kernel<0, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(),
+                                  "decode_attention", [&] {
+    if (q.scalar_type() == k_cache.scalar_type()) {
+      decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+    } else {
+      decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
     }
   });
   return out;

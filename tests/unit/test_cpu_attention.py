@@ -107,3 +107,20 @@ def test_backend_selection() -> None:
     assert select_attention_backend("cpu", CPU, 40).name == "cpu"
     with pytest.raises(ValueError, match="runs on the CPU"):
         select_attention_backend("cpu", torch.device("cuda"), 64)
+
+
+@pytest.mark.parametrize("backend", [attention, cpu_attention], ids=["torch", "cpu"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_narrow_cache_under_a_float32_query(backend, cache_dtype: torch.dtype) -> None:
+    # --kv-cache-dtype: keys and values are rounded once on the way in, then attended to in
+    # float32, so the result is the float32 one of the rounded cache
+    batch = Batch([1, 1, 1, 19, 8], [1, 17, 40, 19, 32], num_decode_seqs=3, seed=7)
+    batch.k_cache = batch.k_cache.nan_to_num(0.0).to(cache_dtype)
+    batch.v_cache = batch.v_cache.nan_to_num(0.0).to(cache_dtype)
+    backend.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
+                           batch.meta.slot_mapping)
+    out = backend.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                                  batch.scale)
+    assert out.dtype == torch.float32 and batch.k_cache.dtype == cache_dtype
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from model_runner.config import ModelConfig
-from model_runner.kv_cache import bytes_per_block
+from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
 from model_runner.llama import rope_inv_freq
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner, prepare_inputs
@@ -369,3 +369,32 @@ def test_rope_from_legacy_config_attributes():
     assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(SimpleNamespace(), 16))
     with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
         rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), 8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_two_byte_kv_cache(llama: TinyModel, kv_dtype: str):
+    # twice the blocks in the same memory; both backends read the narrow cache alike
+    config = dict(model=llama.loaded.model_path, block_size=8, kv_cache_memory=1 << 20)
+    wide = ModelRunner(llama.loaded, ModelConfig(**config))
+    narrow = {
+        backend: ModelRunner(llama.loaded, ModelConfig(
+            **config, kv_cache_dtype=kv_dtype, attention_backend=backend))
+        for backend in ("torch", "cpu")
+    }
+    assert narrow["cpu"].num_kv_blocks == 2 * wide.num_kv_blocks
+    assert narrow["cpu"].kv_cache.layers[0][0].dtype == getattr(torch, kv_dtype)
+    outputs = [Engine(runner).run(greedy_seqs([5, 21, 9], max_tokens=8, seed=3))
+               for runner in narrow.values()]
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[0]] == [8, 8, 8]
+
+
+def test_two_byte_kv_cache_is_for_float32_models_on_the_cpu():
+    assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        kv_cache_dtype("float16", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        ModelConfig(kv_cache_dtype="int8")

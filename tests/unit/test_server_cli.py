@@ -65,14 +65,15 @@ def test_every_flag_reaches_its_config() -> None:
         "--no-enable-prefix-caching", "--priority-aging-s", "2.5", "--max-waiting", "10",
         "--api-key", "k", "--enforce-eager", "--attention-backend", "torch", "--seed", "3",
         "--shutdown-grace-s", "1", "--log-level", "warning", "--weight-dtype", "float16",
+        "--kv-cache-dtype", "bfloat16",
     )
     m, s, srv = c.model, c.scheduler, c.server
     assert (m.model, m.device, m.dtype, m.block_size, m.num_kv_blocks) == (
         "/m", "cpu", "bfloat16", 32, 100)
     assert (m.kv_cache_memory, m.gpu_memory_utilization, m.max_model_len) == (
         512 * 1024**2, 0.5, 512)
-    assert (m.enforce_eager, m.attention_backend, m.seed, m.weight_dtype) == (
-        True, "torch", 3, "float16")
+    assert (m.enforce_eager, m.attention_backend, m.seed, m.weight_dtype, m.kv_cache_dtype) == (
+        True, "torch", 3, "float16", "bfloat16")
     assert (s.policy, s.max_num_seqs, s.max_num_batched_tokens, s.priority_aging_s) == (
         "priority", 4, 256, 2.5)
     assert (srv.served_model_name, srv.host, srv.port, srv.api_key, srv.max_waiting) == (
