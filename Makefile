@@ -7,7 +7,7 @@ PYTHON ?= python3
 
 .PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry soak clean
 
-$(STAMP): pyproject.toml model_runner/csrc/cpu_attention.cpp
+$(STAMP): pyproject.toml $(wildcard model_runner/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

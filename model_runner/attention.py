@@ -229,11 +229,13 @@ PagedAttention = Callable[
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """A matching pair of cache-write and attention functions."""
+    """A matching pair of cache-write and attention functions; `fused_layers`: the model's
+    float32 norms, RoPE and SwiGLU run as the C++ CPU kernels too (model_runner/llama.py)."""
 
     name: str
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
+    fused_layers: bool = False
 
 
 TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention)
@@ -285,4 +287,6 @@ def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
             raise ValueError(error)
         logger.warning("%s; using the torch reference attention", error)
         return TORCH_BACKEND
-    return AttentionBackend("cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention)
+    return AttentionBackend(
+        "cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention, fused_layers=True
+    )

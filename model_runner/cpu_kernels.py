@@ -1,4 +1,4 @@
-"""Builds and loads the C++ CPU kernels of csrc/cpu_attention.cpp as torch ops.
+"""Builds and loads the C++ CPU kernels of csrc/ as torch ops (torch.ops.pagedserve.*).
 
 `python -m model_runner.cpu_kernels` builds them ahead of time (`make install` does), into
 torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("cpu_attention.cpp", "cpu_layers.cpp")]
 # NOTE: -fopenmp compiles at::parallel_for's OpenMP loop (without it the kernels run on one
 # thread); the GOMP symbols resolve to the libgomp torch has already loaded, so the
 # extension does not link a second OpenMP runtime.
@@ -30,16 +30,17 @@ _CAPABILITY_FLAGS = {
 
 @functools.cache
 def load_cpu_kernels() -> None:
-    """Builds (first call on a machine) and loads the kernels once per process,
-    registering torch.ops.pagedserve.decode_attention and torch.ops.pagedserve.write_kv_cache.
-    Raises when they cannot be built (no C++ compiler, or no ninja)."""
+    """Builds (first call on a machine) and loads the kernels once per process: paged
+    attention and KV writes (cpu_attention.cpp), and a float32 layer's norm, RoPE and
+    SwiGLU (cpu_layers.cpp). Raises when they cannot be built (no C++ compiler, or no
+    ninja)."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     load(
         name=f"pagedserve_cpu_{capability.lower()}",
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=_COMMON_FLAGS + _CAPABILITY_FLAGS.get(capability, []),
         is_python_module=False,
     )

@@ -95,6 +95,8 @@ def test_attention_backends_match_generate(tiny: TinyModel, backend: str):
     seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
     runner = tiny.runner(block_size=8, attention_backend=backend)
     assert runner.attn.name == backend
+    # "cpu" runs the norms, RoPE and SwiGLU as C++ kernels too; "torch" is all reference
+    assert runner.model.fusable and runner.attn.fused_layers == (backend == "cpu")
     assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 10) for s in seqs]
 
 

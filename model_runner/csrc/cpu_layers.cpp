@@ -1,0 +1,120 @@
+// The elementwise parts of a Llama layer for a float32 model on the CPU, fused into one
+// pass each, as torch ops (torch.ops.pagedserve.*): torch runs each of them as several
+// ops, every one a dispatch and a pass over memory, which at decode batch sizes costs
+// more than the arithmetic. model_runner/llama.py calls them when the model runs on the
+// CPU in float32 (see model_runner/cpu_kernels.py); its torch code is the reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec8.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using pagedserve::exp8;
+using pagedserve::load8;
+using pagedserve::sum8;
+using pagedserve::Vec8;
+
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              name, ": float32 rows [n, width] with contiguous columns");
+  TORCH_CHECK(x.size(1) % 8 == 0, name, ": width must be a multiple of 8");
+}
+
+// weight * x / sqrt(mean(x^2) + eps) per row, as Hugging Face's LlamaRMSNorm in float32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm: weight must be float32 [width]");
+  const int64_t rows = x.size(0), width = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows, width}, x.options());
+  const float* in = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in + r * stride;
+      Vec8 squares = {};
+      for (int64_t i = 0; i < width; i += 8) {
+        const Vec8 v = load8(row + i);
+        squares += v * v;
+      }
+      const float inv_rms =
+          1.f / std::sqrt(sum8(squares) / static_cast<float>(width) + static_cast<float>(eps));
+      for (int64_t i = 0; i < width; i += 8) {
+        store8(o + r * width + i, load8(w + i) * (load8(row + i) * inv_rms));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotates, in place, the first num_heads heads of head_dim columns of every row of x
+// (the query and key heads at the front of a fused qkv projection) by the row's angle:
+// halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), Hugging Face's layout.
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+           int64_t head_dim) {
+  check_rows(x, "rope_");
+  TORCH_CHECK(head_dim % 16 == 0 && num_heads * head_dim <= x.size(1),
+              "rope_: head_dim must be a multiple of 16 and the heads fit in a row");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == head_dim / 2 && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.stride(1) == 1 && sin.stride(1) == 1,
+              "rope_: cos and sin must be float32 [n, head_dim / 2]");
+  const int64_t rows = x.size(0), stride = x.stride(0), half = head_dim / 2;
+  float* data = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row_cos = c + r * cos_stride;
+      const float* row_sin = s + r * sin_stride;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* head = data + r * stride + h * head_dim;
+        for (int64_t i = 0; i < half; i += 8) {
+          const Vec8 x1 = load8(head + i), x2 = load8(head + half + i);
+          const Vec8 cs = load8(row_cos + i), sn = load8(row_sin + i);
+          store8(head + i, x1 * cs - x2 * sn);
+          store8(head + half + i, x2 * cs + x1 * sn);
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up for x = [gate | up] of width 2 * I: out [n, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 16 == 0, "silu_and_mul: width must be a multiple of 16");
+  const int64_t rows = x.size(0), half = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({rows, half}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * stride;
+      const float* up = gate + half;
+      for (int64_t i = 0; i < half; i += 8) {
+        const Vec8 g = load8(gate + i);
+        store8(o + r * half + i, g / (1.f + exp8(-g)) * load8(up + i));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rope_", &rope_);
+  m.def("silu_and_mul", &silu_and_mul);
+}
