@@ -1,6 +1,6 @@
 """Model-runner throughput on the default model, against Hugging Face `generate`.
 
-`python -m bench.runner_bench [--dtypes float32,float16-weights,bfloat16]
+`python -m bench.runner_bench [--dtypes float32,float16,float16-weights,bfloat16]
 [--batch-sizes 1,16,64,128] [--decode-steps 8] [--threads N]`
 
 Per dtype: decode tokens/s at each batch size (prompts of ~16 tokens, so the context stays
@@ -8,8 +8,9 @@ short), and one 512-token prefill. Hugging Face runs the same prompts as static 
 left-padded, in the same process. Decode time is measured from the first sampled token to
 the last, so prefill is left out on both sides, and taken as the median step (prefill as
 the best of a few runs): CI machines are often shared. "float16-weights" is float32 with
-`--weight-dtype float16` (HF runs float32); its greedy token agreement with float32 is
-reported on 16 random prompts of 64 new tokens.
+`--weight-dtype float16`, "float16" that and `--kv-cache-dtype float16` (HF runs float32);
+their greedy token agreement with float32 is reported on 16 random prompts of 64 new
+tokens.
 """
 
 from __future__ import annotations
@@ -146,24 +147,24 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def decode_floor_s(
-    loaded: LoadedModel, weight_bytes: int, total_context: int, bandwidth: float
+    runner: ModelRunner, weight_bytes: int, total_context: int, bandwidth: float
 ) -> float:
     """Weight bytes plus the KV bytes a decode step reads (keys and values of
     `total_context` tokens over all sequences), over bandwidth."""
-    model = loaded.model
-    cfg = loaded.hf_config
+    model = runner.model
     kv_bytes = (
-        total_context * cfg.num_hidden_layers * 2 * model.num_kv_heads
-        * model.head_dim * loaded.dtype.itemsize
+        total_context * model.num_layers * 2 * model.num_kv_heads
+        * model.head_dim * runner.kv_dtype.itemsize
     )
     return (weight_bytes + kv_bytes) / bandwidth
 
 
-# name -> (model dtype, weight dtype)
+# name -> (model dtype, weight dtype, KV cache dtype)
 VARIANTS = {
-    "float32": ("float32", "auto"),
-    "float16-weights": ("float32", "float16"),
-    "bfloat16": ("bfloat16", "auto"),
+    "float32": ("float32", "auto", "auto"),
+    "float16": ("float32", "float16", "float16"),
+    "float16-weights": ("float32", "float16", "auto"),
+    "bfloat16": ("bfloat16", "auto", "auto"),
 }
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 64
 
@@ -172,11 +173,12 @@ def bench_variant(
     variant: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
 ) -> tuple[list[tuple], list[list[int]]]:
     """The table rows of one variant, and its greedy tokens on the agreement prompts."""
-    dtype, weight_dtype = VARIANTS[variant]
+    dtype, weight_dtype, kv_cache_dtype = VARIANTS[variant]
     config = ModelConfig(
         model=None,
         dtype=dtype,
         weight_dtype=weight_dtype,
+        kv_cache_dtype=kv_cache_dtype,
         device="cpu",
         block_size=BLOCK_SIZE,
         num_kv_blocks=LONG_BATCH * -(-LONG_CONTEXTS[1] // BLOCK_SIZE),
@@ -204,7 +206,7 @@ def bench_variant(
         hf_tps = decode_tps(hf_generate(hf, prompts, decode_steps + 1), batch_size)
         rows.append((variant, f"decode batch {batch_size}", ours_tps, hf_tps))
         total_context = batch_size * (PROMPT_LEN + decode_steps)
-        floor_ms = 1000 * decode_floor_s(loaded, weight_bytes, total_context, bandwidth)
+        floor_ms = 1000 * decode_floor_s(ours.runner, weight_bytes, total_context, bandwidth)
         print(
             f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s   "
             f"step {1000 * batch_size / ours_tps:.1f} ms, bandwidth floor {floor_ms:.1f} ms",
@@ -215,7 +217,7 @@ def bench_variant(
     low, high = LONG_CONTEXTS
     workload = f"decode batch {LONG_BATCH} ctx {low}..{high}"
     rows.append((variant, workload, LONG_BATCH / step_s, None))
-    floor_ms = 1000 * decode_floor_s(loaded, weight_bytes, total_context, bandwidth)
+    floor_ms = 1000 * decode_floor_s(ours.runner, weight_bytes, total_context, bandwidth)
     print(f"  {rows[-1][1]:<22} ours {rows[-1][2]:8.1f} tok/s   step {1000 * step_s:.1f} ms, "
           f"bandwidth floor {floor_ms:.1f} ms", flush=True)
 
@@ -239,7 +241,7 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default="float32,float16-weights",
+    parser.add_argument("--dtypes", default="float32,float16",
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--batch-sizes", default="1,16,64,128")
     parser.add_argument(
