@@ -177,6 +177,20 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
+  // A bad table would read outside the cache: check every block a context reaches.
+  const int64_t block_size = k_cache.size(1), width = tables.size(1);
+  const int32_t* table_data = tables.data_ptr<int32_t>();
+  const int32_t* len_data = lens.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < q.size(0); ++seq) {
+    const int64_t len = len_data[seq];
+    TORCH_CHECK(len >= 0 && len <= width * block_size, "context length ", len,
+                " does not fit a block table of ", width, " blocks");
+    const int32_t* row = table_data + seq * tables.stride(0);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "block ", row[b],
+                  " is not in the cache");
+    }
+  }
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(),
                                   "decode_attention", [&] {

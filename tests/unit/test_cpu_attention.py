@@ -101,6 +101,25 @@ def test_decode_head_dims_taken_at_run_time(head_dim: int) -> None:
     assert_close(out, ref, batch.num_rows)
 
 
+def test_decode_rejects_a_table_that_leaves_the_cache() -> None:
+    # a wrong block id or a context past its table would read outside the cache: an error,
+    # not a crash of the server
+    batch = Batch([1, 1], [5, 20], num_decode_seqs=2)
+    tables = batch.meta.block_tables.clone()
+    tables[1, 1] = batch.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        ops_decode(batch, tables, batch.meta.context_lens)
+    too_long = batch.meta.context_lens.clone()
+    too_long[0] = tables.shape[1] * batch.k_cache.shape[1] + 1
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops_decode(batch, batch.meta.block_tables, too_long)
+
+
+def ops_decode(batch: Batch, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    return torch.ops.pagedserve.decode_attention(batch.query, batch.k_cache, batch.v_cache,
+                                                 tables, lens, batch.scale)
+
+
 def test_decode_rejects_a_head_dim_it_was_not_built_for() -> None:
     batch = Batch([1], [5], head_dim=36, num_decode_seqs=1)
     with pytest.raises(RuntimeError, match="head_dim 36"):
