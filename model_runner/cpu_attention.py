@@ -39,14 +39,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """As attention.paged_attention."""
     num_decodes = meta.num_decode_seqs
+    decoded = torch.ops.pagedserve.decode_attention(
+        query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+    )
     if num_decodes == meta.num_seqs:
-        return torch.ops.pagedserve.decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
-        )
+        return decoded
     out = torch.empty_like(query)
-    if num_decodes > 0:
-        out[:num_decodes] = torch.ops.pagedserve.decode_attention(
-            query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
-        )
+    out[:num_decodes] = decoded
     prefill_attention(query, k_cache, v_cache, meta, scale, out)
     return out

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,19 +43,21 @@ inline void prefetch(const char* p, int64_t bytes) {
 // output rescaled when the maximum grows, and the block's values added. A block's rows
 // stay in cache across the group's heads; the query and the output row stay in registers
 // (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
-// constants, 0 takes head_dim at run time). Float32 throughout.
+// constants, 0 takes head_dim at run time). Float32 throughout. The caller's per-thread
+// scratch: scores (a block, padded to 8), acc (num_heads rows), max and sum (num_heads).
 template <int STATIC_D, typename Q, typename T>
 void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
                 const int32_t* table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
                 int64_t block_size, int64_t block_stride, float scale, float* scores, Vec8* acc,
-                Q* out) {
+                float* max, float* sum, Q* out) {
   const int D = STATIC_D ? STATIC_D : head_dim;
   const int R = D / 8;  // vector registers per row
   constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   const int64_t token_stride = num_kv_heads * D;
-  std::vector<float> max(num_heads, -std::numeric_limits<float>::max()), sum(num_heads, 0.f);
+  std::fill(max, max + num_heads, -std::numeric_limits<float>::max());
+  std::fill(sum, sum + num_heads, 0.f);
   std::fill(acc, acc + num_heads * R, Vec8{});
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n = std::min(block_size, len - b * block_size);
@@ -125,13 +126,13 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
   Q* out_all = out.data_ptr<Q>();
   const int D = STATIC_D ? STATIC_D : static_cast<int>(query.size(2));
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block_size + 8);  // one head's block, padded to 8
+    std::vector<float> scores(block_size + 8), max(num_heads), sum(num_heads);
     std::vector<Vec8> acc(num_heads * D / 8);
     for (int64_t seq = begin; seq < end; ++seq) {
       decode_one<STATIC_D>(D, q_all + seq * num_heads * D, k_all, v_all,
                            tables + seq * table_stride, lens[seq], num_heads, num_kv_heads,
                            block_size, block_stride, static_cast<float>(scale), scores.data(),
-                           acc.data(), out_all + seq * num_heads * D);
+                           acc.data(), max.data(), sum.data(), out_all + seq * num_heads * D);
     }
   });
 }
@@ -218,9 +219,11 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   TORCH_CHECK(k_cache.numel() % row == 0 && k_cache.size(2) * k_cache.size(3) == row,
               "cache rows and key rows differ");
   const int64_t num_slots = k_cache.numel() / row;
-  const at::Tensor k = key.stride(2) == 1 && key.stride(1) == key.size(2) ? key : key.contiguous();
-  const at::Tensor v =
-      value.stride(2) == 1 && value.stride(1) == value.size(2) ? value : value.contiguous();
+  // rows may be strided (a view of the fused qkv projection); heads within one are not
+  const auto rows_of = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor k = rows_of(key), v = rows_of(value);
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
