@@ -2,8 +2,8 @@
 
 Parts, each recorded as "pass", "fail" or "skipped: <reason>":
 
-1. kernel_tests: pytest on tests/unit/test_triton_attention.py, compiled on CUDA (no
-   Triton interpreter).
+1. kernel_tests: pytest on tests/unit/test_triton_attention.py and
+   tests/unit/test_cuda_graphs.py, compiled on CUDA (no Triton interpreter).
 2. kernel_timing: the Triton write_kv_cache / paged_attention against the torch reference
    (model_runner/attention.py) at Qwen3-0.6B-like attention shapes (16 heads, 8 kv heads,
    head_dim 128, bf16, block size 16): time, speedup, KV read bandwidth, max error.
@@ -43,7 +43,7 @@ from pathlib import Path
 TOTAL_BUDGET_S = 8 * 60
 KERNEL_TESTS_TIMEOUT_S = 240
 H200_HBM_BYTES_PER_S = 4.8e12
-TEST_FILE = "tests/unit/test_triton_attention.py"
+TEST_FILES = ["tests/unit/test_triton_attention.py", "tests/unit/test_cuda_graphs.py"]
 
 
 @dataclass
@@ -69,11 +69,12 @@ class Skip(Exception):
 
 
 def run_kernel_tests(dry_run: bool) -> PartResult:
-    """pytest on the Triton attention tests, without the interpreter (unless dry run)."""
+    """pytest on the Triton attention and CUDA graph tests, without the interpreter (unless
+    dry run)."""
     env = dict(os.environ)
     if not dry_run:
         env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", TEST_FILE]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=KERNEL_TESTS_TIMEOUT_S)
@@ -419,6 +420,7 @@ class LoopStats:
     num_steps: int
     num_decode_steps: int  # decode-only steps (graphed on CUDA)
     num_preemptions: int
+    phase_s: dict[str, float]  # seconds in Scheduler.schedule, ModelRunner.execute, update
 
     @property
     def num_output_tokens(self) -> int:
@@ -445,22 +447,29 @@ def _scheduler_loop(runner, prompts: list[list[int]], params: list, *, max_num_s
     for request in requests:
         scheduler.add_request(request)
     num_steps = num_decode_steps = idle = 0
+    phase_s = dict.fromkeys(("schedule", "execute", "update"), 0.0)
     start = time.perf_counter()
     while scheduler.has_unfinished_requests():
+        t0 = time.perf_counter()
         plan = scheduler.schedule()
         if plan.is_empty:
             idle += 1
             if idle > 3:
                 raise RuntimeError("the scheduler stalled with unfinished requests")
-        out = runner.execute(plan)
+        t1 = time.perf_counter()
+        out = runner.execute(plan)  # ends in a host sync: the sampled tokens
+        t2 = time.perf_counter()
         scheduler.update(plan, out)
+        phase_s["schedule"] += t1 - t0
+        phase_s["execute"] += t2 - t1
+        phase_s["update"] += time.perf_counter() - t2
         num_steps += 1
         num_decode_steps += bool(plan.scheduled) and all(
             r.num_new_tokens == 1 for r in plan.scheduled)
     elapsed = time.perf_counter() - start
     runner.execute(SchedulerOutput(finished_ids=[r.request_id for r in requests]))
     return LoopStats([list(r.output_token_ids) for r in requests], elapsed, num_steps,
-                     num_decode_steps, scheduler.num_preemptions_total)
+                     num_decode_steps, scheduler.num_preemptions_total, phase_s)
 
 
 # --- 3a: greedy parity with Hugging Face generate ---------------------------------------------
@@ -541,6 +550,10 @@ def check_greedy_parity_hf(dry_run: bool) -> PartResult:
             dtype_name = str(dtype).removeprefix("torch.")
             hf = hf32 if dtype == torch.float32 else copy.deepcopy(hf32).to(dtype)
             expected = _hf_greedy(hf, prompts, max_tokens, device)
+            if dtype == torch.float32:
+                expected_fp32 = expected
+            # bf16 noise alone: how far HF's own bf16 tokens stray from its fp32 ones
+            hf_vs_fp32 = _agreement(expected, expected_fp32)[1]
             config = ModelConfig(
                 model=tmp, device=device.type, dtype=dtype_name, block_size=block_size,
                 num_kv_blocks=4 * num_prompts * -(-longest // block_size),
@@ -559,12 +572,17 @@ def check_greedy_parity_hf(dry_run: bool) -> PartResult:
                              "identical_seqs": f"{identical}/{len(prompts)}",
                              "token_agreement_pct": pct, "steps": stats.num_steps,
                              "decode_steps": stats.num_decode_steps,
-                             "preemptions": stats.num_preemptions, "first_mismatch": first})
+                             "preemptions": stats.num_preemptions,
+                             "vs_hf_fp32_pct": _agreement(stats.outputs, expected_fp32)[1],
+                             "hf_vs_hf_fp32_pct": hf_vs_fp32, "first_mismatch": first})
                 if dtype == torch.float32 and identical != len(prompts):
                     failures.append(f"fp32 {scenario}: {first}")
             del runner, hf
             _free_device_memory()
-    detail = "; ".join(failures) or "fp32 identical to HF generate; bf16 agreement in the table"
+    detail = "; ".join(failures) or (
+        "fp32 identical to HF generate; bf16 agreement in the table (token_agreement_pct: "
+        "with HF generate in the same dtype; vs_hf_fp32_pct: with HF fp32; hf_vs_hf_fp32_pct: "
+        "HF's own tokens in this dtype against its fp32 ones)")
     return PartResult("greedy_parity_hf", "fail" if failures else "pass", detail=detail,
                       rows=rows)
 
@@ -661,7 +679,9 @@ def check_qwen3_shaped_throughput(dry_run: bool) -> PartResult:
                      "output_tok_per_s": stats.num_output_tokens / stats.elapsed_s,
                      "note": f"{stats.num_steps} steps, {stats.num_decode_steps} decode-only, "
                              f"{stats.num_preemptions} preemptions, "
-                             f"{runner.num_kv_blocks} KV blocks"})
+                             f"{runner.num_kv_blocks} KV blocks; ms per step: " + ", ".join(
+                                 f"{k} {v / stats.num_steps * 1e3:.2f}"
+                                 for k, v in stats.phase_s.items())})
         print(f"[gpu_check]   {label}: {rows[-1]['output_tok_per_s']:.0f} tok/s "
               f"({stats.elapsed_s:.1f}s)", flush=True)
         return stats
@@ -731,7 +751,9 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
     folder, _ = _qwen3_model(dry_run)
     batch_sizes, context, num_steps = ((1, 4, 8), 32, 3) if dry_run else ((1, 64, 256), 1024, 20)
     max_batch, block_size = max(batch_sizes), 16
-    blocks_per_seq = -(-(context + 4 * num_steps + 8) // block_size)
+    # Request 0 decodes in every timed step: 2 modes x (warm-up + num_steps) per batch size.
+    decode_tokens = len(batch_sizes) * 2 * (num_steps + 1)
+    blocks_per_seq = -(-(context + decode_tokens + 8) // block_size)
     max_num_batched_tokens = 64 if dry_run else 16384
     config = ModelConfig(
         model=str(folder), device=device.type, dtype="bfloat16", block_size=block_size,

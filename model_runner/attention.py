@@ -157,7 +157,11 @@ def _decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     plan = meta.scratch.get("torch_decode")
-    if plan is None:
+    # NOTE: every layer of a model shares the plan; a caller that brings the same step's
+    # metadata to a cache of another dtype or shape gets a new one.
+    if plan is None or (plan.key_buffer.dtype, plan.key_buffer.shape[1:]) != (
+        k_cache.dtype, k_cache.shape[1:]
+    ):
         plan = meta.scratch["torch_decode"] = _decode_plan(meta, k_cache)
     out = torch.empty_like(query)
     for g in plan.groups:

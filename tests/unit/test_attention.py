@@ -12,6 +12,7 @@ from model_runner.attention import (
     write_kv_cache,
 )
 from model_runner.attention_metadata import AttentionMetadata
+from tests.attention_helpers import Batch, assert_close, dense_reference
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -139,3 +140,18 @@ def test_backend_selection_on_cpu():
         select_attention_backend("triton", cpu, 64)
     with pytest.raises(ValueError, match="unknown"):
         select_attention_backend("flash", cpu, 64)
+
+
+def test_decode_metadata_brought_to_a_cache_of_another_dtype():
+    """The decode plan is step scratch shared by every layer; the same metadata used on a
+    bfloat16 cache and then on its float32 copy (as a reference check does) works on both."""
+    batch = Batch([1, 1, 1], [40, 7, 23], num_decode_seqs=3, dtype=torch.bfloat16)
+    batch.write_new_kv_with_torch()
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.nan_to_num_(0.0)  # the model's cache starts zeroed, not NaN
+    args = (batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    low = paged_attention(batch.query, *args)
+    full = paged_attention(batch.query.float(), *(c.float() for c in args[:2]), *args[2:])
+    ref = dense_reference(batch.query, *args)
+    assert_close(low, ref, batch.num_rows)
+    assert_close(full, ref, batch.num_rows)

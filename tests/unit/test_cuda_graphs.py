@@ -73,7 +73,10 @@ def attach_graphs(
 def llama(tmp_path_factory) -> TinyModel:
     folder = tmp_path_factory.mktemp("llama")
     hf_model = make_model_folder(folder, CONFIGS["llama3"]())
-    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+    # NOTE: float32 on any device (bfloat16 is the CUDA default): these tests compare
+    # tokens and logits exactly.
+    config = ModelConfig(model=str(folder), dtype="float32", num_kv_blocks=1)
+    return TinyModel(hf_model, load_model(config))
 
 
 def record_logits_of(model: torch.nn.Module, monkeypatch) -> list[torch.Tensor]:
