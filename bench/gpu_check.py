@@ -2,8 +2,8 @@
 
 Parts, each recorded as "pass", "fail" or "skipped: <reason>":
 
-1. kernel_tests: pytest on tests/unit/test_triton_attention.py and
-   tests/unit/test_cuda_graphs.py, compiled on CUDA (no Triton interpreter).
+1. kernel_tests: pytest on tests/unit/test_triton_attention.py, test_triton_layers.py and
+   test_cuda_graphs.py, compiled on CUDA (no Triton interpreter).
 2. kernel_timing: the Triton write_kv_cache / paged_attention against the torch reference
    (model_runner/attention.py) at Qwen3-0.6B-like attention shapes (16 heads, 8 kv heads,
    head_dim 128, bf16, block size 16): time, speedup, KV read bandwidth, max error.
@@ -28,6 +28,7 @@ check the script itself before spending device time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -43,7 +44,8 @@ from pathlib import Path
 TOTAL_BUDGET_S = 8 * 60
 KERNEL_TESTS_TIMEOUT_S = 240
 H200_HBM_BYTES_PER_S = 4.8e12
-TEST_FILES = ["tests/unit/test_triton_attention.py", "tests/unit/test_cuda_graphs.py"]
+TEST_FILES = ["tests/unit/test_triton_attention.py", "tests/unit/test_triton_layers.py",
+              "tests/unit/test_cuda_graphs.py"]
 
 
 @dataclass
@@ -751,8 +753,8 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
     folder, _ = _qwen3_model(dry_run)
     batch_sizes, context, num_steps = ((1, 4, 8), 32, 3) if dry_run else ((1, 64, 256), 1024, 20)
     max_batch, block_size = max(batch_sizes), 16
-    # Request 0 decodes in every timed step: 2 modes x (warm-up + num_steps) per batch size.
-    decode_tokens = len(batch_sizes) * 2 * (num_steps + 1)
+    # Request 0 decodes in every timed step: 3 modes x (warm-up + num_steps) per batch size.
+    decode_tokens = len(batch_sizes) * 3 * (num_steps + 1)
     blocks_per_seq = -(-(context + decode_tokens + 8) // block_size)
     max_num_batched_tokens = 64 if dry_run else 16384
     config = ModelConfig(
@@ -792,12 +794,25 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
     for start in range(0, max_batch, per_step):
         step([request(i, prefill=True) for i in range(start, min(start + per_step, max_batch))])
 
+    # (label, graph runner or None for eager): the runner's own graphs, and (on CUDA, for
+    # the fused layer kernels' share) graphs of the same model with the torch layer code
+    modes: list[tuple[str, object]] = [("eager", None)]
+    if graphs is not None:
+        modes.insert(0, ("CUDA graphs" if graphs.use_cuda_graphs else "graph runner, eager",
+                         graphs))
+        if graphs.use_cuda_graphs and runner.attn.layer_ops is not None:
+            from model_runner.cuda_graphs import DecodeGraphRunner
+
+            torch_layers = DecodeGraphRunner(
+                model, dataclasses.replace(runner.attn, layer_ops=None), max_num_seqs=max_batch,
+                max_model_len=runner.max_model_len, block_size=block_size,
+                use_cuda_graphs=True)
+            torch_layers.capture(runner.kv_cache.layers)
+            modes.insert(1, ("CUDA graphs, torch layer code", torch_layers))
     rows = []
     for batch_size in batch_sizes:
-        for mode in ("graphs", "eager"):
-            runner.decode_graphs = graphs if mode == "graphs" else None
-            if mode == "graphs" and graphs is None:
-                continue
+        for label, mode_graphs in modes:
+            runner.decode_graphs = mode_graphs
             step([request(i, prefill=False) for i in range(batch_size)])  # warm-up
             times = []
             for _ in range(num_steps):
@@ -808,14 +823,12 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
             step_s = statistics.median(times)
             contexts = sum(len(prompts[i]) + len(outputs[i]) for i in range(batch_size))
             floor_s = (weight_bytes + contexts * kv_bytes_per_token) / bandwidth
-            row = {"batch": batch_size,
-                   "mode": ("CUDA graphs" if graphs.use_cuda_graphs else "graph runner, eager")
-                   if mode == "graphs" else "eager",
+            row = {"batch": batch_size, "mode": label,
                    "step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3,
                    "floor_pct": 100 * floor_s / step_s, "tok_per_s": batch_size / step_s,
                    "mean_context": contexts / batch_size}
-            if mode == "graphs":
-                row["forward_only_ms"] = _time_graph_forward(graphs, batch_size, runner,
+            if mode_graphs is not None:
+                row["forward_only_ms"] = _time_graph_forward(mode_graphs, batch_size, runner,
                                                              num_steps) * 1e3
                 row["forward_floor_pct"] = 100 * floor_s * 1e3 / row["forward_only_ms"]
             rows.append(row)

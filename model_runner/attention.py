@@ -232,14 +232,35 @@ PagedAttention = Callable[
 
 
 @dataclass(frozen=True)
+class LayerOps:
+    """Fused kernels for the elementwise parts of a layer, which model_runner/llama.py runs
+    instead of its torch code (the reference) for activations of one of `dtypes`.
+
+    rms_norm(x [T, H], weight, eps) -> [T, H]; silu_and_mul([T, 2 I]) -> [T, I];
+    rope_(qkv, cos, sin, num_heads, num_kv_heads, head_dim, qk_norm) rotates the query
+    and key heads of the fused qkv rows in place, after the per-head norm `qk_norm` =
+    (q weight, k weight, eps) when given, which only ops with `takes_qk_norm` accept.
+    `widths_multiple_of`: the hidden, intermediate and head sizes must be multiples of it.
+    """
+
+    name: str
+    dtypes: frozenset[torch.dtype]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_: Callable[..., None]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    takes_qk_norm: bool = False
+    widths_multiple_of: int = 1
+
+
+@dataclass(frozen=True)
 class AttentionBackend:
-    """A matching pair of cache-write and attention functions; `fused_layers`: the model's
-    float32 norms, RoPE and SwiGLU run as the C++ CPU kernels too (model_runner/llama.py)."""
+    """A matching pair of cache-write and attention functions, and the fused layer kernels
+    of the same device, if any (`layer_ops`)."""
 
     name: str
     write_kv_cache: WriteKVCache
     paged_attention: PagedAttention
-    fused_layers: bool = False
+    layer_ops: LayerOps | None = None
 
 
 TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention)
@@ -268,14 +289,17 @@ def select_attention_backend(
         raise ValueError(f"the triton attention backend needs a CUDA device, not {device.type}")
     try:
         # NOTE: imported here so that the CPU never needs triton installed.
-        from model_runner import triton_attention
+        from model_runner import triton_attention, triton_layers
     except ImportError as e:
         if name == "triton":
             raise ValueError(f"the triton attention backend is unavailable: {e}") from e
         logger.warning("triton attention unavailable (%s); using the torch reference", e)
         return TORCH_BACKEND
     return AttentionBackend(
-        "triton", triton_attention.write_kv_cache, triton_attention.paged_attention
+        "triton",
+        triton_attention.write_kv_cache,
+        triton_attention.paged_attention,
+        triton_layers.TRITON_LAYER_OPS,
     )
 
 
@@ -293,5 +317,5 @@ def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
     from model_runner import cpu_attention  # NOTE: importing it loads the kernels
 
     return AttentionBackend(
-        "cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention, fused_layers=True
+        "cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention, cpu_attention.LAYER_OPS
     )

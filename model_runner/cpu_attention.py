@@ -1,4 +1,5 @@
-"""The "cpu" attention backend: the C++ kernels of csrc/cpu_attention.cpp.
+"""The "cpu" attention backend: the C++ kernels of csrc/cpu_attention.cpp, and the float32
+layer kernels of csrc/cpu_layers.cpp as its LayerOps.
 
 Decode rows read their keys and values straight from the paged cache (the torch
 reference gathers them first); prompt chunks use the reference's prefill path, whose
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from model_runner.attention import prefill_attention
+from model_runner.attention import LayerOps, prefill_attention
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.cpu_kernels import load_cpu_kernels
 
@@ -48,3 +49,28 @@ def paged_attention(
     out[:num_decodes] = decoded
     prefill_attention(query, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def rope_(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """As LayerOps.rope_, without the q/k norm (the model runs it in torch)."""
+    if qk_norm is not None:
+        raise ValueError("the C++ rope_ takes no q/k norm")
+    torch.ops.pagedserve.rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+
+
+LAYER_OPS = LayerOps(
+    name="cpu",
+    dtypes=frozenset({torch.float32}),
+    rms_norm=torch.ops.pagedserve.rms_norm,
+    rope_=rope_,
+    silu_and_mul=torch.ops.pagedserve.silu_and_mul,
+    widths_multiple_of=16,  # csrc/cpu_layers.cpp: widths of 8, RoPE halves of 8
+)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from model_runner.attention import AttentionBackend
+from model_runner.attention import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.cpu_linear import PackedLinear, pack_linear
 
@@ -113,9 +113,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:  # float32 [T, H] on the CPU
-            return torch.ops.pagedserve.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in float32 and cast back before the weight, as Hugging Face does,
         # so bfloat16 runs round the same way; one fused kernel instead of five ops.
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -151,21 +151,22 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
-        fused: bool = False,
+        ops: LayerOps | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * D]
-        fused_rope = fused and not self.qk_norm
-        if fused_rope:  # q and k rotated in place, in qkv
-            rotated_heads = self.num_heads + self.num_kv_heads
-            torch.ops.pagedserve.rope_(qkv, cos, sin, rotated_heads, self.head_dim)
+        fused_rope = ops is not None and (ops.takes_qk_norm or not self.qk_norm)
+        if fused_rope:  # q and k normed (Qwen3) and rotated in place, in qkv
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
+                if self.qk_norm else None
+            ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, qk_norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         if not fused_rope:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         attn.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -183,10 +184,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        if fused:
-            return self.down_proj(torch.ops.pagedserve.silu_and_mul(gate_up))
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)  # [T, H]
 
@@ -209,12 +210,13 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
-        fused: bool = False,
+        ops: LayerOps | None = None,
     ) -> torch.Tensor:
-        """`fused`: the norms, RoPE and SwiGLU run as the C++ CPU kernels (float32, CPU)."""
-        h = self.input_layernorm(x, fused)
-        x = x + self.self_attn(h, cos, sin, meta, kv_cache, attn, fused)
-        return x + self.mlp(self.post_attention_layernorm(x, fused), fused)
+        """`ops`: the backend's fused kernels for the norms, RoPE and SwiGLU, or None for
+        the torch code."""
+        h = self.input_layernorm(x, ops)
+        x = x + self.self_attn(h, cos, sin, meta, kv_cache, attn, ops)
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -242,12 +244,6 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads
         )
         self.num_layers = config.num_hidden_layers
-        # the shapes the C++ layer kernels take (csrc/cpu_layers.cpp)
-        self.fusable = (
-            config.hidden_size % 8 == 0
-            and self.head_dim % 16 == 0
-            and config.intermediate_size % 8 == 0
-        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -280,10 +276,18 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm: [T, H]."""
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # [T, D / 2]
         x = self.embed_tokens(input_ids)  # [T, H]
-        fused = attn.fused_layers and self.fusable and x.dtype == torch.float32
+        ops = self.layer_ops(attn, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache, attn, fused)
-        return self.norm(x, fused)
+            x = layer(x, cos, sin, meta, kv_cache, attn, ops)
+        return self.norm(x, ops)
+
+    def layer_ops(self, attn: AttentionBackend, dtype: torch.dtype) -> LayerOps | None:
+        """The backend's fused layer kernels when they take this model and dtype."""
+        ops = attn.layer_ops
+        if ops is None or dtype not in ops.dtypes:
+            return None
+        widths = (self.config.hidden_size, self.config.intermediate_size, self.head_dim)
+        return ops if all(w % ops.widths_multiple_of == 0 for w in widths) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on hidden [N, H]: float32 logits [N, vocab]."""

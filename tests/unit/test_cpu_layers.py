@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_runner.cpu_attention import LAYER_OPS
 from model_runner.cpu_kernels import load_cpu_kernels
 from model_runner.llama import RMSNorm, apply_rope
 
@@ -19,13 +20,13 @@ def test_rms_norm_matches_the_torch_norm(rows: int) -> None:
     norm = RMSNorm(576, 1e-5)
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(rows, 576) * 3
-    torch.testing.assert_close(norm(x, fused=True), norm(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm(x, LAYER_OPS), norm(x), atol=1e-5, rtol=1e-5)
 
 
 def test_rms_norm_reads_strided_rows() -> None:
     norm = RMSNorm(64, 1e-6)
     x = torch.randn(7, 128)[:, 32:96]  # rows 128 apart
-    torch.testing.assert_close(norm(x, fused=True), norm(x.contiguous()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm(x, LAYER_OPS), norm(x.contiguous()), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
