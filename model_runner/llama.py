@@ -157,9 +157,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * D]
         fused_rope = ops is not None and (ops.takes_qk_norm or not self.qk_norm)
         if fused_rope:  # q and k normed (Qwen3) and rotated in place, in qkv
-            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
-                if self.qk_norm else None
-            ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, qk_norm)
+            norms = None
+            if self.qk_norm:  # one eps for both (config.rms_norm_eps)
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, norms)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, D]

@@ -117,6 +117,7 @@ def test_rope_after_the_per_head_qk_norm(dtype: torch.dtype) -> None:
     assert_close(k, expected_k)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(200): inf, as on GPUs
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     x = randn(5, 2 * 1600, dtype=dtype, scale=8.0)  # two column tiles, the second partial
