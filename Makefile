@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry soak clean
+.PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry gpu-serve-check soak clean
 
 $(STAMP): pyproject.toml $(wildcard model_runner/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,9 @@ gpu-check: install
 
 gpu-check-dry: install
 	$(PY) -m bench.gpu_check --dry-run
+
+gpu-serve-check: install
+	PYTHON=$(PY) bash bench/gpu_serve_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
