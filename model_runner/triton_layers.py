@@ -50,6 +50,7 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) per row of x [T, H] (last dim contiguous)."""
+    _check_rows(x, "rms_norm")
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
@@ -151,6 +152,7 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x [T, 2 I] = [gate | up]: [T, I]."""
+    _check_rows(x, "silu_and_mul")
     rows, width = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
@@ -160,6 +162,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             num_warps=_warps(block),
         )
     return out
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: rows [T, width] with contiguous columns, got "
+                         f"shape {tuple(x.shape)} strides {x.stride()}")
 
 
 def _warps(block: int) -> int:

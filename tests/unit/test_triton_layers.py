@@ -126,6 +126,16 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     assert_close(tl_ops.silu_and_mul(x), F.silu(gate) * up)
 
 
+def test_kernels_reject_strided_columns() -> None:
+    x = randn(4, 128, dtype=torch.float32)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        tl_ops.rms_norm(x[:, ::2], torch.ones(64, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        tl_ops.silu_and_mul(x.t())
+    with pytest.raises(ValueError, match="contiguous rows"):
+        tl_ops.rope_(x[:, ::2], x[:, :32], x[:, :32], 1, 0, 64)
+
+
 def test_empty_batches() -> None:
     x = torch.empty(0, 64, device=DEVICE)
     assert tl_ops.rms_norm(x, torch.ones(64, device=DEVICE), 1e-6).shape == (0, 64)
