@@ -753,7 +753,8 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
     folder, _ = _qwen3_model(dry_run)
     batch_sizes, context, num_steps = ((1, 4, 8), 32, 3) if dry_run else ((1, 64, 256), 1024, 20)
     max_batch, block_size = max(batch_sizes), 16
-    # Request 0 decodes in every timed step: 3 modes x (warm-up + num_steps) per batch size.
+    # Request 0 decodes in every timed step: up to 3 modes x (warm-up + num_steps) per
+    # batch size.
     decode_tokens = len(batch_sizes) * 3 * (num_steps + 1)
     blocks_per_seq = -(-(context + decode_tokens + 8) // block_size)
     max_num_batched_tokens = 64 if dry_run else 16384
@@ -801,12 +802,11 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
         modes.insert(0, ("CUDA graphs" if graphs.use_cuda_graphs else "graph runner, eager",
                          graphs))
         if graphs.use_cuda_graphs and runner.attn.layer_ops is not None:
-            from model_runner.cuda_graphs import DecodeGraphRunner
+            from model_runner.cuda_graphs import create_decode_graph_runner
 
-            torch_layers = DecodeGraphRunner(
-                model, dataclasses.replace(runner.attn, layer_ops=None), max_num_seqs=max_batch,
-                max_model_len=runner.max_model_len, block_size=block_size,
-                use_cuda_graphs=True)
+            torch_layers = create_decode_graph_runner(
+                model, dataclasses.replace(runner.attn, layer_ops=None), config,
+                runner.max_model_len, device)
             torch_layers.capture(runner.kv_cache.layers)
             modes.insert(1, ("CUDA graphs, torch layer code", torch_layers))
     rows = []

@@ -22,20 +22,15 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config
+from transformers import Qwen3Config
 
-from bench.gpu_check import QWEN3_0_6B, _random_model_folder
+from bench.gpu_check import QWEN3_0_6B, _random_model_folder, _save_tokenizer
 
 folder = Path(sys.argv[1])
 config = Qwen3Config(**QWEN3_0_6B)
 _random_model_folder(config, folder, torch.bfloat16, torch.device("cuda"))
-# a word-level tokenizer over the whole vocabulary, so that every sampled id detokenizes
-vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, config.vocab_size)}}
-tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                        eos_token=f"t{config.eos_token_id}").save_pretrained(folder)
+# its word-level tokenizer over the whole vocabulary, so that every sampled id detokenizes
+_save_tokenizer(folder, config.vocab_size)
 PY
 $PYTHON -m server.cli serve --model "$MODEL" --max-model-len 4096 --max-num-seqs 256 \
     --max-num-batched-tokens 16384 --port 8000 > "$OUT/server.log" 2>&1 &
