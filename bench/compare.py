@@ -3,7 +3,8 @@
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
 
 Systems: `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype float16
---kv-cache-dtype float16`: float32 sums on 2-byte weights and KV) and
+--kv-cache-dtype float16`: float32 sums on 2-byte weights and KV), `pagedserve-int8`
+(`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see cpu_linear.py) and
 `llama-server` (llama.cpp, built separately: --llama-server PATH) are started as servers
 here and driven by bench.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
 Face `generate` sequential, static batching and continuous batching, run in this process
@@ -32,10 +33,11 @@ from bench.client import BenchConfig, run_items
 from bench.server_process import ServerProcess, free_port, pagedserve_command
 from bench.workloads import WORKLOADS, BenchItem, Workload
 
-# pagedserve as served by default (float32, exact) and on float16 weights
+# pagedserve as served by default (float32, exact), on float16 weights and on int8 ones
 PAGEDSERVE_VARIANTS = {
     "pagedserve": [],
     "pagedserve-fp16": ["--weight-dtype", "float16", "--kv-cache-dtype", "float16"],
+    "pagedserve-int8": ["--weight-dtype", "int8", "--kv-cache-dtype", "float16"],
 }
 SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server")
 HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")

@@ -1,6 +1,6 @@
 """Model-runner throughput on the default model, against Hugging Face `generate`.
 
-`python -m bench.runner_bench [--dtypes float32,float16,float16-weights,bfloat16]
+`python -m bench.runner_bench [--dtypes float32,float16,float16-weights,int8,bfloat16]
 [--batch-sizes 1,16,64,128] [--decode-steps 8] [--threads N]`
 
 Per dtype: decode tokens/s at each batch size (prompts of ~16 tokens, so the context stays
@@ -9,8 +9,9 @@ left-padded, in the same process. Decode time is measured from the first sampled
 the last, so prefill is left out on both sides, and taken as the median step (prefill as
 the best of a few runs): CI machines are often shared. "float16-weights" is float32 with
 `--weight-dtype float16`, "float16" that and `--kv-cache-dtype float16` (HF runs float32);
-their greedy token agreement with float32 is reported on 16 random prompts of 64 new
-tokens.
+"int8" is `--weight-dtype int8 --kv-cache-dtype float16`. Their greedy token agreement
+with float32 is reported on 16 random prompts of 64 new tokens, and their teacher-forced
+top-1 agreement and perplexity on a fixed text (bench/quality.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from bench.hf_baseline import StepTimes, left_pad
+from bench.quality import compare, reference_token_ids, teacher_forced_logits
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
@@ -164,6 +166,7 @@ VARIANTS = {
     "float32": ("float32", "auto", "auto"),
     "float16": ("float32", "float16", "float16"),
     "float16-weights": ("float32", "float16", "auto"),
+    "int8": ("float32", "int8", "float16"),
     "bfloat16": ("bfloat16", "auto", "auto"),
 }
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 64
@@ -171,8 +174,9 @@ AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 64
 
 def bench_variant(
     variant: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
-) -> tuple[list[tuple], list[list[int]]]:
-    """The table rows of one variant, and its greedy tokens on the agreement prompts."""
+) -> tuple[list[tuple], list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
+    """The table rows of one variant, its greedy tokens on the agreement prompts, and
+    bench.quality's text (token ids) with the variant's teacher-forced logits on it."""
     dtype, weight_dtype, kv_cache_dtype = VARIANTS[variant]
     config = ModelConfig(
         model=None,
@@ -189,8 +193,9 @@ def bench_variant(
         loaded.model_path, dtype=loaded.dtype, local_files_only=True
     ).eval()
     hf.generation_config.eos_token_id = None  # fixed lengths
-    # the tied LM head once; float16 weights are 2 bytes
-    weight_size = 2 if weight_dtype == "float16" else loaded.dtype.itemsize
+    # the tied LM head once; float16 weights are 2 bytes, int8 ones 1 (int8's float16
+    # down projections counted as 1 too: a floor a little under the true one)
+    weight_size = {"float16": 2, "int8": 1}.get(weight_dtype, loaded.dtype.itemsize)
     weight_bytes = sum(p.numel() for p in hf.parameters()) * weight_size
     vocab = int(loaded.hf_config.vocab_size)
     warm = make_prompts(2, vocab, seed=1)
@@ -227,7 +232,8 @@ def bench_variant(
     rows.append((variant, f"prefill {PREFILL_LEN}", ours_tps, hf_tps))
     print(f"  {rows[-1][1]:<22} ours {ours_tps:8.1f} tok/s   hf {hf_tps:8.1f} tok/s", flush=True)
     _, tokens = ours.generate(make_prompts(AGREEMENT_PROMPTS, vocab, seed=2), AGREEMENT_TOKENS)
-    return rows, tokens
+    text_ids = reference_token_ids(loaded)
+    return rows, tokens, (text_ids, teacher_forced_logits(loaded, text_ids))
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
@@ -259,14 +265,14 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
     )
-    rows, tokens = [], {}
+    rows, tokens, teacher_forced = [], {}, {}
     for variant in args.dtypes.split(","):
         if variant not in VARIANTS:
             parser.error(f"unknown dtype {variant!r} (one of {', '.join(VARIANTS)})")
         sizes = args.bf16_batch_sizes if variant == "bfloat16" else args.batch_sizes
         print(f"{variant}:", flush=True)
         batch_sizes = [int(b) for b in sizes.split(",")]
-        variant_rows, tokens[variant] = bench_variant(
+        variant_rows, tokens[variant], teacher_forced[variant] = bench_variant(
             variant, batch_sizes, args.decode_steps, args.prefill_repeats
         )
         rows += variant_rows
@@ -278,10 +284,13 @@ def main() -> None:
         else:
             print(f"| {variant} | {workload} | {ours:.1f} | {hf:.1f} | {ours / hf:.2f}x |")
     if "float32" in tokens:
+        text_ids, reference = teacher_forced["float32"]
         for variant in tokens.keys() - {"float32"}:
             print(
                 f"\ngreedy agreement of {variant} with float32 ({AGREEMENT_PROMPTS} prompts, "
                 f"{AGREEMENT_TOKENS} tokens): {agreement(tokens[variant], tokens['float32'])}"
+                f"\nteacher-forced on bench.quality's text ({text_ids.shape[1]} tokens): "
+                f"{compare(teacher_forced[variant][1], reference, text_ids)}"
             )
 
 

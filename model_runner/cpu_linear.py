@@ -1,4 +1,4 @@
-"""CPU projections on prepacked weights: oneDNN float32, or float16 weights through fbgemm.
+"""CPU projections on prepacked weights: oneDNN float32, or float16 / int8 through fbgemm.
 
 A float32 model on the CPU runs its projections and LM head on a copy of each weight
 laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
@@ -11,23 +11,28 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   is what a small decode batch on the CPU waits for. Greedy output agrees with float32 on
   most but not every token (measured in docs/benchmarks.md), as with any half-precision
   weights.
+- "int8": W8A8 (Int8Linear). Products in int8, summed in int32: on AVX2 fbgemm's int8
+  GEMM runs ~1.8x the float32 FLOP rate, and from a batch of ~16 tokens the CPU waits for
+  FLOPs, not weight bytes. Needs each input channel's calibrated range (calibration.py).
+  A quantized model: greedy output drifts from float32 (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-WEIGHT_DTYPES = ("auto", "float16")
+WEIGHT_DTYPES = ("auto", "float16", "int8")
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, weight_dtype: str) -> bool:
     """Whether `pack_linear` supports this device, model dtype and weight dtype."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
-    if weight_dtype == "float16":
+    if weight_dtype in ("float16", "int8"):
         return "fbgemm" in torch.backends.quantized.supported_engines
     return torch.backends.mkldnn.is_available()
 
@@ -46,11 +51,21 @@ PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def pack_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_dtype: str,
+    input_amax: torch.Tensor | None = None,
 ) -> PackedLinear:
-    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack)."""
+    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack).
+
+    "int8" needs `input_amax`, the calibrated range of each input channel (Int8Linear).
+    """
     if weight_dtype == "float16":
         return Float16Linear(weight, bias)
+    if weight_dtype == "int8":
+        if input_amax is None:
+            raise ValueError("int8 weights need the calibrated range of each input channel")
+        return Int8Linear(weight, bias, input_amax)
     return OneDNNLinear(weight, bias)
 
 
@@ -81,6 +96,45 @@ class Float16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class Int8Linear:
+    """W8A8: int8 weights and int8 activations, smoothed and scaled per token (fbgemm).
+
+    `input_amax` is the largest magnitude each input channel took on calibration inputs.
+    SmoothQuant's migration divides input channel j by s_j = sqrt(input_amax_j /
+    weight_amax_j) and multiplies the weight's column j by it, which leaves the product
+    unchanged and meets both ranges in the middle: a few channels of these activations run
+    100x wider than the rest, and one 8-bit grid cannot hold both. Each row is then scaled
+    to a largest magnitude of 1, so fbgemm's one grid per call serves every token alike;
+    the weight gets a grid per output row. Products sum exactly in int32.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: torch.Tensor
+    ) -> None:
+        weight = weight.detach().float()
+        weight_amax = weight.abs().amax(dim=0).clamp(min=1e-5)
+        smooth = (input_amax.float().clamp(min=1e-5) / weight_amax).sqrt()  # [in]
+        self.inv_smooth = smooth.reciprocal()
+        smoothed = weight * smooth
+        scales = (smoothed.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
+            # GEMM still takes its weights as one.
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(smoothed, scales, zero_points, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.inv_smooth
+        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
+        y = torch.ops.quantized.linear_dynamic(x.div_(row_amax), self.packed, True)
+        y.mul_(row_amax)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 # NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees

@@ -11,11 +11,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_runner.calibration import LM_HEAD, input_amax, prefill
 from model_runner.config import ModelConfig
-from model_runner.cpu_linear import can_pack, padded_rows
+from model_runner.cpu_linear import Float16Linear, Int8Linear, can_pack, pack_linear, padded_rows
 from model_runner.llama import Linear
 from model_runner.loader import load_model
-from tests.model_helpers import CONFIGS, Engine, TinyModel, greedy_seqs, make_model_folder
+from tests.model_helpers import (
+    CONFIGS,
+    Engine,
+    TinyModel,
+    greedy_seqs,
+    make_model_folder,
+    prompts,
+)
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -86,5 +94,93 @@ def test_float16_weights_refused_where_unsupported(tmp_path) -> None:
     make_model_folder(tmp_path, CONFIGS["smollm2"]())
     with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
         load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16"))
+    with pytest.raises(ValueError, match="--weight-dtype int8 needs the CPU, --dtype float32"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="int8"))
     with pytest.raises(ValueError, match="unknown weight dtype 'int4'"):
         ModelConfig(weight_dtype="int4")
+
+
+def _outlier_inputs(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Inputs whose channels 3 and 17 run 100x wider than the rest, as LLM activations do."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen)
+    x[:, [3, 17]] *= 100
+    return x
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_follow_float32_on_outlier_channels(bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = Linear(64, 96, bias=bias)
+    x = _outlier_inputs(40, 64, seed=1)
+    expected = F.linear(x, linear.weight, linear.bias)
+    calibrated = _outlier_inputs(64, 64, seed=2).abs().amax(dim=0)  # other rows, same channels
+    flat = torch.full((64,), float(calibrated.max()))  # no smoothing: one range for all
+    unsmoothed = pack_linear(linear.weight, linear.bias, "int8", flat)
+    linear.pack("int8", calibrated)
+    with torch.inference_mode():
+        got = linear(x)
+        rough = unsmoothed(x)
+    assert got.dtype == torch.float32 and got.shape == (40, 96)
+    assert _relative_error(got, expected) < 0.02
+    # the smoothing is what keeps the ordinary channels: without it they drown
+    assert _relative_error(rough, expected) > 2 * _relative_error(got, expected)
+
+
+@needs_fbgemm
+def test_int8_activations_get_a_grid_per_token() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64) * 0.1
+    x = torch.randn(8, 64)
+    x[0] *= 1000  # one loud token in the batch
+    packed = pack_linear(weight, None, "int8", torch.ones(64))  # channels alike
+    with torch.inference_mode():
+        got = packed(x)
+    expected = F.linear(x, weight)
+    # the quiet tokens keep their precision: on the loud token's grid, their whole
+    # inputs would fall within one or two steps of it (errors near 100%)
+    for row in range(8):
+        assert _relative_error(got[row], expected[row]) < 0.03, row
+
+
+def test_int8_weights_need_calibrated_ranges() -> None:
+    with pytest.raises(ValueError, match="calibrated range"):
+        pack_linear(torch.randn(8, 16), None, "int8")
+
+
+@needs_fbgemm
+@torch.inference_mode()
+def test_int8_model_calibrates_every_projection_and_stays_close(tmp_path) -> None:
+    make_model_folder(tmp_path, CONFIGS["llama3"]())
+    exact = load_model(ModelConfig(model=str(tmp_path)))
+    ranges = input_amax(exact.model)  # what load_model measures for int8 (before packing)
+    loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
+    model = loaded.model
+    projections = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert ranges.keys() == {*projections, LM_HEAD}
+    for name, module in projections.items():
+        assert ranges[name].shape == (module.in_features,)
+        expected = Float16Linear if name.endswith("down_proj") else Int8Linear
+        assert isinstance(module.packed, expected), name
+    assert isinstance(model.packed_lm_head, Int8Linear)
+
+    tokens = torch.tensor([prompts([48], seed=3)[0]])
+    reference = exact.model.compute_logits(prefill(exact.model, tokens))
+    logits = model.compute_logits(prefill(model, tokens))
+    # measured 8.3% and 44 of 48: a tiny random model's narrow rows quantize coarsely
+    assert _relative_error(logits, reference) < 0.12
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
+
+
+@needs_fbgemm
+def test_int8_model_serves_whole_requests(tmp_path) -> None:
+    hf_model = make_model_folder(tmp_path, CONFIGS["qwen2"]())  # with a qkv bias
+    loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
+    seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
+    outputs = Engine(TinyModel(hf_model, loaded).runner(block_size=4)).run(seqs)
+    assert [len(out) for out in outputs] == [12, 12, 12]

@@ -89,7 +89,7 @@ def test_scheduling_policy_long_name() -> None:
 @pytest.mark.parametrize(
     "flags",
     [["--policy", "lifo"], ["--block-size", "x"], ["--kv-cache-memory", "lots"],
-     ["--device", "tpu"], ["--weight-dtype", "int8"]],
+     ["--device", "tpu"], ["--weight-dtype", "int4"]],
 )
 def test_bad_flags_exit_2(flags: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
