@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             if system in SERVERS:
                 results += run_server(system, workload, args)
-            elif name != "WP":  # WP is about priorities: servers only
+            elif name == "WP":  # WP is about priorities: servers only
+                continue
+            else:
                 try:
                     results.append(run_hf(system, workload, args))
                 except RuntimeError as exc:  # a peer that breaks must not lose the others
