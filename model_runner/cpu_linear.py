@@ -13,8 +13,8 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   weights.
 - "int8": W8A8 (Int8Linear). Products in int8, summed in int32: on AVX2 fbgemm's int8
   GEMM runs ~1.8x the float32 FLOP rate, and from a batch of ~16 tokens the CPU waits for
-  FLOPs, not weight bytes. Needs each input channel's calibrated range (calibration.py).
-  A quantized model: greedy output drifts from float32 (measured in docs/benchmarks.md).
+  FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
+  (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,21 +51,13 @@ PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def pack_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    weight_dtype: str,
-    input_amax: torch.Tensor | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str
 ) -> PackedLinear:
-    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack).
-
-    "int8" needs `input_amax`, the calibrated range of each input channel (Int8Linear).
-    """
+    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack)."""
     if weight_dtype == "float16":
         return Float16Linear(weight, bias)
     if weight_dtype == "int8":
-        if input_amax is None:
-            raise ValueError("int8 weights need the calibrated range of each input channel")
-        return Int8Linear(weight, bias, input_amax)
+        return Int8Linear(weight, bias)
     return OneDNNLinear(weight, bias)
 
 
@@ -99,42 +91,56 @@ class Float16Linear:
 
 
 class Int8Linear:
-    """W8A8: int8 weights and int8 activations, smoothed and scaled per token (fbgemm).
+    """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
 
-    `input_amax` is the largest magnitude each input channel took on calibration inputs.
-    SmoothQuant's migration divides input channel j by s_j = sqrt(input_amax_j /
-    weight_amax_j) and multiplies the weight's column j by it, which leaves the product
-    unchanged and meets both ranges in the middle: a few channels of these activations run
-    100x wider than the rest, and one 8-bit grid cannot hold both. Each row is then scaled
-    to a largest magnitude of 1, so fbgemm's one grid per call serves every token alike;
-    the weight gets a grid per output row. Products sum exactly in int32.
+    A few activation channels of these models run 100-1000x wider than the rest, and
+    one 8-bit grid cannot hold both. So each input row is first turned by a block-diagonal
+    Hadamard rotation H (orthogonal, blocks of up to 64 channels; QuaRot's idea), which
+    spreads an outsize channel over its whole block, and the weight's columns are turned
+    the same way once at load: x W^T = (x H)(W H)^T. Each rotated row is then scaled to a
+    largest magnitude of 1, so fbgemm's one grid per call serves every token alike; the
+    weight gets a grid per output row. Products sum exactly in int32.
     """
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, input_amax: torch.Tensor
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         weight = weight.detach().float()
-        weight_amax = weight.abs().amax(dim=0).clamp(min=1e-5)
-        smooth = (input_amax.float().clamp(min=1e-5) / weight_amax).sqrt()  # [in]
-        self.inv_smooth = smooth.reciprocal()
-        smoothed = weight * smooth
-        scales = (smoothed.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
+        in_features = weight.shape[1]
+        self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
+        self.rotation = hadamard(self.block)
+        rotated = self._rotate(weight)
+        scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():
             # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
             # GEMM still takes its weights as one.
             warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(smoothed, scales, zero_points, 0, torch.qint8)
+            quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.bias = None if bias is None else bias.detach()
 
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
+        rows = x.shape[0]
+        return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * self.inv_smooth
+        x = self._rotate(x)
         row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
         # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
         y = torch.ops.quantized.linear_dynamic(x.div_(row_amax), self.packed, True)
         y.mul_(row_amax)
         return y if self.bias is None else y.add_(self.bias)
+
+
+MAX_ROTATION_BLOCK = 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix (Sylvester's construction; n a power of two)."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / n**0.5
 
 
 # NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees

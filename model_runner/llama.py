@@ -90,8 +90,8 @@ class Linear(nn.Linear):
 
     packed: PackedLinear | None = None
 
-    def pack(self, weight_dtype: str, input_amax: torch.Tensor | None = None) -> None:
-        self.packed = pack_linear(self.weight, self.bias, weight_dtype, input_amax)
+    def pack(self, weight_dtype: str) -> None:
+        self.packed = pack_linear(self.weight, self.bias, weight_dtype)
         self.weight = _dropped(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,27 +299,12 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    def pack_weights(
-        self, weight_dtype: str, input_amax: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack).
-
-        "int8" takes each projection's calibrated input ranges, by module name and
-        "lm_head" (calibration.input_amax); the down projections keep float16 weights.
-        """
-        input_amax = input_amax or {}
-        for name, module in self.named_modules():
-            if not isinstance(module, Linear):
-                continue
-            # NOTE: down_proj's input (the SwiGLU product) holds a few values per token
-            # ~1000x its mean; no 8-bit grid keeps both, so it gets 2-byte weights instead.
-            if weight_dtype == "int8" and name.endswith("down_proj"):
-                module.pack("float16")
-            else:
-                module.pack(weight_dtype, input_amax.get(name))
-        self.packed_lm_head = pack_linear(
-            self._lm_head_weight(), None, weight_dtype, input_amax.get("lm_head")
-        )
+    def pack_weights(self, weight_dtype: str) -> None:
+        """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(weight_dtype)
+        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype)
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = _dropped(self.lm_head.weight)
 

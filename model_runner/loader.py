@@ -35,7 +35,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from model_runner.calibration import input_amax
 from model_runner.config import ModelConfig
 from model_runner.cpu_linear import can_pack, check_weight_dtype
 from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
@@ -117,8 +116,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.init_rope_cache(max_model_len)
     model.eval()
     if can_pack(device, dtype, config.weight_dtype):
-        ranges = input_amax(model) if config.weight_dtype == "int8" else None
-        model.pack_weights(config.weight_dtype, ranges)
+        model.pack_weights(config.weight_dtype)
 
     tokenizer = _load_tokenizer(folder)
     return LoadedModel(

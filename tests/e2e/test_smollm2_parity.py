@@ -110,13 +110,13 @@ def test_float16_weights_match_generate_on_rounded_weights(prompts):
 
 def test_int8_weights_stay_close_on_english_text(loaded):
     """--weight-dtype int8 on the real model, teacher-forced on bench.quality's text: the
-    next-token choice agrees with float32 at >= 88% of positions (measured 92.6%) and the
-    loss grows by <= 3% (measured +0.8%)."""
+    next-token choice agrees with float32 at >= 90% of positions (measured 94.7%) and the
+    loss grows by <= 2% (measured +0.4%; without the rotation, 72.5% and +8.7%)."""
     int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))
     token_ids = reference_token_ids(loaded)
     quality = compare(
         teacher_forced_logits(int8, token_ids), teacher_forced_logits(loaded, token_ids),
         token_ids,
     )
-    assert quality.top1_agreement >= 0.88, quality
-    assert quality.nll <= 1.03 * quality.reference_nll, quality
+    assert quality.top1_agreement >= 0.90, quality
+    assert quality.nll <= 1.02 * quality.reference_nll, quality

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runner.calibration import LM_HEAD, input_amax, prefill
+from bench.quality import prefill
 from model_runner.config import ModelConfig
-from model_runner.cpu_linear import Float16Linear, Int8Linear, can_pack, pack_linear, padded_rows
+from model_runner.cpu_linear import Int8Linear, can_pack, hadamard, pack_linear, padded_rows
 from model_runner.llama import Linear
 from model_runner.loader import load_model
 from tests.model_helpers import (
@@ -115,21 +115,18 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @needs_fbgemm
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_weights_follow_float32_on_outlier_channels(bias: bool) -> None:
+    # unrotated, the ordinary channels would sit within a grid step or two of zero on the
+    # outliers' grid and drown (errors of tens of percent)
     torch.manual_seed(0)
     linear = Linear(64, 96, bias=bias)
     x = _outlier_inputs(40, 64, seed=1)
     expected = F.linear(x, linear.weight, linear.bias)
-    calibrated = _outlier_inputs(64, 64, seed=2).abs().amax(dim=0)  # other rows, same channels
-    flat = torch.full((64,), float(calibrated.max()))  # no smoothing: one range for all
-    unsmoothed = pack_linear(linear.weight, linear.bias, "int8", flat)
-    linear.pack("int8", calibrated)
+    linear.pack("int8")
     with torch.inference_mode():
         got = linear(x)
-        rough = unsmoothed(x)
     assert got.dtype == torch.float32 and got.shape == (40, 96)
     assert _relative_error(got, expected) < 0.02
-    # the smoothing is what keeps the ordinary channels: without it they drown
-    assert _relative_error(rough, expected) > 2 * _relative_error(got, expected)
+    assert linear.weight.numel() == 0  # the packed copy is the only one
 
 
 @needs_fbgemm
@@ -138,7 +135,7 @@ def test_int8_activations_get_a_grid_per_token() -> None:
     weight = torch.randn(96, 64) * 0.1
     x = torch.randn(8, 64)
     x[0] *= 1000  # one loud token in the batch
-    packed = pack_linear(weight, None, "int8", torch.ones(64))  # channels alike
+    packed = pack_linear(weight, None, "int8")
     with torch.inference_mode():
         got = packed(x)
     expected = F.linear(x, weight)
@@ -148,33 +145,43 @@ def test_int8_activations_get_a_grid_per_token() -> None:
         assert _relative_error(got[row], expected[row]) < 0.03, row
 
 
-def test_int8_weights_need_calibrated_ranges() -> None:
-    with pytest.raises(ValueError, match="calibrated range"):
-        pack_linear(torch.randn(8, 16), None, "int8")
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_hadamard_rotation_is_orthonormal(n: int) -> None:
+    h = hadamard(n)
+    torch.testing.assert_close(h @ h.T, torch.eye(n))
+    assert (h.abs() == n**-0.5).all()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("in_features", [24, 40, 200])
+def test_int8_rotation_blocks_fit_any_width(in_features: int) -> None:
+    # 24 = 8 * 3, 40 = 8 * 5, 200 = 8 * 25: blocks of 8; a width of 64 * k takes 64
+    torch.manual_seed(in_features)
+    weight = torch.randn(32, in_features) * 0.1
+    x = _outlier_inputs(5, in_features, seed=2)
+    packed = pack_linear(weight, None, "int8")
+    assert packed.block == 8
+    with torch.inference_mode():
+        assert _relative_error(packed(x), F.linear(x, weight)) < 0.05
 
 
 @needs_fbgemm
 @torch.inference_mode()
-def test_int8_model_calibrates_every_projection_and_stays_close(tmp_path) -> None:
+def test_int8_model_packs_every_projection_and_stays_close(tmp_path) -> None:
     make_model_folder(tmp_path, CONFIGS["llama3"]())
     exact = load_model(ModelConfig(model=str(tmp_path)))
-    ranges = input_amax(exact.model)  # what load_model measures for int8 (before packing)
     loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
     model = loaded.model
-    projections = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    assert ranges.keys() == {*projections, LM_HEAD}
-    for name, module in projections.items():
-        assert ranges[name].shape == (module.in_features,)
-        expected = Float16Linear if name.endswith("down_proj") else Int8Linear
-        assert isinstance(module.packed, expected), name
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert projections and all(isinstance(m.packed, Int8Linear) for m in projections)
     assert isinstance(model.packed_lm_head, Int8Linear)
 
     tokens = torch.tensor([prompts([48], seed=3)[0]])
     reference = exact.model.compute_logits(prefill(exact.model, tokens))
     logits = model.compute_logits(prefill(model, tokens))
-    # measured 8.3% and 44 of 48: a tiny random model's narrow rows quantize coarsely
+    # measured 8.7% and 41 of 48: a tiny random model's narrow rows quantize coarsely
     assert _relative_error(logits, reference) < 0.12
-    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.85
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
 
 
 @needs_fbgemm
