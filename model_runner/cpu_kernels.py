@@ -65,6 +65,11 @@ def cpu_kernels_error(head_dim: int) -> str | None:
     return _build_error()
 
 
+def cpu_kernels_available() -> bool:
+    """Whether the kernels are loaded (built on the first call)."""
+    return _build_error() is None
+
+
 @functools.cache
 def _build_error() -> str | None:
     """None once the kernels are loaded, else why they could not be (kept for the

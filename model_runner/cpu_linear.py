@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from model_runner.cpu_kernels import cpu_kernels_available
+
 WEIGHT_DTYPES = ("auto", "float16", "int8")
 
 
@@ -107,6 +109,7 @@ class Int8Linear:
         in_features = weight.shape[1]
         self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
         self.rotation = hadamard(self.block)
+        self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
         rotated = self._rotate(weight)
         scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
@@ -124,12 +127,20 @@ class Int8Linear:
         return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._rotate(x)
-        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        x, row_amax = self.rotate_and_scale(x)
         # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
-        y = torch.ops.quantized.linear_dynamic(x.div_(row_amax), self.packed, True)
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         y.mul_(row_amax)
         return y if self.bias is None else y.add_(self.bias)
+
+    def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]
+        (returned too): one pass in C++ (cpu_layers.cpp) where the kernels are built."""
+        if self.fused:
+            return torch.ops.pagedserve.hadamard_rows(x, self.block)
+        x = self._rotate(x)
+        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        return x.div_(row_amax), row_amax
 
 
 MAX_ROTATION_BLOCK = 64

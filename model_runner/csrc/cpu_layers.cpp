@@ -9,7 +9,10 @@
 
 #include "vec8.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <cstdint>
 
 namespace {
@@ -111,9 +114,60 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
+// a power of two; Sylvester's order, as cpu_linear.hadamard builds it) with an in-place
+// fast Walsh-Hadamard transform, then divided by its largest magnitude: the int8 linear's
+// input (cpu_linear.Int8Linear). Returns the scaled rows and each row's largest magnitude
+// [n, 1] (at least 1e-12, so a zero row stays zero).
+std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block) {
+  check_rows(x, "hadamard_rows");
+  TORCH_CHECK(block >= 8 && block <= 1024 && (block & (block - 1)) == 0 &&
+                  x.size(1) % block == 0,
+              "hadamard_rows: block must be a power of two from 8 dividing the width");
+  const int64_t rows = x.size(0), width = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows, width}, x.options());
+  at::Tensor amax = at::empty({rows, 1}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* m = amax.data_ptr<float>();
+  const float norm = 1.f / std::sqrt(static_cast<float>(block));
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = o + r * width;
+      std::memcpy(row, in + r * stride, width * sizeof(float));
+      for (int64_t start = 0; start < width; start += block) {
+        float* v = row + start;
+        for (int64_t h = 1; h < block; h *= 2) {
+          for (int64_t i = 0; i < block; i += 2 * h) {
+            for (int64_t j = i; j < i + h; ++j) {
+              const float a = v[j], b = v[j + h];
+              v[j] = a + b;
+              v[j + h] = a - b;
+            }
+          }
+        }
+      }
+      Vec8 peak{};
+      for (int64_t i = 0; i < width; i += 8) {
+        const Vec8 a = load8(row + i);
+        const Vec8 mag = a < 0 ? -a : a;
+        peak = mag > peak ? mag : peak;
+      }
+      float row_max = 0.f;
+      for (int j = 0; j < 8; ++j) row_max = std::max(row_max, peak[j]);
+      row_max = std::max(row_max * norm, 1e-12f);
+      m[r] = row_max;
+      const float scale = norm / row_max;
+      for (int64_t i = 0; i < width; i += 8) store8(row + i, load8(row + i) * scale);
+    }
+  });
+  return {out, amax};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("hadamard_rows", &hadamard_rows);
   m.def("rms_norm", &rms_norm);
   m.def("rope_", &rope_);
   m.def("silu_and_mul", &silu_and_mul);

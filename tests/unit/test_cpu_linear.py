@@ -191,3 +191,18 @@ def test_int8_model_serves_whole_requests(tmp_path) -> None:
     seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
     outputs = Engine(TinyModel(hf_model, loaded).runner(block_size=4)).run(seqs)
     assert [len(out) for out in outputs] == [12, 12, 12]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(("in_features", "block"), [(64, 64), (576, 64), (1536, 64), (40, 8)])
+def test_int8_rotation_in_cpp_matches_torch(in_features: int, block: int) -> None:
+    packed = pack_linear(torch.randn(16, in_features), None, "int8")
+    assert packed.block == block and packed.fused
+    x = torch.randn(7, in_features + 8)[:, :in_features]  # rows with a stride
+    x[3] = 0  # a zero row stays zero
+    got, got_amax = packed.rotate_and_scale(x)
+    packed.fused = False
+    expected, expected_amax = packed.rotate_and_scale(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_amax, expected_amax, rtol=1e-5, atol=1e-12)
+    assert got.abs().amax(dim=1)[[0, 1, 2, 4, 5, 6]].allclose(torch.ones(6))
