@@ -24,13 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from model_runner.attention import TORCH_BACKEND
-from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.llama import LlamaForCausalLM
 from model_runner.loader import LoadedModel
+from model_runner.runner import prepare_inputs
+from scheduler.output import ScheduledRequest
+from scheduler.sampling_params import SamplingParams
 
 TEXT_MODULES = (argparse, json, typing, email, unittest, logging, collections)
 MAX_TOKENS = 1024
+BLOCK_SIZE = 16  # of prefill's throwaway KV cache
 
 
 def reference_token_ids(loaded: LoadedModel) -> torch.Tensor:
@@ -70,31 +73,23 @@ def compare(logits: torch.Tensor, reference: torch.Tensor, token_ids: torch.Tens
 
 def prefill(model: LlamaForCausalLM, token_ids: torch.Tensor) -> torch.Tensor:
     """One forward over the sequences of token_ids [seqs, len] (each from position 0,
-    through the torch reference attention): the final hidden states [seqs * len, H]."""
+    laid out by the runner's prepare_inputs, through the torch reference attention): the
+    final hidden states [seqs * len, H]."""
     device = model.embed_tokens.weight.device
     num_seqs, seq_len = token_ids.shape
-    block_size = 16
-    blocks_per_seq = -(-seq_len // block_size)
-    # sequence i owns blocks i * blocks_per_seq ..; its slots are contiguous
-    block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32)
-    positions = torch.arange(seq_len).repeat(num_seqs)
-    slot_mapping = torch.arange(num_seqs).repeat_interleave(seq_len) * (
-        blocks_per_seq * block_size
-    ) + positions
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=torch.arange(0, token_ids.numel() + 1, seq_len, dtype=torch.int32)
-        .to(device),
-        context_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32).to(device),
-        block_tables=block_tables.view(num_seqs, blocks_per_seq).to(device),
-        max_query_len=seq_len,
-        max_context_len=seq_len,
-    )
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    requests = [
+        ScheduledRequest(
+            request_id=str(i), token_ids=ids, num_computed_tokens=0,
+            block_table=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            sample=False, sampling_params=SamplingParams(), prompt_token_ids=ids,
+            output_token_ids=[],
+        )
+        for i, ids in enumerate(token_ids.tolist())
+    ]
+    inputs = prepare_inputs(requests, BLOCK_SIZE, device)
     kv_cache = allocate_kv_cache(
-        model.num_layers, num_seqs * blocks_per_seq, block_size,
+        model.num_layers, num_seqs * blocks_per_seq, BLOCK_SIZE,
         model.num_kv_heads, model.head_dim, model.embed_tokens.weight.dtype, device,
     )
-    return model(
-        token_ids.reshape(-1).to(device), positions.to(device), meta, kv_cache.layers,
-        TORCH_BACKEND,
-    )
+    return model(inputs.input_ids, inputs.positions, inputs.meta, kv_cache.layers, TORCH_BACKEND)

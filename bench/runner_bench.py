@@ -193,8 +193,7 @@ def bench_variant(
         loaded.model_path, dtype=loaded.dtype, local_files_only=True
     ).eval()
     hf.generation_config.eos_token_id = None  # fixed lengths
-    # the tied LM head once; float16 weights are 2 bytes, int8 ones 1 (int8's float16
-    # down projections counted as 1 too: a floor a little under the true one)
+    # the tied LM head once; float16 weights are 2 bytes, int8 ones 1
     weight_size = {"float16": 2, "int8": 1}.get(weight_dtype, loaded.dtype.itemsize)
     weight_bytes = sum(p.numel() for p in hf.parameters()) * weight_size
     vocab = int(loaded.hf_config.vocab_size)

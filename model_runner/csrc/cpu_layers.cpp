@@ -11,9 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <cstdint>
 
 namespace {
 
@@ -114,6 +114,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// v (n values, n a power of two) times Sylvester's unnormalised n x n Hadamard matrix, in
+// place: log2(n) rounds of butterflies.
+inline void walsh_hadamard_(float* v, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2) {
+    for (int64_t i = 0; i < n; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+    }
+  }
+}
+
 // Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
 // a power of two; Sylvester's order, as cpu_linear.hadamard builds it) with an in-place
 // fast Walsh-Hadamard transform, then divided by its largest magnitude: the int8 linear's
@@ -129,24 +143,13 @@ std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t bl
   at::Tensor amax = at::empty({rows, 1}, x.options());
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  float* m = amax.data_ptr<float>();
+  float* row_maxes = amax.data_ptr<float>();
   const float norm = 1.f / std::sqrt(static_cast<float>(block));
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = o + r * width;
       std::memcpy(row, in + r * stride, width * sizeof(float));
-      for (int64_t start = 0; start < width; start += block) {
-        float* v = row + start;
-        for (int64_t h = 1; h < block; h *= 2) {
-          for (int64_t i = 0; i < block; i += 2 * h) {
-            for (int64_t j = i; j < i + h; ++j) {
-              const float a = v[j], b = v[j + h];
-              v[j] = a + b;
-              v[j + h] = a - b;
-            }
-          }
-        }
-      }
+      for (int64_t start = 0; start < width; start += block) walsh_hadamard_(row + start, block);
       Vec8 peak{};
       for (int64_t i = 0; i < width; i += 8) {
         const Vec8 a = load8(row + i);
@@ -156,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t bl
       float row_max = 0.f;
       for (int j = 0; j < 8; ++j) row_max = std::max(row_max, peak[j]);
       row_max = std::max(row_max * norm, 1e-12f);
-      m[r] = row_max;
+      row_maxes[r] = row_max;
       const float scale = norm / row_max;
       for (int64_t i = 0; i < width; i += 8) store8(row + i, load8(row + i) * scale);
     }
