@@ -54,6 +54,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         priority: int = 0,
         arrival_time: float | None = None,
+        prompt_leader_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,6 +67,13 @@ class Request:
         self.output_logprobs: list[SampleLogprobs] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prompt tokens found in the prefix cache (or shared with the prompt leader) when
+        # the request was first admitted: OpenAI's usage.prompt_tokens_details.cached_tokens.
+        self.num_cached_tokens = 0
+        # Another choice of the same prompt (n > 1) that computes the prompt first: this
+        # request is held back until the leader's full prompt blocks are computed, then
+        # shares them (None: no leader).
+        self.prompt_leader_id = prompt_leader_id
         # Prefix-cache keys of the full blocks of all_token_ids (kvcache appends to it).
         self.block_hashes: list[BlockHash] = []
         # Priority after aging: the priority queue lowers it while the request waits and

@@ -291,6 +291,7 @@ class Engine:
                     eos_token_ids=self.info.eos_token_ids,
                     priority=priority,
                     arrival_time=arrival,
+                    prompt_leader_id=f"{request_id}-{p * n}" if i > 0 else None,
                 )
                 detokenizer = IncrementalDetokenizer(self._decode_tokenizer, prompt, stop)
                 choices.append(
