@@ -1,4 +1,4 @@
-"""The pool of KV blocks: ref counts, a free queue in eviction order, the prefix-cache map.
+"""The pool of KV blocks: ref counts, free blocks in eviction order, the prefix-cache map.
 
 A block is in one of three states:
 - used: ref_cnt > 0, held by one or more requests (shared prefix blocks have ref_cnt > 1);
@@ -6,6 +6,13 @@ A block is in one of three states:
   same prefix can take it back with `touch`);
 - free: ref_cnt == 0, no key.
 Eviction is lazy: a free block keeps its key until `get_new_blocks` hands it out again.
+
+Eviction order (`FreeBlocks`): unkeyed blocks first (they can never be hit), then cached
+blocks by priority class, the worst class first, least recently freed first within a
+class. A block's class is the most urgent priority among the requests that used it since
+it was last handed out, so a low-priority load cannot evict an urgent tenant's cached
+prompt while other cached blocks remain. Under fcfs every request has priority 0: one
+class, plain LRU.
 """
 
 from __future__ import annotations
@@ -18,12 +25,15 @@ from kvcache.hashing import BlockHash
 class KVCacheBlock:
     """One block of block_size token slots; `prev_free`/`next_free` link the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "priority", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # The most urgent (smallest) priority of the requests that used the block since it
+        # was last handed out: its eviction class once free and cached.
+        self.priority = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -97,6 +107,70 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += 1
 
 
+class FreeBlocks:
+    """Every free block, in eviction order: unkeyed, then cached by class, worst first.
+
+    One `FreeKVCacheBlockQueue` for unkeyed blocks and one per priority class of cached
+    blocks; a block's queue follows from its key and class, which do not change while it
+    is free. O(1) per block, plus a look over the (few) classes to find the worst one.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._unkeyed = FreeKVCacheBlockQueue(blocks)
+        self._cached: dict[int, FreeKVCacheBlockQueue] = {}
+        self.num_free_blocks = self._unkeyed.num_free_blocks  # cached or not
+
+    def push(self, block: KVCacheBlock) -> None:
+        """A block just freed: an unkeyed one goes first in line for eviction, a cached one
+        last in its class."""
+        if block.block_hash is None:
+            self._unkeyed.appendleft(block)
+        else:
+            queue = self._cached.get(block.priority)
+            if queue is None:
+                queue = self._cached[block.priority] = FreeKVCacheBlockQueue(())
+            queue.append(block)
+        self.num_free_blocks += 1
+
+    def pop(self) -> KVCacheBlock:
+        """Remove and return the block to evict next; IndexError when none is free."""
+        if self._unkeyed.num_free_blocks:
+            block = self._unkeyed.popleft()
+        elif self._cached:
+            worst = max(self._cached)
+            queue = self._cached[worst]
+            block = queue.popleft()
+            if not queue.num_free_blocks:
+                del self._cached[worst]
+        else:
+            raise IndexError("no free block")
+        self.num_free_blocks -= 1
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take a free block out (a prefix-cache hit); ValueError if it is not free."""
+        if block.block_hash is None:
+            self._unkeyed.remove(block)
+        else:
+            queue = self._cached.get(block.priority)
+            if queue is None:
+                raise ValueError(f"block {block.block_id} is not in the free queue")
+            queue.remove(block)
+            if not queue.num_free_blocks:
+                del self._cached[block.priority]
+        self.num_free_blocks -= 1
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Free blocks in eviction order."""
+        yield from self._unkeyed
+        for priority in sorted(self._cached, reverse=True):
+            yield from self._cached[priority]
+
+    def __len__(self) -> int:
+        """Number of free blocks."""
+        return self.num_free_blocks
+
+
 class BlockPool:
     """All KV blocks of the cache, their ref counts, the free queue and the prefix cache."""
 
@@ -106,7 +180,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_queue = FreeBlocks(self.blocks)
         # Key -> the one block holding it. A second block filled with the same tokens
         # (two requests computing one prefix at once) stays unkeyed.
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
@@ -126,8 +200,9 @@ class BlockPool:
         """Fraction of blocks in use (ref_cnt > 0), from 0 to 1."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take `num_blocks` blocks from the head of the free queue, evicting their keys.
+    def get_new_blocks(self, num_blocks: int, priority: int = 0) -> list[KVCacheBlock]:
+        """Take the next `num_blocks` blocks in eviction order, evicting their keys, for a
+        request of `priority`.
 
         Each returned block has ref_cnt 1. ValueError if fewer blocks are free.
         """
@@ -135,9 +210,10 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} blocks: {self.num_free_blocks} free")
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            block = self.free_queue.pop()
             self._evict(block)
             block.ref_cnt = 1
+            block.priority = priority
             blocks.append(block)
         return blocks
 
@@ -145,28 +221,24 @@ class BlockPool:
         """The block keyed `block_hash` (used or free), or None."""
         return self.cached_blocks.get(block_hash)
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+    def touch(self, blocks: Iterable[KVCacheBlock], priority: int = 0) -> None:
+        """Take a reference on prefix-cache hits for a request of `priority`, pulling free
+        ones out of the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            block.priority = min(block.priority, priority)
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; a block reaching 0 joins the free queue.
-
-        Among keyed blocks, the first freed is evicted first. NOTE: unkeyed blocks go to the
-        head instead: they can never be hit, so they are reused before any cached prefix.
-        """
+        """Drop one reference on each block; a block reaching 0 joins the free blocks
+        (`FreeBlocks.push`: unkeyed ones are reused first, cached ones by class and age)."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+                self.free_queue.push(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Key a full, computed block in the prefix cache; False if the key is taken already

@@ -31,6 +31,11 @@ class KVCacheRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
 
     @property
+    def priority(self) -> int:
+        """Lower is more urgent: the eviction class of the cached blocks it uses."""
+        ...
+
+    @property
     def block_hashes(self) -> list[BlockHash]:
         """Keys of the request's full blocks; the manager appends to it."""
         ...
@@ -144,8 +149,8 @@ class KVCacheManager:
             if self.enable_caching:
                 self.prefix_cache_queries_tokens += request.num_tokens
                 self.prefix_cache_hits_tokens += len(new_computed_blocks) * self.block_size
-        self.pool.touch(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        self.pool.touch(new_computed_blocks, request.priority)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks, request.priority)
         block_ids = self._req_block_ids[request_id]
         for block in (*new_computed_blocks, *new_blocks):
             blocks.append(block)
@@ -187,6 +192,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of `request_id` (a copy; empty when it holds no blocks)."""
         return list(self._req_block_ids.get(request_id, ()))
+
+    def get_leading_blocks(self, request_id: str, num_blocks: int) -> list[KVCacheBlock]:
+        """The first `num_blocks` blocks `request_id` holds (fewer if it holds fewer), to
+        share with a request of the same prefix through `allocate_slots`."""
+        return self._req_blocks.get(request_id, [])[:num_blocks]
 
     def num_held_blocks(self, request_id: str) -> int:
         """How many blocks `request_id` holds."""

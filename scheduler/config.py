@@ -14,6 +14,8 @@ class SchedulerConfig:
     seat limit. priority_aging_s: a waiting request's effective priority improves by one
     level every that many seconds waited (None: off). watermark: fraction of KV blocks
     kept free when admitting waiting requests (running requests may use them).
+    long_prefill_token_threshold: the most tokens one prefill computes per step (0: no
+    cap beyond the budget), so a long prompt cannot take a whole step from the others.
     """
 
     policy: str = "fcfs"
@@ -22,6 +24,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     priority_aging_s: float | None = None
     watermark: float = 0.0
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -34,5 +37,7 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ValueError("priority_aging_s must be > 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")

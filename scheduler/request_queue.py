@@ -1,12 +1,18 @@
-"""Waiting queues: FCFS (a deque) and priority (a heap), behind one interface."""
+"""Waiting queues: FCFS (a deque) and priority (a heap), behind one interface.
+
+Both remove lazily: `remove` forgets the request at once (O(1)) and its entry is dropped
+when it reaches the front, so an abort never rebuilds the queue. Entries are tagged with a
+sequence number, so a request removed and queued again is never confused with its stale
+entry. A queue rebuilds itself (O(n)) only when stale entries outnumber live ones.
+"""
 
 from __future__ import annotations
 
 import enum
 import heapq
-import math
+import itertools
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 
 from scheduler.request import Request
@@ -20,19 +26,18 @@ class SchedulingPolicy(enum.Enum):
 
 
 class RequestQueue(ABC):
-    """A queue of waiting requests in policy order."""
+    """A queue of waiting requests in policy order, with lazy removal."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, int] = {}  # request id -> sequence number of its live entry
+        self._num_by_priority: Counter[int] = Counter()
+        self._seq = itertools.count()
+
+    # ---- the interface ----
 
     @abstractmethod
     def add(self, request: Request) -> None:
-        """Add a request in policy order."""
-
-    @abstractmethod
-    def pop(self) -> Request:
-        """Remove and return the next request; IndexError when empty."""
-
-    @abstractmethod
-    def peek(self) -> Request:
-        """The next request, left in place; IndexError when empty."""
+        """Add a request in policy order; ValueError if it is queued already."""
 
     @abstractmethod
     def prepend(self, request: Request) -> None:
@@ -43,170 +48,211 @@ class RequestQueue(ABC):
         for request in reversed(list(requests)):
             self.prepend(request)
 
+    def pop(self) -> Request:
+        """Remove and return the next request; IndexError when empty."""
+        request = self.peek()
+        self._forget(request)
+        return request
+
     @abstractmethod
+    def peek(self) -> Request:
+        """The next request, left in place; IndexError when empty."""
+
     def remove(self, request: Request) -> None:
-        """Remove one request; ValueError if it is not queued."""
+        """Remove one request in O(1) (its entry is dropped later); ValueError if it is not
+        queued."""
+        if request.request_id not in self._live:
+            raise ValueError(f"request {request.request_id} is not in the queue")
+        self._forget(request)
+        self._maybe_compact()
 
-    @abstractmethod
     def remove_requests(self, requests: Iterable[Request]) -> None:
-        """Remove every given request that is queued, in one O(n) pass."""
+        """Remove every given request that is queued (O(1) each); others are ignored."""
+        for request in requests:
+            if request.request_id in self._live:
+                self._forget(request)
+        self._maybe_compact()
 
-    @abstractmethod
-    def age(self, now: float) -> None:
-        """Refresh effective priorities for aging at time `now` (no-op unless aging is on)."""
+    def __contains__(self, request: Request) -> bool:
+        """Whether `request` is queued."""
+        return request.request_id in self._live
 
-    @abstractmethod
     def __len__(self) -> int:
         """Number of queued requests."""
+        return len(self._live)
 
     @abstractmethod
     def __iter__(self) -> Iterator[Request]:
         """Requests in the order they would be popped; the queue is left unchanged."""
 
+    def head(self, num_requests: int) -> list[Request]:
+        """The first `num_requests` requests in pop order."""
+        return list(itertools.islice(self, num_requests))
+
     def __bool__(self) -> bool:
         """True when any request is queued."""
-        return len(self) > 0
+        return bool(self._live)
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        """`request`'s priority at `now`, aging counted (no aging here: its priority)."""
+        return request.priority
+
+    def count_by_priority(self) -> dict[int, int]:
+        """Queued requests per (base) priority, kept up to date as requests come and go."""
+        return dict(self._num_by_priority)
+
+    # ---- live entries ----
+
+    def _enter(self, request: Request) -> int:
+        """Mark `request` live; the sequence number of its new entry."""
+        if request.request_id in self._live:
+            raise ValueError(f"request {request.request_id} is queued already")
+        seq = next(self._seq)
+        self._live[request.request_id] = seq
+        self._num_by_priority[request.priority] += 1
+        return seq
+
+    def _forget(self, request: Request) -> None:
+        del self._live[request.request_id]
+        self._num_by_priority[request.priority] -= 1
+        if not self._num_by_priority[request.priority]:
+            del self._num_by_priority[request.priority]
+
+    def _is_live(self, request: Request, seq: int) -> bool:
+        return self._live.get(request.request_id) == seq
+
+    def _maybe_compact(self) -> None:
+        if self._num_entries() > 2 * len(self._live) + 64:
+            self._compact()
+
+    @abstractmethod
+    def _num_entries(self) -> int:
+        """Entries stored, stale ones included."""
+
+    @abstractmethod
+    def _compact(self) -> None:
+        """Drop every stale entry."""
 
 
 class FCFSRequestQueue(RequestQueue):
     """First come, first served: a deque in arrival order."""
 
     def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
+        super().__init__()
+        self._queue: deque[tuple[int, Request]] = deque()
 
     def add(self, request: Request) -> None:
         """Append at the back."""
-        self._queue.append(request)
-
-    def pop(self) -> Request:
-        """Remove and return the front request; IndexError when empty."""
-        if not self._queue:
-            raise IndexError("pop from an empty request queue")
-        return self._queue.popleft()
-
-    def peek(self) -> Request:
-        """The front request; IndexError when empty."""
-        if not self._queue:
-            raise IndexError("peek at an empty request queue")
-        return self._queue[0]
+        self._queue.append((self._enter(request), request))
 
     def prepend(self, request: Request) -> None:
         """Put at the front."""
-        self._queue.appendleft(request)
+        self._queue.appendleft((self._enter(request), request))
 
-    def remove(self, request: Request) -> None:
-        """Remove one request; ValueError if it is not queued."""
-        self._queue.remove(request)
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        """Remove every given request that is queued, in one O(n) pass."""
-        drop = {id(request) for request in requests}
-        self._queue = deque(r for r in self._queue if id(r) not in drop)
-
-    def age(self, now: float) -> None:
-        """No-op: FCFS order ignores priorities."""
-
-    def __len__(self) -> int:
-        """Number of queued requests."""
-        return len(self._queue)
+    def peek(self) -> Request:
+        """The front request; IndexError when empty."""
+        queue = self._queue
+        while queue and not self._is_live(queue[0][1], queue[0][0]):
+            queue.popleft()
+        if not queue:
+            raise IndexError("peek at an empty request queue")
+        return queue[0][1]
 
     def __iter__(self) -> Iterator[Request]:
         """Requests front to back."""
-        return iter(self._queue)
+        return (request for seq, request in self._queue if self._is_live(request, seq))
+
+    def _num_entries(self) -> int:
+        return len(self._queue)
+
+    def _compact(self) -> None:
+        self._queue = deque(e for e in self._queue if self._is_live(e[1], e[0]))
 
 
-# Heap entry: (effective priority, arrival time, request id, request). Ids are unique in a
-# queue, so comparisons never reach the request itself.
-_HeapEntry = tuple[int, float, str, Request]
-
-
-def _entry(request: Request) -> _HeapEntry:
-    return (request.effective_priority, request.arrival_time, request.request_id, request)
-
-
-def _next_level_at(request: Request, aging_s: float) -> float:
-    """When `request`, if it waits from now on, reaches the aging level after its current."""
-    level = request.priority - request.effective_priority
-    return request.waiting_since + (level + 1) * aging_s - request.waited_s
+# Heap entry: (order key, arrival time, request id, sequence number, request). Live ids
+# are unique and a stale entry's sequence number differs from the live one's, so
+# comparisons never reach the request itself.
+_HeapEntry = tuple[float, float, str, int, Request]
 
 
 class PriorityRequestQueue(RequestQueue):
-    """A heap ordered by (effective priority, arrival time, request id); lower first.
+    """A heap ordered by (priority, arrival time, request id); lower first.
 
-    With `aging_s`, `age(now)` lowers each request's effective priority by one level per
-    `aging_s` seconds it has waited, then re-heapifies. NOTE: it only does that O(n) work
-    when some request has crossed a level boundary since the last time, which it tracks as
-    the earliest such boundary of any queued request. Without aging, the effective
-    priority is the request's priority.
+    With `aging_s`, a request's effective priority improves continuously, by one level per
+    `aging_s` seconds waited (`effective_priority`). NOTE: since every waiting request ages
+    at the same rate, the order of two requests never changes while they wait, so the heap
+    is ordered by a static key, priority - (seconds waited before now) / aging_s taken at a
+    common instant: no re-heapify, ever. A second heap in base-priority order answers
+    `peek_most_urgent` (which request may preempt), since aging grants no preemption.
     """
 
     def __init__(self, aging_s: float | None = None) -> None:
         if aging_s is not None and aging_s <= 0:
             raise ValueError("aging_s must be > 0")
+        super().__init__()
         self.aging_s = aging_s
         self._heap: list[_HeapEntry] = []
-        # No queued request changes level before this time (may be early, never late).
-        self._next_aging_at = math.inf
+        self._by_base: list[_HeapEntry] = []  # only with aging; same entries, base order
 
     def add(self, request: Request) -> None:
         """Add by priority order."""
-        heapq.heappush(self._heap, _entry(request))
+        seq = self._enter(request)
+        entry = (self._key(request), request.arrival_time, request.request_id, seq, request)
+        heapq.heappush(self._heap, entry)
         if self.aging_s is not None:
-            self._next_aging_at = min(
-                self._next_aging_at, _next_level_at(request, self.aging_s)
-            )
-
-    def pop(self) -> Request:
-        """Remove and return the most urgent request; IndexError when empty."""
-        if not self._heap:
-            raise IndexError("pop from an empty request queue")
-        return heapq.heappop(self._heap)[-1]
-
-    def peek(self) -> Request:
-        """The most urgent request; IndexError when empty."""
-        if not self._heap:
-            raise IndexError("peek at an empty request queue")
-        return self._heap[0][-1]
+            base = (request.priority, request.arrival_time, request.request_id, seq, request)
+            heapq.heappush(self._by_base, base)
 
     def prepend(self, request: Request) -> None:
         """A heap has no front: add by priority order."""
         self.add(request)
 
-    def remove(self, request: Request) -> None:
-        """Remove one request; ValueError if it is not queued."""
-        for i, entry in enumerate(self._heap):
-            if entry[-1] is request:
-                del self._heap[i]
-                heapq.heapify(self._heap)
-                return
-        raise ValueError(f"request {request.request_id} is not in the queue")
+    def peek(self) -> Request:
+        """The most urgent request (aging counted); IndexError when empty."""
+        return self._top(self._heap)
 
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        """Remove every given request that is queued, in one O(n) pass."""
-        drop = {id(request) for request in requests}
-        self._heap = [entry for entry in self._heap if id(entry[-1]) not in drop]
-        heapq.heapify(self._heap)
+    def peek_most_urgent(self) -> Request:
+        """The request of the best base priority (aging not counted); IndexError when
+        empty."""
+        return self._top(self._by_base if self.aging_s is not None else self._heap)
 
-    def age(self, now: float) -> None:
-        """Recompute effective priorities at `now` if any may have changed; re-heapify."""
-        if self.aging_s is None or now < self._next_aging_at:
-            return
-        for _, _, _, request in self._heap:
-            levels = int(request.time_waited(now) // self.aging_s)
-            request.effective_priority = request.priority - max(levels, 0)
-        self._heap = [_entry(request) for _, _, _, request in self._heap]
-        heapq.heapify(self._heap)
-        self._next_aging_at = min(
-            (_next_level_at(r, self.aging_s) for _, _, _, r in self._heap), default=math.inf
-        )
-
-    def __len__(self) -> int:
-        """Number of queued requests."""
-        return len(self._heap)
+    def effective_priority(self, request: Request, now: float) -> int:
+        """`request`'s priority at `now` after aging: one level better per aging_s waited."""
+        if self.aging_s is None:
+            return request.priority
+        return request.priority - int(request.time_waited(now) // self.aging_s)
 
     def __iter__(self) -> Iterator[Request]:
         """Requests in pop order (a sorted copy: the heap is left as it is)."""
-        return (entry[-1] for entry in sorted(self._heap))
+        return (e[-1] for e in sorted(self._live_entries()))
+
+    def head(self, num_requests: int) -> list[Request]:
+        """The first `num_requests` requests in pop order, in O(n log num_requests)."""
+        return [e[-1] for e in heapq.nsmallest(num_requests, self._live_entries())]
+
+    def _key(self, request: Request) -> float:
+        if self.aging_s is None:
+            return request.priority
+        # priority - time_waited(t) / aging_s, less the -t / aging_s all requests share
+        return request.priority + (request.waiting_since - request.waited_s) / self.aging_s
+
+    def _top(self, heap: list[_HeapEntry]) -> Request:
+        while heap and not self._is_live(heap[0][-1], heap[0][3]):
+            heapq.heappop(heap)
+        if not heap:
+            raise IndexError("peek at an empty request queue")
+        return heap[0][-1]
+
+    def _live_entries(self) -> Iterator[_HeapEntry]:
+        return (e for e in self._heap if self._is_live(e[-1], e[3]))
+
+    def _num_entries(self) -> int:
+        return max(len(self._heap), len(self._by_base))
+
+    def _compact(self) -> None:
+        for heap in (self._heap, self._by_base):
+            heap[:] = [e for e in heap if self._is_live(e[-1], e[3])]
+            heapq.heapify(heap)
 
 
 def create_request_queue(

@@ -4,35 +4,45 @@ One engine step is `out = schedule()`, the runner computes `out`, then `update(o
 There are no prefill or decode phases: each request compares `num_computed_tokens` with
 `num_tokens`, and one token budget per step covers decodes and (chunked) prefills alike.
 
-schedule():
-  1. running requests first, in `running` order: each gets its remaining tokens (1 for a
-     decode, a chunk for an unfinished prefill) within the budget; when the KV pool is
-     out of blocks, a victim is preempted (`pick_lowest_priority` or
-     `pick_latest_admitted`), possibly the request itself;
-  2. then, unless step 1 preempted anyone (under priority: only requests more urgent than
-     every one preempted), waiting requests in policy order are admitted
-     while seats, budget and blocks last. Under priority, a waiting request that does not
-     fit preempts running requests of strictly worse priority (`_admit_by_preempting`).
-     The first request that cannot be admitted is parked in `skipped_waiting` and
-     admission stops (NOTE: strict order: letting a smaller request overtake it would take
-     the blocks it waits for and could starve it); parked requests go back to the front of
-     `waiting` at the end of the step.
+schedule() spends the budget in one order:
+  1. decodes: every running request with one token left, in `running` order (priority
+     order under priority); when the KV pool is out of blocks, a victim is preempted
+     (`pick_lowest_priority` or `pick_latest_admitted`), possibly the request itself;
+  2. prefill work, running chunks and waiting admissions alike, in policy order (under
+     fcfs running chunks first, then waiting requests in arrival order; under priority
+     one merged order, so that no waiting request is denied budget that a worse-priority
+     prefill gets), each prefill capped at `long_prefill_token_threshold` tokens. Under
+     priority, a waiting request that does not fit preempts running requests of strictly
+     worse priority (`_admit_by_preempting`). After a preemption for a decode's growth
+     the pool is short: only requests more urgent than every victim are admitted (none
+     under fcfs).
+  The first waiting request that cannot be admitted is parked in `skipped_waiting`
+  (NOTE: strict order: letting a smaller request overtake it would take the blocks it
+  waits for and could starve it). Under priority, later requests that would win by
+  preempting are still considered, most urgent base priority first, but the free blocks
+  stay reserved for the parked head. Parked requests go back to `waiting` at the end of
+  the step.
+
+Costs: schedule() and update() are O(running + admitted) per step, whatever the length of
+`waiting`; an abort of a waiting request is O(1) (lazy removal).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache.block_pool import KVCacheBlock
 from kvcache.config import CacheConfig
 from kvcache.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.request_queue import SchedulingPolicy, create_request_queue
+from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ class SchedulerStats:
     num_free_blocks: int
     num_cached_blocks: int
     num_blocks: int
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = field(default_factory=dict)
+    num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
 
 
 @dataclass
@@ -59,6 +72,14 @@ class _Step:
     # request id -> tokens to compute, in scheduling order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # Set once a running request's growth preempted: under priority, only requests more
+    # urgent than this are admitted from then on; under fcfs nobody is.
+    must_beat: int | None = None
+    # The waiting head that could not be admitted (then only preempting admissions go on,
+    # leaving it `num_reserved_blocks` free blocks), and whether admission is over.
+    parked_head: Request | None = None
+    num_reserved_blocks: int = 0
+    admission_closed: bool = False
 
     def schedule(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -112,6 +133,11 @@ class Scheduler:
     a strictly better base priority preempts. A request keeps the effective priority it
     was admitted with, which shields it from preemption-for-admission by requests whose
     base priority is not better (or newcomers would throw every aged request out again).
+
+    The choices of an n > 1 request compute the prompt once: a request naming a
+    `prompt_leader_id` is held back until the leader has computed every full block of the
+    prompt, then shares those blocks (through the prefix cache, or directly from the
+    leader when caching is off).
     """
 
     def __init__(
@@ -129,10 +155,14 @@ class Scheduler:
         self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # n > 1: prompt leader id -> the choices held back until it computed the prompt
+        self.held: dict[str, list[Request]] = {}
         self.num_preemptions_total = 0
+        self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
         self._clock = clock
         self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
+        self._max_prefill_chunk = scheduler_config.long_prefill_token_threshold or None
         # NOTE: a request must fit alone in the blocks admission may use, or once preempted
         # it could never be readmitted; so its length is capped by the pool too.
         self.max_request_len = min(
@@ -149,6 +179,8 @@ class Scheduler:
         empty, or its prompt has max_request_len tokens or more (max_model_len, or the
         KV pool less the watermark, whichever is smaller): such a prompt could never
         produce a token, and left in the queue it would block every request behind it.
+        A request whose prompt leader is in flight and has not computed the prompt yet
+        is held back until it has.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -164,7 +196,11 @@ class Scheduler:
                 f"{self.cache_config.block_size} tokens)"
             )
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        leader = self.requests.get(request.prompt_leader_id or "")
+        if leader is not None and not self._has_computed_prompt(leader):
+            self.held.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort running or waiting requests (FINISHED_ABORTED, blocks freed).
@@ -178,38 +214,35 @@ class Scheduler:
     ) -> list[Request]:
         """Finish requests from outside with a FINISHED_* `status` (e.g. FINISHED_STOPPED
         when the server matched a stop string). Unknown ids are ignored; blocks are freed
-        and the ids reach the runner in the next schedule()'s finished_ids."""
+        and the ids reach the runner in the next schedule()'s finished_ids. O(1) per
+        waiting request, O(running) once for running ones."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         finished: list[Request] = []
+        any_running = False
         for request_id in request_ids:
             request = self.requests.get(request_id)
-            if request is not None:
-                self._release(request, status)
-                finished.append(request)
-        if finished:
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                any_running = True
+            else:
+                self._unqueue(request)
+            self._release(request, status)
+            finished.append(request)
+        if any_running:
             self.running = [r for r in self.running if not r.is_finished]
-            self.waiting.remove_requests(finished)
         return finished
 
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: running requests first, then admissions."""
+        """Decide this step's batch: decodes first, then prefill work in policy order."""
         step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
-        self.waiting.age(step.now)
-        self._schedule_running(step)
-        if not step.preempted:
-            self._schedule_waiting(step)
-        elif self.policy is SchedulingPolicy.PRIORITY:
-            # NOTE: a preemption means the pool is short now: admitting would only thrash,
-            # except a request more urgent than every one just preempted. It would take
-            # their blocks anyway (`_admit_by_preempting`), none of them can come straight
-            # back, and it need not wait for a step without preemptions, which in a full
-            # pool is rare.
-            self._schedule_waiting(step, must_beat=min(r.priority for r in step.preempted))
+        self._schedule_decodes(step)
+        self._schedule_prefills(step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
         return self._build_output(step)
@@ -231,6 +264,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            if request.request_id in self.held and self._has_computed_prompt(request):
+                self._release_held(request.request_id)
             if not scheduled.sample:
                 continue
             token_id = runner_output.sampled_token_ids.get(request.request_id)
@@ -263,8 +298,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting for admission, preempted ones included."""
-        return len(self.waiting) + len(self.skipped_waiting)
+        """Requests waiting for admission, preempted and held-back ones included."""
+        return len(self.requests) - len(self.running)
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -272,8 +307,11 @@ class Scheduler:
 
     @property
     def stats(self) -> SchedulerStats:
-        """Counters and gauges for metrics."""
+        """Counters and gauges for metrics; O(running + held), not O(waiting)."""
         kv = self.kv_cache
+        waiting_by_priority = Counter(self.waiting.count_by_priority())
+        waiting_by_priority.update(self.skipped_waiting.count_by_priority())
+        waiting_by_priority.update(r.priority for held in self.held.values() for r in held)
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -284,16 +322,22 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_cached_blocks=kv.num_cached_blocks,
             num_blocks=kv.num_blocks,
+            num_waiting_by_priority=dict(waiting_by_priority),
+            num_running_by_priority=dict(Counter(r.priority for r in self.running)),
+            num_preemptions_by_priority=dict(self._num_preemptions_by_priority),
         )
 
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-ready view for GET /scheduler/state: policy, queues (waiting in policy
-        order) and the KV pool."""
+    def snapshot(self, max_waiting: int = 100) -> dict[str, Any]:
+        """JSON-ready view for GET /scheduler/state: policy, running requests, the first
+        `max_waiting` waiting requests in policy order (`num_waiting` counts them all) and
+        the KV pool. O(running + W log max_waiting)."""
         kv = self.kv_cache
+        waiting = [*self.skipped_waiting, *self.waiting.head(max_waiting)][:max_waiting]
         return {
             "policy": self.policy.value,
             "running": [self._describe(r) for r in self.running],
-            "waiting": [self._describe(r) for r in self.waiting],
+            "waiting": [self._describe(r) for r in waiting],
+            "num_waiting": self.num_waiting,
             "kv_cache": {
                 "num_blocks": kv.num_blocks,
                 "num_free_blocks": kv.num_free_blocks,
@@ -306,11 +350,13 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """RuntimeError unless the KV pool is consistent, every request is in exactly one
-        queue with a matching status, and only running requests hold blocks."""
+        queue with a matching status, and only running requests hold blocks. O(blocks +
+        requests): run it when idle or when asked, not every step."""
         self.kv_cache.check_integrity()
         running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in (*self.waiting, *self.skipped_waiting)]
-        all_ids = running_ids + waiting_ids
+        held = [r for siblings in self.held.values() for r in siblings]
+        waiting = [*self.waiting, *self.skipped_waiting, *held]
+        all_ids = running_ids + [r.request_id for r in waiting]
         if len(set(all_ids)) != len(all_ids):
             raise RuntimeError("a request is queued twice")
         if set(all_ids) != set(self.requests):
@@ -325,32 +371,123 @@ class Scheduler:
             num_held = self.kv_cache.num_held_blocks(request.request_id)
             if num_held * self.kv_cache.block_size < request.num_computed_tokens:
                 raise RuntimeError(f"{request!r} holds {num_held} blocks: too few")
-        for request in (*self.waiting, *self.skipped_waiting):
+        for request in waiting:
             if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise RuntimeError(f"{request!r} is in waiting")
             if request.num_computed_tokens:
                 raise RuntimeError(f"waiting {request!r} has computed tokens")
+        for leader_id in self.held:
+            if leader_id not in self.requests:
+                raise RuntimeError(f"requests held back for {leader_id}, which is gone")
         holders = self.kv_cache.holders()
         if not holders <= set(running_ids):
             raise RuntimeError(f"requests not running hold blocks: {holders - set(running_ids)}")
 
     # ---- scheduling internals ----
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_decodes(self, step: _Step) -> None:
+        """One token for every running request that has one left, in `running` order."""
         for request in list(self.running):
             if step.budget == 0:
                 return
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            self._allocate_or_preempt(request, num_new, step)
+            if request.status is RequestStatus.RUNNING and _num_left(request) == 1:
+                self._allocate_or_preempt(request, 1, step)
+
+    def _schedule_prefills(self, step: _Step) -> None:
+        """Running chunks and waiting admissions in one policy order, while budget lasts."""
+        chunks = [r for r in self.running if _num_left(r) > 1]
+        if self.policy is SchedulingPolicy.PRIORITY:
+            chunks.sort(key=_effective_key)
+        next_chunk = 0
+        while step.budget > 0:
+            while next_chunk < len(chunks) and not self._can_chunk(chunks[next_chunk], step):
+                next_chunk += 1
+            chunk = chunks[next_chunk] if next_chunk < len(chunks) else None
+            candidate = self._next_candidate(step)
+            if chunk is None and candidate is None:
+                return
+            if chunk is not None and (
+                candidate is None or self._goes_first(chunk, candidate, step)
+            ):
+                next_chunk += 1
+                self._allocate_or_preempt(chunk, self._chunk_size(_num_left(chunk), step), step)
+            elif candidate is not None:
+                self._consider(candidate, step)
+
+    @staticmethod
+    def _can_chunk(request: Request, step: _Step) -> bool:
+        """False for a chunk candidate preempted (and maybe readmitted) in this step."""
+        return (
+            request.status is RequestStatus.RUNNING
+            and request.request_id not in step.num_scheduled_tokens
+            and request not in step.preempted
+        )
+
+    def _goes_first(self, chunk: Request, candidate: Request, step: _Step) -> bool:
+        """Whether a running request's prefill chunk comes before a waiting request."""
+        if self.policy is SchedulingPolicy.FCFS:
+            return True
+        waiting_key = (
+            self.waiting.effective_priority(candidate, step.now),
+            candidate.arrival_time,
+            candidate.request_id,
+        )
+        return _effective_key(chunk) < waiting_key
+
+    def _chunk_size(self, num_left: int, step: _Step) -> int:
+        if self._max_prefill_chunk is not None:
+            num_left = min(num_left, self._max_prefill_chunk)
+        return min(num_left, step.budget)
+
+    def _next_candidate(self, step: _Step) -> Request | None:
+        """The waiting request to consider next, or None while admission is closed.
+
+        Before a head is parked: the head of `waiting` (unless the pool went short and it
+        is not urgent enough, or it was itself preempted in this step). After: the request
+        of the best base priority, if that could preempt anyone running.
+        """
+        if step.admission_closed or not self.waiting:
+            return None
+        if step.parked_head is None:
+            candidate = self.waiting.peek()
+        else:
+            assert isinstance(self.waiting, PriorityRequestQueue)
+            candidate = self.waiting.peek_most_urgent()
+            worst_running = max((r.effective_priority for r in self.running), default=None)
+            if worst_running is None or candidate.priority >= worst_running:
+                return None
+        if candidate in step.preempted:
+            return None  # it gave its blocks up in this step: no coming straight back
+        return candidate
+
+    def _consider(self, request: Request, step: _Step) -> None:
+        """Try to admit a waiting request; park it (and narrow admission) when it fails."""
+        self.waiting.remove(request)
+        urgent_enough = step.must_beat is None or request.priority < step.must_beat
+        if step.parked_head is None:
+            admitted = urgent_enough and self._admit(request, step)
+        else:
+            admitted = urgent_enough and self._admit_by_preempting(request, step)
+        if admitted:
+            return
+        self.skipped_waiting.add(request)
+        if self.policy is SchedulingPolicy.FCFS or step.parked_head is not None:
+            step.admission_closed = True  # NOTE: one try past the head per step bounds it
+        else:
+            step.parked_head = request
+            step.num_reserved_blocks = cdiv(request.num_tokens, self.kv_cache.block_size)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> None:
         """Schedule a running request, preempting victims until its blocks fit (the victim
-        may be the request itself: then it is preempted and not scheduled)."""
+        may be the request itself: then it is preempted and not scheduled). The pool is
+        then short: admission narrows to requests more urgent than every victim."""
         while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
             victim = self._pick_victim()
             self._preempt(victim, step)
+            if self.policy is SchedulingPolicy.FCFS:
+                step.admission_closed = True
+            elif step.must_beat is None or victim.priority < step.must_beat:
+                step.must_beat = victim.priority
             if victim is request:
                 return
         step.schedule(request, num_new_tokens)
@@ -374,16 +511,7 @@ class Scheduler:
         self.waiting.prepend(request)
         step.preempted.append(request)
         self.num_preemptions_total += 1
-
-    def _schedule_waiting(self, step: _Step, must_beat: int | None = None) -> None:
-        """Admit waiting requests in policy order; with `must_beat`, only requests of a
-        strictly better (smaller) base priority."""
-        while self.waiting and step.budget > 0:
-            request = self.waiting.pop()
-            too_late = must_beat is not None and request.priority >= must_beat
-            if too_late or not self._admit(request, step):
-                self.skipped_waiting.add(request)
-                return
+        self._num_preemptions_by_priority[request.priority] += 1
 
     def _admit(self, request: Request, step: _Step) -> bool:
         if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
@@ -393,33 +521,54 @@ class Scheduler:
         )
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
-        """Admit `request` if the blocks of all its known tokens fit above the watermark.
+        """Admit `request` if the blocks of all its known tokens fit above the watermark
+        (and the blocks reserved for a parked head).
 
         NOTE: blocks for the whole remaining prompt are taken now, even when the budget
         only lets a chunk of it compute this step: two half-admitted long prompts would
-        otherwise preempt each other. Prefix-cache hits count as computed.
+        otherwise preempt each other. Prefix-cache hits (or the prompt leader's blocks)
+        count as computed.
         """
-        hits, num_cached = self.kv_cache.get_computed_blocks(request)
+        hits, num_cached = self._computed_blocks(request)
         num_new = request.num_tokens - num_cached
-        num_now = min(num_new, step.budget)
+        num_now = self._chunk_size(num_new, step)
         blocks = self.kv_cache.allocate_slots(
             request,
             num_now,
             hits,
             num_lookahead_tokens=num_new - num_now,
-            num_reserved_blocks=self._watermark_blocks,
+            num_reserved_blocks=self._watermark_blocks + step.num_reserved_blocks,
         )
         if blocks is None:
             return False
+        if not request.num_output_tokens and not request.num_preemptions:
+            request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
         request.stop_waiting(step.now)
+        request.effective_priority = self.waiting.effective_priority(request, step.now)
         if self.policy is SchedulingPolicy.PRIORITY:
             bisect.insort(self.running, request, key=_priority_key)
         else:
             self.running.append(request)
         step.schedule(request, num_now)
         return True
+
+    def _computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Blocks `request` can take as computed: its prefix-cache hits or, with caching
+        off, the full prompt blocks its running prompt leader has computed."""
+        hits, num_cached = self.kv_cache.get_computed_blocks(request)
+        leader = self.requests.get(request.prompt_leader_id or "")
+        if self.kv_cache.enable_caching or leader is None:
+            return hits, num_cached
+        block_size = self.kv_cache.block_size
+        num_shared = min(
+            leader.num_computed_tokens,
+            request.num_prompt_tokens,
+            request.num_tokens - 1,
+        ) // block_size
+        shared = self.kv_cache.get_leading_blocks(leader.request_id, num_shared)
+        return shared, len(shared) * block_size
 
     def _admit_by_preempting(self, request: Request, step: _Step) -> bool:
         """Priority admission: preempt the worst running requests of strictly worse
@@ -442,6 +591,7 @@ class Scheduler:
             self.kv_cache.num_free_blocks
             + self.kv_cache.num_blocks_freed_by(candidates)
             - self._watermark_blocks
+            - step.num_reserved_blocks
         )
         if num_room < num_needed:
             return False
@@ -478,20 +628,49 @@ class Scheduler:
             finished_ids=finished_ids,
         )
 
+    def _has_computed_prompt(self, leader: Request) -> bool:
+        """Whether `leader` has computed every full prompt block a choice could share."""
+        block_size = self.kv_cache.block_size
+        shareable = (leader.num_prompt_tokens - 1) // block_size * block_size
+        return leader.num_computed_tokens >= shareable
+
+    def _release_held(self, leader_id: str) -> None:
+        for request in self.held.pop(leader_id, ()):
+            self.waiting.add(request)
+
+    def _unqueue(self, request: Request) -> None:
+        """Take a request that is not running out of whichever waiting queue holds it."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.skipped_waiting:
+            self.skipped_waiting.remove(request)
+        else:
+            siblings = self.held.get(request.prompt_leader_id or "", [])
+            if request in siblings:
+                siblings.remove(request)
+                if not siblings:
+                    del self.held[request.prompt_leader_id or ""]
+
     def _release(self, request: Request, status: RequestStatus) -> None:
-        """Finish `request`: status, blocks freed, forgotten, id queued for the runner.
-        The caller takes it out of its queue."""
+        """Finish `request`: status, blocks freed, forgotten, id queued for the runner; the
+        choices held back for it go on without it. The caller takes it out of its queue."""
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        if request.request_id in self.held:
+            self._release_held(request.request_id)
 
     def _describe(self, request: Request) -> dict[str, Any]:
         return {
             "request_id": request.request_id,
             "status": request.status.name,
             "priority": request.priority,
-            "effective_priority": request.effective_priority,
+            "effective_priority": (
+                request.effective_priority
+                if request.status is RequestStatus.RUNNING
+                else self.waiting.effective_priority(request, self._clock())
+            ),
             "arrival_time": request.arrival_time,
             "num_prompt_tokens": request.num_prompt_tokens,
             "num_output_tokens": request.num_output_tokens,
@@ -499,3 +678,12 @@ class Scheduler:
             "num_blocks": self.kv_cache.num_held_blocks(request.request_id),
             "num_preemptions": request.num_preemptions,
         }
+
+
+def _num_left(request: Request) -> int:
+    """Tokens of `request` whose KV is still to compute."""
+    return request.num_tokens - request.num_computed_tokens
+
+
+def _effective_key(request: Request) -> tuple[int, float, str]:
+    return (request.effective_priority, request.arrival_time, request.request_id)

@@ -32,6 +32,7 @@ def make_scheduler(
     max_model_len: int = 256,
     priority_aging_s: float | None = None,
     watermark: float = 0.0,
+    long_prefill_token_threshold: int = 0,
     num_blocks: int = 32,
     block_size: int = 4,
     enable_prefix_caching: bool = True,
@@ -46,6 +47,7 @@ def make_scheduler(
             max_model_len=max_model_len,
             priority_aging_s=priority_aging_s,
             watermark=watermark,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         CacheConfig(
             num_blocks=num_blocks,

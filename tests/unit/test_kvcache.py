@@ -13,9 +13,10 @@ from kvcache.kv_cache_manager import KVCacheManager
 class Req:
     """The minimum a request must offer the manager."""
 
-    def __init__(self, request_id: str, token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, token_ids: list[int], priority: int = 0) -> None:
         self.request_id = request_id
         self.all_token_ids = token_ids
+        self.priority = priority
         self.num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []
 
@@ -400,3 +401,31 @@ def test_integrity_detects_ref_count_mismatch() -> None:
     manager.pool.blocks[manager.get_block_ids("a")[0]].ref_cnt += 1
     with pytest.raises(RuntimeError, match="ref_cnt"):
         manager.check_integrity()
+
+
+def test_eviction_takes_unkeyed_then_worst_priority_class_then_lru() -> None:
+    manager = make_manager(num_blocks=8, block_size=4)
+    pool = manager.pool
+    urgent = Req("urgent", list(range(8)), priority=-10)  # 2 full blocks
+    low = Req("low", list(range(100, 108)), priority=10)
+    mid = Req("mid", list(range(200, 208)), priority=0)
+    for req in (urgent, low, mid):
+        compute(manager, req, 8)
+    spare = Req("spare", [1, 2, 3], priority=0)
+    compute(manager, spare, 3)  # a partial block: never keyed
+    for req in (urgent, mid, low, spare):
+        manager.free(req)
+    by_id = {b.block_id: b for b in pool.blocks}
+    order = [b.block_id for b in pool.free_queue]
+    classes = [by_id[i].priority if by_id[i].block_hash is not None else None for i in order]
+    num_unkeyed = classes.count(None)
+    assert classes[:num_unkeyed] == [None] * num_unkeyed
+    assert classes[num_unkeyed:] == [10, 10, 0, 0, -10, -10]
+    # a hit by a more urgent request moves a block to the urgent class
+    again = Req("again", list(range(100, 108)) + [9], priority=-20)
+    hits, _ = manager.get_computed_blocks(again)
+    assert manager.allocate_slots(again, 1, hits) is not None
+    manager.free(again)
+    tail = [by_id[i].priority for i in list(b.block_id for b in pool.free_queue)[-2:]]
+    assert tail == [-20, -20]
+    pool.check_integrity()

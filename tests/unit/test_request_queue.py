@@ -110,14 +110,58 @@ def test_prepend_requests_keeps_their_order(queue: RequestQueue) -> None:
     assert [queue.pop().request_id for _ in range(4)] == ["r0", "r1", "r2", "r3"]
 
 
-def test_age_without_aging_changes_nothing(queue: RequestQueue) -> None:
+def test_without_aging_time_changes_nothing(queue: RequestQueue) -> None:
     rs = [req("a", priority=1, arrival=0), req("b", priority=0, arrival=5)]
     for r in rs:
         queue.add(r)
     before = ids(queue)
-    queue.age(1e9)
+    assert [queue.effective_priority(r, 1e9) for r in rs] == [1, 0]
     assert ids(queue) == before
-    assert [r.effective_priority for r in rs] == [1, 0]
+
+
+def test_lazy_removal_then_requeue(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", arrival=i) for i in range(4)]
+    for r in rs:
+        queue.add(r)
+    queue.remove(rs[0])
+    queue.remove(rs[2])
+    assert rs[0] not in queue and rs[1] in queue and len(queue) == 2
+    queue.add(rs[0])  # queued again: its stale entry must not count twice
+    assert ids(queue) == ["r0", "r1", "r3"] if queue.peek() is rs[0] else ["r1", "r3", "r0"]
+    assert sorted(r.request_id for r in (queue.pop(), queue.pop(), queue.pop())) == [
+        "r0", "r1", "r3"
+    ]
+    assert not queue
+    with pytest.raises(IndexError):
+        queue.peek()
+
+
+def test_queued_twice_is_an_error(queue: RequestQueue) -> None:
+    r = req("r")
+    queue.add(r)
+    with pytest.raises(ValueError, match="already"):
+        queue.add(r)
+
+
+def test_many_removals_compact_and_keep_order(queue: RequestQueue) -> None:
+    rs = [req(f"r{i:04d}", priority=i % 3, arrival=i) for i in range(1000)]
+    for r in rs:
+        queue.add(r)
+    queue.remove_requests(r for i, r in enumerate(rs) if i % 10)
+    kept = [r for i, r in enumerate(rs) if i % 10 == 0]
+    assert len(queue) == len(kept)
+    assert sorted(queue.count_by_priority().items()) == [(0, 34), (1, 33), (2, 33)]
+    popped = [queue.pop() for _ in range(len(kept))]
+    assert {r.request_id for r in popped} == {r.request_id for r in kept}
+    assert queue.count_by_priority() == {}
+
+
+def test_head_is_the_first_in_pop_order(queue: RequestQueue) -> None:
+    rs = [req(f"r{i}", priority=-i, arrival=i) for i in range(6)]
+    for r in rs:
+        queue.add(r)
+    assert [r.request_id for r in queue.head(3)] == ids(queue)[:3]
+    assert len(queue) == 6
 
 
 # ---- FCFS ----
@@ -188,26 +232,36 @@ def test_aging_improves_effective_priority_of_long_waiters() -> None:
     new = req("new", priority=1, arrival=50.0)
     queue.add(old)
     queue.add(new)
-    queue.age(now=50.0)
     assert queue.peek() is old  # waited 50 s: 3 - 5 = -2 < 1
-    assert (old.effective_priority, new.effective_priority) == (-2, 1)
+    assert [queue.effective_priority(r, 50.0) for r in (old, new)] == [-2, 1]
     assert ids(queue) == ["old", "new"]
+    assert queue.peek_most_urgent() is new  # the base priority decides who may preempt
 
 
 def test_aging_steps_one_level_per_period() -> None:
     queue = PriorityRequestQueue(aging_s=10.0)
     r = req("r", priority=5, arrival=0.0)
     queue.add(r)
-    levels = []
-    for now in (5.0, 9.9, 10.0, 19.9, 20.0, 35.0):
-        queue.age(now)
-        levels.append(r.effective_priority)
+    levels = [queue.effective_priority(r, now) for now in (5.0, 9.9, 10.0, 19.9, 20.0, 35.0)]
     assert levels == [5, 5, 4, 4, 3, 2]
     late = req("late", priority=3, arrival=34.0)
     queue.add(late)
-    queue.age(44.0)
-    assert (r.effective_priority, late.effective_priority) == (1, 2)
+    assert [queue.effective_priority(x, 44.0) for x in (r, late)] == [1, 2]
     assert ids(queue) == ["r", "late"]
+
+
+def test_aging_order_is_a_static_key() -> None:
+    """Requests age at one rate, so the order never changes while they wait: a request
+    that is behind stays behind until its rival leaves (no re-heapify needed)."""
+    queue = PriorityRequestQueue(aging_s=10.0)
+    a = req("a", priority=2, arrival=0.0)  # 2 - t/10
+    b = req("b", priority=0, arrival=25.0)  # 0 - (t - 25)/10: behind a by 0.5 levels
+    queue.add(a)
+    queue.add(b)
+    assert ids(queue) == ["a", "b"]
+    c = req("c", priority=0, arrival=0.0)  # waited as long as a, two levels better
+    queue.add(c)
+    assert ids(queue) == ["c", "a", "b"]
 
 
 def test_aging_counts_only_time_spent_waiting() -> None:
@@ -218,8 +272,10 @@ def test_aging_counts_only_time_spent_waiting() -> None:
     r.status = RequestStatus.PREEMPTED
     r.start_waiting(now=120.0)
     queue.add(r)
-    queue.age(now=125.0)
-    assert r.effective_priority == 5 - 2
+    assert queue.effective_priority(r, 125.0) == 5 - 2
+    fresh = req("fresh", priority=3, arrival=120.0)  # 3 at 120 s; r is 5 - 2 = 3 then
+    queue.add(fresh)
+    assert ids(queue) == ["r", "fresh"]  # r waited 20 s more: 0.0 - 2 < 0.0
 
 
 def test_aging_rejects_non_positive_period() -> None:

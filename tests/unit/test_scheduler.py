@@ -405,10 +405,32 @@ def test_aging_orders_the_queue_but_grants_no_preemption() -> None:
     (newcomer,) = make_requests(1, 4, 1, priorities=[1], first_id=2, first_arrival=100.0)
     scheduler.add_request(newcomer)
     order = [scheduled_ids(out) for out in run_until_done(scheduler)]
-    # The aged request (base 3) cannot preempt the running one (2), and the newcomer
-    # (1, which could) waits behind it in line.
-    assert order == [["r0"], ["r0"], ["r1"], ["r2"]]
-    assert running.num_preemptions == 0
+    # The aged request (base 3) cannot preempt the running one (2) and is parked at the
+    # head; the newcomer behind it (1, strictly better than 2) still preempts. The aged
+    # request then goes before the preempted one (2, aged by nothing yet).
+    assert order == [["r2"], ["r1"], ["r0"], ["r0"]]
+    assert (running.num_preemptions, aged.num_preemptions) == (1, 0)
+    assert running.num_output_tokens == 3
+
+
+def test_parked_head_keeps_its_free_blocks() -> None:
+    """Past a parked head only preempting admissions go on, and they leave the head the
+    free blocks it waits for."""
+    scheduler = make_scheduler(policy="priority", num_blocks=8)
+    (a,) = make_requests(1, 13, 3, priorities=[0])  # 4 blocks
+    (low,) = make_requests(1, 5, 3, priorities=[5], first_id=1)  # 2 blocks
+    add_all(scheduler, [a, low])
+    step(scheduler)  # 2 blocks free
+    (big,) = make_requests(1, 20, 1, priorities=[1], first_id=2, first_arrival=2)  # 5 blocks
+    (small,) = make_requests(1, 4, 1, priorities=[2], first_id=3, first_arrival=3)  # 1 block
+    add_all(scheduler, [big, small])
+    out, _ = step(scheduler)
+    # big cannot fit even by preempting low (2 + 2 < 5): parked. small could take a free
+    # block, but they are big's; preempting low would not leave big its 5 either.
+    assert scheduled_ids(out) == ["r0", "r1"] and out.preempted_ids == []
+    assert small.status is RequestStatus.WAITING
+    run_until_done(scheduler)
+    assert all(r.is_finished for r in (a, low, big, small))
 
 
 def test_aging_does_not_make_two_requests_preempt_each_other() -> None:
@@ -683,3 +705,203 @@ def test_request_status_order_and_finish_reasons() -> None:
     (r,) = make_requests(1, 3, 1)
     assert (r.status, r.is_finished, r.finish_reason) == (RequestStatus.WAITING, False, None)
     assert (r.num_tokens, r.all_token_ids) == (3, r.prompt_token_ids)
+
+
+# ---- one order for the budget ----
+
+
+def test_decodes_go_before_a_more_urgent_prefill() -> None:
+    """A 320-token priority-0 prompt on a 64-token budget: the 8 priority-5 decodes still
+    get their token every step; the prompt takes what is left."""
+    scheduler = make_scheduler(policy="priority", num_blocks=256, max_model_len=512)
+    low = make_requests(8, 4, 30, priorities=[5] * 8)
+    add_all(scheduler, low)
+    step(scheduler)
+    (urgent,) = make_requests(1, 320, 2, priorities=[0], first_id=8, first_arrival=10)
+    scheduler.add_request(urgent)
+    for _ in range(7):  # 320 = 5 x 56 + 40, then one decode
+        out, _ = step(scheduler)
+        tokens = num_tokens_by_id(out)
+        assert all(tokens[r.request_id] == 1 for r in low)
+        if tokens["r8"] > 1:
+            assert scheduled_ids(out) == [*(r.request_id for r in low), "r8"]  # decodes first
+        if urgent.num_output_tokens == 0:
+            assert tokens["r8"] == 56
+    assert urgent.num_output_tokens == 2
+
+
+def test_waiting_request_goes_before_a_worse_running_chunk() -> None:
+    scheduler = make_scheduler(policy="priority", max_num_batched_tokens=8, num_blocks=64)
+    (low,) = make_requests(1, 40, 2, priorities=[5])
+    scheduler.add_request(low)
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r0": 8}
+    (urgent,) = make_requests(1, 6, 1, priorities=[-10], first_id=1, first_arrival=5)
+    scheduler.add_request(urgent)
+    out, _ = step(scheduler)
+    assert scheduled_ids(out) == ["r1", "r0"]  # before: low's chunk took the whole budget
+    assert num_tokens_by_id(out) == {"r1": 6, "r0": 2}
+
+
+def test_fcfs_keeps_running_chunks_before_admissions() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8, num_blocks=64)
+    (first,) = make_requests(1, 40, 2)
+    scheduler.add_request(first)
+    step(scheduler)
+    scheduler.add_request(make_requests(1, 6, 1, first_id=1, first_arrival=5)[0])
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r0": 8}
+
+
+def test_long_prefill_token_threshold_caps_each_prefill() -> None:
+    scheduler = make_scheduler(
+        policy="priority", max_num_batched_tokens=64, num_blocks=64,
+        long_prefill_token_threshold=16,
+    )
+    add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 1]))
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r0": 16, "r1": 16}
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r0": 16, "r1": 16}
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r0": 8, "r1": 8}
+    assert [s.sample for s in out.scheduled] == [True, True]
+
+
+# ---- n > 1 ----
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_choices_compute_the_prompt_once_and_share_its_blocks(caching: bool) -> None:
+    scheduler = make_scheduler(
+        policy="priority", num_blocks=64, max_num_batched_tokens=64,
+        enable_prefix_caching=caching,
+    )
+    prompt = list(range(100, 140))  # 40 tokens: 9 full blocks a choice can share, of 4
+    params = make_requests(1, 1, 3)[0].sampling_params
+    choices = [
+        Request(f"c-{i}", prompt, params, prompt_leader_id="c-0" if i else None,
+                arrival_time=0.0)
+        for i in range(8)
+    ]
+    add_all(scheduler, choices)
+    assert scheduler.num_waiting == 8 and len(scheduler.waiting) == 1  # 7 held back
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"c-0": 40}
+    out, _ = step(scheduler)
+    tokens = num_tokens_by_id(out)
+    assert tokens.pop("c-0") == 1
+    assert tokens == {f"c-{i}": 4 for i in range(1, 8)}  # the last, partial block each
+    assert all(c.num_cached_tokens == 36 for c in choices[1:])
+    leader_blocks = scheduler.kv_cache.get_block_ids("c-0")
+    for c in choices[1:]:
+        assert scheduler.kv_cache.get_block_ids(c.request_id)[:9] == leader_blocks[:9]
+    # one prompt's worth (10 blocks, 11 with the leader's decode) plus one partial block
+    # per sibling
+    assert scheduler.kv_cache.num_blocks - scheduler.kv_cache.num_free_blocks == 11 + 7
+    if caching:
+        assert scheduler.kv_cache.prefix_cache_hits_tokens == 7 * 36
+    run_until_done(scheduler)
+    assert all(c.num_output_tokens == 3 for c in choices)
+
+
+def test_choices_go_on_when_their_leader_is_aborted() -> None:
+    scheduler = make_scheduler(num_blocks=64, enable_prefix_caching=False)
+    prompt = list(range(100, 140))
+    params = make_requests(1, 1, 2)[0].sampling_params
+    leader = Request("c-0", prompt, params)
+    sibling = Request("c-1", prompt, params, prompt_leader_id="c-0")
+    add_all(scheduler, [leader, sibling])
+    scheduler.abort_requests(["c-0"])
+    scheduler.check_integrity()
+    run_until_done(scheduler)
+    assert sibling.num_output_tokens == 2 and sibling.num_cached_tokens == 0
+
+
+def test_held_choice_can_be_aborted() -> None:
+    scheduler = make_scheduler(num_blocks=64)
+    prompt = list(range(100, 140))
+    params = make_requests(1, 1, 2)[0].sampling_params
+    leader = Request("c-0", prompt, params)
+    sibling = Request("c-1", prompt, params, prompt_leader_id="c-0")
+    add_all(scheduler, [leader, sibling])
+    assert scheduler.abort_requests(["c-1"]) == [sibling]
+    scheduler.check_integrity()
+    run_until_done(scheduler)
+    assert leader.num_output_tokens == 2 and sibling.finish_reason == "abort"
+
+
+# ---- prefix cache and priorities ----
+
+
+def test_urgent_cached_prompt_survives_a_low_priority_load() -> None:
+    scheduler = make_scheduler(policy="priority", num_blocks=20, max_num_seqs=2)
+    system = list(range(500, 520))  # 5 full blocks of 4
+    (urgent,) = make_requests(1, 24, 1, priorities=[-10], prefix=system)
+    scheduler.add_request(urgent)
+    run_until_done(scheduler)
+    # a priority-10 load that cycles the pool (16 blocks) several times over
+    load = make_requests(12, 20, 4, priorities=[10] * 12, first_id=1, first_arrival=1)
+    add_all(scheduler, load)
+    run_until_done(scheduler)
+    (again,) = make_requests(1, 24, 1, priorities=[-10], prefix=system, first_id=20)
+    hits_before = scheduler.kv_cache.prefix_cache_hits_tokens
+    scheduler.add_request(again)
+    step(scheduler)
+    assert scheduler.kv_cache.prefix_cache_hits_tokens - hits_before == 20
+    assert again.num_cached_tokens == 20
+
+
+def test_prefix_cache_is_plain_lru_under_fcfs() -> None:
+    scheduler = make_scheduler(num_blocks=20, max_num_seqs=2)
+    system = list(range(500, 520))
+    (first,) = make_requests(1, 24, 1, prefix=system)
+    scheduler.add_request(first)
+    run_until_done(scheduler)
+    add_all(scheduler, make_requests(12, 20, 4, first_id=1, first_arrival=1))
+    run_until_done(scheduler)
+    (again,) = make_requests(1, 24, 1, prefix=system, first_id=20)
+    scheduler.add_request(again)
+    step(scheduler)
+    assert again.num_cached_tokens == 0  # evicted, oldest first
+
+
+# ---- costs that do not grow with the queue ----
+
+
+def test_finishing_a_running_request_leaves_waiting_untouched() -> None:
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1, num_blocks=512)
+    add_all(scheduler, make_requests(50, 4, 2, priorities=[i % 5 for i in range(50)]))
+    step(scheduler)
+    (running,) = scheduler.running
+    waiting = scheduler.waiting
+    before = list(waiting)
+    entries_before = waiting._num_entries()
+    scheduler.abort_requests([running.request_id, before[3].request_id])
+    assert list(waiting) == [r for r in before if r is not before[3]]
+    assert waiting._num_entries() == entries_before  # lazily dropped, nothing rebuilt
+    scheduler.check_integrity()
+
+
+def test_snapshot_caps_the_waiting_list() -> None:
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1, num_blocks=512)
+    add_all(scheduler, make_requests(50, 4, 2, priorities=[i % 5 for i in range(50)]))
+    step(scheduler)
+    snap = scheduler.snapshot(max_waiting=10)
+    assert snap["num_waiting"] == 49
+    assert [w["request_id"] for w in snap["waiting"]] == [
+        r.request_id for r in list(scheduler.waiting)[:10]
+    ]
+
+
+def test_stats_count_by_priority() -> None:
+    scheduler = make_scheduler(policy="priority", max_num_seqs=2, num_blocks=6)
+    add_all(scheduler, make_requests(4, 7, 6, priorities=[3, 3, 1, 3]))
+    step(scheduler)
+    stats = scheduler.stats
+    assert stats.num_running_by_priority == {1: 1, 3: 1}
+    assert stats.num_waiting_by_priority == {3: 2}
+    run_until_done(scheduler)
+    assert sum(scheduler.stats.num_preemptions_by_priority.values()) == (
+        scheduler.num_preemptions_total
+    )

@@ -1,4 +1,9 @@
-"""Random arrivals, priorities, aborts and steps on a tiny pool: invariants hold throughout."""
+"""Random arrivals, priorities, aborts and steps on a tiny pool: invariants hold throughout.
+
+After every step: every block and request is accounted for; no decode starves behind a
+prefill; and, where KV blocks and seats are plenty (so only the budget binds), no waiting
+request was denied budget that a prefill of worse priority got.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +31,28 @@ configs = st.fixed_dictionaries(
         "enable_prefix_caching": st.booleans(),
         "watermark": st.sampled_from([0.0, 0.2]),
         "priority_aging_s": st.sampled_from([None, 3.0]),
+        "long_prefill_token_threshold": st.sampled_from([0, 0, 3]),
+    }
+)
+
+# Only the token budget binds: blocks and seats for every request at once.
+ample_configs = st.fixed_dictionaries(
+    {
+        "policy": st.just("priority"),
+        "num_blocks": st.just(1024),
+        "block_size": st.integers(1, 4),
+        "max_num_seqs": st.just(64),
+        "max_num_batched_tokens": st.integers(1, 12),
+        "enable_prefix_caching": st.booleans(),
+        "priority_aging_s": st.sampled_from([None, 3.0]),
+        "long_prefill_token_threshold": st.sampled_from([0, 3]),
     }
 )
 
 # One arrival: prompt from a tiny alphabet (so shared prefixes are common), max_tokens,
 # priority, steps to run after it, and maybe an abort of some request (by index), either
-# between steps or between a schedule() and its update().
+# between steps or between a schedule() and its update(); and its number of choices
+# (n > 1: the later ones name the first as their prompt leader).
 arrivals = st.lists(
     st.tuples(
         st.lists(st.integers(1, 3), min_size=1, max_size=24),
@@ -39,6 +60,7 @@ arrivals = st.lists(
         st.integers(0, 3),
         st.sampled_from([0, 0, 0, 1, 2, 4]),
         st.none() | st.none() | st.tuples(st.integers(0, 50), st.booleans()),
+        st.sampled_from([1, 1, 1, 2, 3]),
     ),
     min_size=1,
     max_size=16,
@@ -54,6 +76,7 @@ def expected_token(request_id: str, position: int) -> int:
 class Harness:
     scheduler: Scheduler
     clock: FakeClock
+    only_budget_binds: bool = False
     added: list[Request] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
     finished_ids_seen: list[str] = field(default_factory=list)
@@ -62,18 +85,23 @@ class Harness:
     def live_ids(self) -> set[str]:
         return {r.request_id for r in self.added if not r.is_finished}
 
-    def add(self, prompt: list[int], max_tokens: int, priority: int) -> None:
+    def add(self, prompt: list[int], max_tokens: int, priority: int, num_choices: int) -> None:
         max_len = self.scheduler.max_request_len
         prompt = prompt[: max_len - 1]
-        request = Request(
-            f"r{len(self.added)}",
-            prompt,
-            SamplingParams(max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True),
-            priority=priority,
-            arrival_time=self.clock.now,
-        )
-        self.scheduler.add_request(request)
-        self.added.append(request)
+        leader_id = f"r{len(self.added)}"
+        for i in range(num_choices):
+            request = Request(
+                f"r{len(self.added)}",
+                prompt,
+                SamplingParams(
+                    max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True
+                ),
+                priority=priority,
+                arrival_time=self.clock.now,
+                prompt_leader_id=leader_id if i else None,
+            )
+            self.scheduler.add_request(request)
+            self.added.append(request)
 
     def abort(self, index: int) -> None:
         if self.added:
@@ -82,9 +110,15 @@ class Harness:
                 self.aborted.add(request.request_id)
 
     def step(self, abort_index: int | None = None) -> None:
-        running_before = {r.request_id for r in self.scheduler.running}
-        out = self.scheduler.schedule()
+        scheduler = self.scheduler
+        running_before = {r.request_id for r in scheduler.running}
+        decodes_before = {
+            r.request_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+        }
+        waiting_before = list(scheduler.waiting)
+        out = scheduler.schedule()
         self.check_output(out, running_before)
+        self.check_budget_order(out, decodes_before, waiting_before)
         if abort_index is not None:
             self.abort(abort_index)
         self.scheduler.update(out, make_runner_output(out))
@@ -108,6 +142,39 @@ class Harness:
             assert len(s.block_table) * block_size >= s.context_len
         self.finished_ids_seen += out.finished_ids
 
+    def check_budget_order(
+        self, out: SchedulerOutput, decodes_before: set[str], waiting_before: list[Request]
+    ) -> None:
+        """Decodes come first and never starve behind a prefill; where only the budget
+        binds, a prefill never gets budget a more urgent waiting request is denied."""
+        scheduler = self.scheduler
+        ids = [s.request_id for s in out.scheduled]
+        is_decode = [i in decodes_before for i in ids]
+        assert is_decode == sorted(is_decode, reverse=True), "a prefill before a decode"
+        starved = decodes_before - set(ids) - set(out.preempted_ids)
+        if starved:
+            assert all(is_decode), f"decodes {starved} starved behind a prefill"
+            assert out.num_scheduled_tokens == scheduler.config.max_num_batched_tokens
+        if not self.only_budget_binds:
+            return
+        prefills = [
+            scheduler.requests.get(i) or next(r for r in self.added if r.request_id == i)
+            for i in ids
+            if i not in decodes_before
+        ]
+        if not prefills:
+            return
+        now = self.clock.now
+        worst = max(r.effective_priority for r in prefills)
+        for request in waiting_before:
+            if request.request_id in ids or request.is_finished:
+                continue
+            effective = scheduler.waiting.effective_priority(request, now)
+            assert effective >= worst, (
+                f"{request!r} (effective {effective}) waited while a prefill of "
+                f"effective priority {worst} got budget"
+            )
+
     def check_state(self) -> None:
         self.scheduler.check_integrity()
         assert set(self.scheduler.requests) == self.live_ids  # none lost, none extra
@@ -124,10 +191,24 @@ class Harness:
 def test_random_workload_keeps_invariants_and_finishes(
     config: dict[str, Any], arrivals: list[tuple[Any, ...]]
 ) -> None:
+    run_workload(config, arrivals, only_budget_binds=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=ample_configs, arrivals=arrivals)
+def test_budget_goes_in_priority_order_when_only_the_budget_binds(
+    config: dict[str, Any], arrivals: list[tuple[Any, ...]]
+) -> None:
+    run_workload(config, arrivals, only_budget_binds=True)
+
+
+def run_workload(
+    config: dict[str, Any], arrivals: list[tuple[Any, ...]], only_budget_binds: bool
+) -> None:
     clock = FakeClock()
-    harness = Harness(make_scheduler(clock=clock, **config), clock)
-    for prompt, max_tokens, priority, num_steps, abort in arrivals:
-        harness.add(prompt, max_tokens, priority)
+    harness = Harness(make_scheduler(clock=clock, **config), clock, only_budget_binds)
+    for prompt, max_tokens, priority, num_steps, abort, num_choices in arrivals:
+        harness.add(prompt, max_tokens, priority, num_choices)
         for _ in range(num_steps):
             harness.step()
         if abort is not None:
