@@ -82,6 +82,13 @@ def test_every_flag_reaches_its_config() -> None:
     assert not c.enable_prefix_caching
 
 
+def test_scheduler_budget_flags_reach_the_scheduler() -> None:
+    s = configs("--watermark", "0.1", "--long-prefill-token-threshold", "128").scheduler
+    assert (s.watermark, s.long_prefill_token_threshold) == (0.1, 128)
+    d = configs().scheduler
+    assert (d.watermark, d.long_prefill_token_threshold) == (0.0, 0)
+
+
 def test_scheduling_policy_long_name() -> None:
     assert configs("--scheduling-policy", "priority").scheduler.policy == "priority"
 
