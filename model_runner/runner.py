@@ -135,6 +135,7 @@ class ModelRunner:
         """Run one step: forward over every scheduled token, sample where `sample` is set."""
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
+        self.sampler.forget(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         # decodes first (stable, so the scheduler's order holds within each group)

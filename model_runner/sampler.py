@@ -3,7 +3,8 @@
 Per row, in order: min_tokens (stop tokens masked until the output is long enough),
 repetition penalty (Hugging Face: over prompt and output), frequency and presence
 penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
-Everything stays on the device until the final `.tolist()`.
+Everything stays on the device until the final `.tolist()`. The penalties read per-request
+token counts kept on the device between steps (`TokenCounts`), not the whole history.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from scheduler.output import SampleLogprobs, ScheduledRequest
@@ -26,13 +26,89 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None]
 
 
-def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Ragged token lists -> [len(rows), longest] int64, padded with `pad`."""
-    width = max(1, max(len(r) for r in rows))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return torch.from_numpy(out).to(device)
+class TokenCounts:
+    """Per-request token statistics on the device for the penalties: how often each token
+    was generated, and which tokens the prompt holds.
+
+    A request gets a row the first time it samples with penalties (filled from its prompt
+    and outputs so far); each later step adds only the tokens sampled since, so the cost
+    per step follows the number of rows, not their contexts. A row outlives preemption
+    (the outputs are kept) and is freed by `forget` when the request finishes.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._slots: dict[str, int] = {}  # request id -> row
+        self._num_counted: dict[str, int] = {}  # request id -> outputs counted in its row
+        self._free_slots: list[int] = []
+        self._output_counts = torch.zeros(0, 0, device=device)  # [capacity, vocab] float32
+        self._prompt_seen = torch.zeros(0, 0, dtype=torch.bool, device=device)
+
+    @property
+    def num_rows(self) -> int:
+        """Requests holding a row."""
+        return len(self._slots)
+
+    def rows(
+        self, requests: Sequence[ScheduledRequest], vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output token counts [n, vocab] float32 and prompt tokens seen [n, vocab] bool,
+        one row per request in order, brought up to date with its latest outputs."""
+        slots, new_slots, new_tokens = [], [], []
+        for request in requests:
+            request_id, outputs = request.request_id, request.output_token_ids
+            slot = self._slots.get(request_id)
+            if slot is None or len(outputs) < self._num_counted[request_id]:
+                slot = self._new_row(request, vocab)
+            new = outputs[self._num_counted[request_id] :]
+            new_slots += [slot] * len(new)
+            new_tokens += new
+            self._num_counted[request_id] = len(outputs)
+            slots.append(slot)
+        if new_tokens:
+            index = (self._index(new_slots), self._index(new_tokens))
+            ones = torch.ones(len(new_tokens), device=self.device)
+            self._output_counts.index_put_(index, ones, accumulate=True)
+        rows = self._index(slots)
+        return self._output_counts[rows], self._prompt_seen[rows]
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Free the rows of finished requests (ids without a row are ignored)."""
+        for request_id in request_ids:
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                del self._num_counted[request_id]
+                self._free_slots.append(slot)
+
+    def _new_row(self, request: ScheduledRequest, vocab: int) -> int:
+        if self._output_counts.shape[1] not in (0, vocab):
+            raise ValueError(f"vocab {vocab} != {self._output_counts.shape[1]} of the rows")
+        slot = self._slots.get(request.request_id)
+        if slot is None:
+            if not self._free_slots:
+                self._grow(vocab)
+            slot = self._free_slots.pop()
+            self._slots[request.request_id] = slot
+        self._output_counts[slot].zero_()
+        self._prompt_seen[slot].zero_()
+        if request.prompt_token_ids:
+            self._prompt_seen[slot, self._index(request.prompt_token_ids)] = True
+        self._num_counted[request.request_id] = 0
+        return slot
+
+    def _grow(self, vocab: int) -> None:
+        capacity = self._output_counts.shape[0]
+        new_capacity = max(8, 2 * capacity)
+        counts = torch.zeros(new_capacity, vocab, device=self.device)
+        seen = torch.zeros(new_capacity, vocab, dtype=torch.bool, device=self.device)
+        if capacity:
+            counts[:capacity] = self._output_counts
+            seen[:capacity] = self._prompt_seen
+        self._output_counts, self._prompt_seen = counts, seen
+        self._free_slots += range(new_capacity - 1, capacity - 1, -1)
+
+    def _index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
 class Sampler:
@@ -46,6 +122,11 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.token_counts = TokenCounts(device)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop the per-request state of finished requests."""
+        self.token_counts.forget(request_ids)
 
     def __call__(
         self,
@@ -92,30 +173,18 @@ class Sampler:
                 if stop_ids:
                     logits[i, sorted(stop_ids)] = float("-inf")
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
         rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
         if not rows:
             return
         device, vocab = logits.device, logits.shape[1]
         params = [requests[i].sampling_params for i in rows]
         x = logits[rows]  # [n, vocab]
-        # output token counts: [n, vocab]; the pad id `vocab` lands in a dropped column
-        outputs = _padded([requests[i].output_token_ids for i in rows], vocab, device)
-        counts = torch.zeros(len(rows), vocab + 1, device=device)
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
-        counts = counts[:, :vocab]
-        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        counts, prompt_seen = self.token_counts.rows([requests[i] for i in rows], vocab)
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen_ids = _padded(
-                [[*requests[i].prompt_token_ids, *requests[i].output_token_ids] for i in rows],
-                vocab,
-                device,
-            )
-            seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-            seen.scatter_(1, seen_ids, True)
-            penalised = torch.where(x > 0, x / repetition, x * repetition)
-            x = torch.where(seen[:, :vocab], penalised, x)
+            repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+            penalised = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])
+            x = torch.where(prompt_seen | (counts > 0), penalised, x)
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         x = x - frequency * counts - presence * (counts > 0)

@@ -334,7 +334,36 @@ def test_presence_and_frequency_penalties_openai_semantics():
     assert dict(out.logprobs[0].top) == pytest.approx(expected)
 
 
-def test_logprobs_match_log_softmax():
+def test_penalties_follow_the_history_step_by_step():
+    """The counts kept between steps give the same penalised logits as a fresh sampler
+    that sees the whole history at once, across steps, rows growing and rows freed."""
+    vocab = 64
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.5, presence_penalty=0.3,
+        frequency_penalty=0.2, logprobs=vocab,
+    )
+    g = torch.Generator().manual_seed(5)
+    kept = sampler()
+    histories = {f"r{i}": ([int(t) for t in torch.randint(0, vocab, (5,), generator=g)], [])
+                 for i in range(12)}
+    for step_no in range(6):
+        rows = [request(params, prompt, output, request_id=rid)
+                for rid, (prompt, output) in histories.items()]
+        logits = torch.randn(len(rows), vocab, generator=g)
+        got = kept(logits.clone(), rows, [None] * len(rows))
+        want = sampler()(logits.clone(), rows, [None] * len(rows))
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert dict(a.top) == pytest.approx(dict(b.top))
+        for rid, token in zip(histories, got.token_ids, strict=True):
+            histories[rid][1].append(token)
+        if step_no == 2:  # two finish; a newcomer takes a freed row
+            kept.forget(["r0", "r1"])
+            del histories["r0"], histories["r1"]
+            histories["new"] = ([1, 2, 3], [])
+    assert kept.token_counts.num_rows == 11
+
+
+
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
     params = [
         SamplingParams(temperature=0.0, logprobs=4),
