@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -14,29 +15,19 @@ from tests.e2e.conftest import ServerProcess, _require_default_model
 
 pytestmark = pytest.mark.e2e
 
-NUM_BLOCKS, BLOCK_SIZE = 96, 16  # a 1,536-token pool
+# 160 blocks of 16 (2,560 tokens): room for one 1,000-token prompt shared by 8 choices
+# (63 + 7 blocks), not for 8 copies of it (504), nor for 3 (189).
+NUM_BLOCKS, BLOCK_SIZE = 160, 16
 
 
-def start_server(num_blocks: int) -> ServerProcess:
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
     _require_default_model()
-    return ServerProcess(
-        "--scheduling-policy", "priority", "--num-kv-blocks", str(num_blocks),
+    server = ServerProcess(
+        "--scheduling-policy", "priority", "--num-kv-blocks", str(NUM_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8",
         "--max-num-batched-tokens", "512",
     )
-
-
-@pytest.fixture
-def small_pool_server() -> Iterator[ServerProcess]:
-    server = start_server(NUM_BLOCKS)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def large_pool_server() -> Iterator[ServerProcess]:
-    """Room for 8 unshared copies of a 1,000-token prompt (8 x 63 blocks)."""
-    server = start_server(600)
     yield server
     server.stop()
 
@@ -62,30 +53,26 @@ def tokens(start: int, n: int) -> list[int]:
     return [1000 + (start + i) % 30000 for i in range(n)]
 
 
-def test_urgent_system_prompt_survives_a_low_priority_load(
-    small_pool_server: ServerProcess,
-) -> None:
-    server = small_pool_server
+def test_urgent_system_prompt_survives_a_low_priority_load(server: ServerProcess) -> None:
     system = tokens(0, 200)  # 12 full blocks
     complete(server, system + tokens(50_000, 20), priority=-10)
-    # 24 distinct 200-token low-priority prompts: 300 blocks through a 96-block pool
-    for i in range(24):
-        complete(server, tokens(1000 + 300 * i, 200), priority=10)
+    # 20 distinct 400-token low-priority prompts, 4 at a time: 500 blocks through the pool
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: complete(server, tokens(1000 + 500 * i, 400), 10), range(20)))
     hits = metric(server, "pagedserve_prefix_cache_hits_total")
     complete(server, system + tokens(60_000, 20), priority=-10)
     assert metric(server, "pagedserve_prefix_cache_hits_total") - hits >= 192
 
 
-def test_n_choices_compute_the_prompt_once(large_pool_server: ServerProcess) -> None:
-    server = large_pool_server
+def test_n_choices_compute_the_prompt_once(server: ServerProcess) -> None:
     prompt = tokens(90_000, 1000)
     hits = metric(server, "pagedserve_prefix_cache_hits_total")
     used_blocks = []
     done = threading.Event()
 
     def watch() -> None:
-        while not done.is_set():
-            kv = httpx.get(f"{server.url}/scheduler/state").json()["kv_cache"]
+        while not done.wait(0.05):
+            kv = httpx.get(f"{server.url}/scheduler/state", timeout=60).json()["kv_cache"]
             used_blocks.append(kv["num_blocks"] - kv["num_free_blocks"])
 
     watcher = threading.Thread(target=watch)
@@ -103,4 +90,4 @@ def test_n_choices_compute_the_prompt_once(large_pool_server: ServerProcess) -> 
     # not 8 x 63
     assert used_blocks and max(used_blocks) <= 63 + 8 * 2
     state = httpx.get(f"{server.url}/scheduler/state").json()
-    assert state["kv_cache"]["num_free_blocks"] == 600
+    assert state["kv_cache"]["num_free_blocks"] == NUM_BLOCKS
