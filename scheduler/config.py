@@ -14,8 +14,9 @@ class SchedulerConfig:
     seat limit. priority_aging_s: a waiting request's effective priority improves by one
     level every that many seconds waited (None: off). watermark: fraction of KV blocks
     kept free when admitting waiting requests (running requests may use them).
-    long_prefill_token_threshold: the most tokens one prefill computes per step (0: no
-    cap beyond the budget), so a long prompt cannot take a whole step from the others.
+    long_prefill_token_threshold: the most tokens one prefill computes in a step that also
+    carries decodes (0: no cap beyond the budget), so a long prompt cannot turn everyone's
+    next token into a long step.
     """
 
     policy: str = "fcfs"

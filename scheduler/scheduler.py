@@ -11,7 +11,8 @@ schedule() spends the budget in one order:
   2. prefill work, running chunks and waiting admissions alike, in policy order (under
      fcfs running chunks first, then waiting requests in arrival order; under priority
      one merged order, so that no waiting request is denied budget that a worse-priority
-     prefill gets), each prefill capped at `long_prefill_token_threshold` tokens. Under
+     prefill gets), each prefill capped at `long_prefill_token_threshold` tokens when the
+     step carries decodes (so a long prompt cannot stall everyone's stream). Under
      priority, a waiting request that does not fit preempts running requests of strictly
      worse priority (`_admit_by_preempting`). After a preemption for a decode's growth
      the pool is short: only requests more urgent than every victim are admitted (none
@@ -80,6 +81,7 @@ class _Step:
     parked_head: Request | None = None
     num_reserved_blocks: int = 0
     admission_closed: bool = False
+    num_decodes: int = 0
 
     def schedule(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -392,6 +394,7 @@ class Scheduler:
                 return
             if request.status is RequestStatus.RUNNING and _num_left(request) == 1:
                 self._allocate_or_preempt(request, 1, step)
+                step.num_decodes += 1
 
     def _schedule_prefills(self, step: _Step) -> None:
         """Running chunks and waiting admissions in one policy order, while budget lasts."""
@@ -435,7 +438,10 @@ class Scheduler:
         return _effective_key(chunk) < waiting_key
 
     def _chunk_size(self, num_left: int, step: _Step) -> int:
-        if self._max_prefill_chunk is not None:
+        """Tokens of a prefill to compute now: what the budget leaves, capped by
+        long_prefill_token_threshold in a step that carries decodes (a lone prefill
+        delays nobody, so it takes what the budget gives)."""
+        if self._max_prefill_chunk is not None and step.num_decodes:
             num_left = min(num_left, self._max_prefill_chunk)
         return min(num_left, step.budget)
 

@@ -110,9 +110,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        f"CPU, {_CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
     sched.add_argument("--priority-aging-s", type=float, default=None,
                        help="a waiting request gains one priority level per S seconds")
-    sched.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="the most tokens one prefill computes per step, so a long "
-                       "prompt does not take a whole step from the others (default 0: no cap)")
+    sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="the most tokens one prefill computes in a step that carries "
+                       "decodes, so a long prompt does not stall every stream (default: a "
+                       "quarter of --max-num-batched-tokens; 0: no cap)")
     sched.add_argument("--watermark", type=float, default=0.0,
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
@@ -163,7 +164,11 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_num_batched_tokens=max_num_batched_tokens,
         priority_aging_s=args.priority_aging_s,
         watermark=args.watermark,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold=(
+            max_num_batched_tokens // 4
+            if args.long_prefill_token_threshold is None
+            else args.long_prefill_token_threshold
+        ),
     )
     server = ServerConfig(
         host=args.host,

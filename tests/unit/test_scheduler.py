@@ -753,19 +753,27 @@ def test_fcfs_keeps_running_chunks_before_admissions() -> None:
     assert num_tokens_by_id(out) == {"r0": 8}
 
 
-def test_long_prefill_token_threshold_caps_each_prefill() -> None:
-    scheduler = make_scheduler(
-        policy="priority", max_num_batched_tokens=64, num_blocks=64,
-        long_prefill_token_threshold=16,
-    )
-    add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 1]))
-    out, _ = step(scheduler)
-    assert num_tokens_by_id(out) == {"r0": 16, "r1": 16}
-    out, _ = step(scheduler)
-    assert num_tokens_by_id(out) == {"r0": 16, "r1": 16}
-    out, _ = step(scheduler)
-    assert num_tokens_by_id(out) == {"r0": 8, "r1": 8}
-    assert [s.sample for s in out.scheduled] == [True, True]
+def test_long_prefill_token_threshold_caps_prefills_beside_decodes() -> None:
+    def make() -> Scheduler:
+        return make_scheduler(
+            policy="priority", max_num_batched_tokens=64, num_blocks=64,
+            long_prefill_token_threshold=16,
+        )
+
+    lone = make()
+    lone.add_request(make_requests(1, 40, 1)[0])
+    out, _ = step(lone)
+    assert num_tokens_by_id(out) == {"r0": 40}  # it delays nobody: no cap
+
+    scheduler = make()
+    (decoding,) = make_requests(1, 4, 10, priorities=[5])
+    scheduler.add_request(decoding)
+    step(scheduler)
+    add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 1], first_id=1, first_arrival=1))
+    for expected in (16, 16, 8):
+        out, _ = step(scheduler)
+        assert num_tokens_by_id(out) == {"r0": 1, "r1": expected, "r2": expected}
+    assert [s.sample for s in out.scheduled] == [True, True, True]
 
 
 # ---- n > 1 ----
