@@ -81,4 +81,33 @@ def wp(scale: float = 1.0, seed: int = 0, high_every_s: float = 2.0) -> Workload
     )
 
 
-WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp}
+def wps(scale: float = 1.0, seed: int = 0) -> Workload:
+    """The saturating priority load of the priority-at-scale issue: low-priority requests
+    (priority 10, 128 in / 96 out) kept 48 in flight, 15% of all requests at priority -10
+    (128 in / 96 out) in the same stream of arrivals. Compare the -10 TTFT with an idle
+    server's and the low ITL (a loaded step)."""
+    rng = random.Random(seed)
+    n = max(20, round(160 * scale))
+    reqs = [
+        BenchItem(_prompt(rng, 128), 96, priority=-10 if rng.random() < 0.15 else 10)
+        for _ in range(n)
+    ]
+    return Workload("WPS", f"{n} requests, 128 in / 96 out, 15% at priority -10, 48 in flight",
+                    reqs, 48)
+
+
+def wl(scale: float = 1.0, seed: int = 0) -> Workload:
+    """A long urgent prefill among streams: 16 low-priority requests (priority 10, 128 in /
+    192 out) arriving 0.3 s apart, then one priority -10 request of 2,000 tokens in / 16
+    out at 6 s. The low ITL p99 shows the stall the long prefill causes."""
+    rng = random.Random(seed)
+    n_low = max(4, round(16 * scale))
+    low = [
+        BenchItem(_prompt(rng, 128), 192, priority=10, send_at_s=0.3 * i) for i in range(n_low)
+    ]
+    high = BenchItem(_prompt(rng, 2000), 16, priority=-10, send_at_s=6.0)
+    return Workload("WL", f"{n_low} low (prio 10, 128/192, 0.3 s apart) + 1 high (prio -10, "
+                    "2000/16) at 6 s", [*low, high], n_low)
+
+
+WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WL": wl}
