@@ -206,11 +206,13 @@ def test_fcfs_preemption_picks_latest_admitted() -> None:
 def test_priority_preemption_picks_lowest_priority() -> None:
     scheduler = make_scheduler(policy="priority", num_blocks=6)
     requests = make_requests(3, 7, 10, priorities=[2, 0, 1])
-    add_all(scheduler, requests)
+    scheduler.add_request(requests[0])
     step(scheduler)
-    step(scheduler)
+    add_all(scheduler, requests[1:])  # admitted one level a step: r1, then r2
     out, _ = step(scheduler)
-    assert out.preempted_ids == ["r0"]  # FCFS would have picked r2
+    while not out.preempted_ids:
+        out, _ = step(scheduler)
+    assert out.preempted_ids == ["r0"]  # FCFS would have picked r2, the latest admitted
     assert scheduled_ids(out) == ["r1", "r2"]
     run_until_done(scheduler)
     assert all(r.num_output_tokens == 10 for r in requests)
@@ -242,8 +244,9 @@ def test_victim_can_be_the_request_itself(
         for i, (n, p) in enumerate(zip(prompt_lens, priorities, strict=True))
     ]
     add_all(scheduler, requests)
-    step(scheduler)
     out, _ = step(scheduler)
+    while not out.preempted_ids:  # under priority r0 joins a step after r1: one level a step
+        out, _ = step(scheduler)
     needy = "r0" if policy == "priority" else "r1"
     other = "r1" if needy == "r0" else "r0"
     assert out.preempted_ids == [needy]
@@ -346,11 +349,13 @@ def test_priority_admission_preempts_for_a_seat() -> None:
 
 
 def test_priority_admission_preempts_worst_first_and_only_as_needed() -> None:
-    scheduler = make_scheduler(policy="priority", num_blocks=6)
-    running = make_requests(3, 7, 10, priorities=[1, 3, 2])  # 2 blocks each
+    scheduler = make_scheduler(policy="priority", num_blocks=4, block_size=16)
+    running = make_requests(3, 7, 10, priorities=[1, 3, 2])  # a block each
     add_all(scheduler, running)
-    step(scheduler)
-    (new,) = make_requests(1, 8, 1, priorities=[0], first_id=3, first_arrival=5)
+    for _ in range(3):  # one level a step
+        step(scheduler)
+    assert scheduler.num_running == 3
+    (new,) = make_requests(1, 20, 1, priorities=[0], first_id=3, first_arrival=5)  # 2 blocks
     scheduler.add_request(new)
     out, _ = step(scheduler)
     assert out.preempted_ids == ["r1"]
@@ -419,7 +424,9 @@ def test_parked_head_keeps_its_free_blocks() -> None:
     scheduler = make_scheduler(policy="priority", num_blocks=8)
     (a,) = make_requests(1, 13, 3, priorities=[0])  # 4 blocks
     (low,) = make_requests(1, 5, 3, priorities=[5], first_id=1)  # 2 blocks
-    add_all(scheduler, [a, low])
+    scheduler.add_request(a)
+    step(scheduler)
+    scheduler.add_request(low)
     step(scheduler)  # 2 blocks free
     (big,) = make_requests(1, 20, 1, priorities=[1], first_id=2, first_arrival=2)  # 5 blocks
     (small,) = make_requests(1, 4, 1, priorities=[2], first_id=3, first_arrival=3)  # 1 block
@@ -736,11 +743,14 @@ def test_waiting_request_goes_before_a_worse_running_chunk() -> None:
     scheduler.add_request(low)
     out, _ = step(scheduler)
     assert num_tokens_by_id(out) == {"r0": 8}
-    (urgent,) = make_requests(1, 6, 1, priorities=[-10], first_id=1, first_arrival=5)
+    (urgent,) = make_requests(1, 6, 2, priorities=[-10], first_id=1, first_arrival=5)
     scheduler.add_request(urgent)
     out, _ = step(scheduler)
-    assert scheduled_ids(out) == ["r1", "r0"]  # before: low's chunk took the whole budget
-    assert num_tokens_by_id(out) == {"r1": 6, "r0": 2}
+    # before: low's chunk took the whole budget. Nor does it ride along: the step of an
+    # urgent prompt carries no worse prefill, so that its first token comes sooner.
+    assert num_tokens_by_id(out) == {"r1": 6}
+    out, _ = step(scheduler)
+    assert num_tokens_by_id(out) == {"r1": 1, "r0": 7}
 
 
 def test_fcfs_keeps_running_chunks_before_admissions() -> None:
@@ -769,7 +779,7 @@ def test_long_prefill_token_threshold_caps_prefills_beside_decodes() -> None:
     (decoding,) = make_requests(1, 4, 10, priorities=[5])
     scheduler.add_request(decoding)
     step(scheduler)
-    add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 1], first_id=1, first_arrival=1))
+    add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 0], first_id=1, first_arrival=1))
     for expected in (16, 16, 8):
         out, _ = step(scheduler)
         assert num_tokens_by_id(out) == {"r0": 1, "r1": expected, "r2": expected}
@@ -905,6 +915,7 @@ def test_snapshot_caps_the_waiting_list() -> None:
 def test_stats_count_by_priority() -> None:
     scheduler = make_scheduler(policy="priority", max_num_seqs=2, num_blocks=6)
     add_all(scheduler, make_requests(4, 7, 6, priorities=[3, 3, 1, 3]))
+    step(scheduler)  # r2 (level 1), then r0 (level 3) a step later
     step(scheduler)
     stats = scheduler.stats
     assert stats.num_running_by_priority == {1: 1, 3: 1}

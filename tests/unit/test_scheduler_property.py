@@ -2,7 +2,8 @@
 
 After every step: every block and request is accounted for; no decode starves behind a
 prefill; and, where KV blocks and seats are plenty (so only the budget binds), no waiting
-request was denied budget that a prefill of worse priority got.
+request was denied budget that a prefill of worse priority got, and a step's prefills
+are of one priority level.
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ class Harness:
         if not prefills:
             return
         now = self.clock.now
-        worst = max(r.effective_priority for r in prefills)
+        levels = {r.effective_priority for r in prefills}
+        assert len(levels) == 1, f"prefills of levels {levels} in one step"
+        worst = max(levels)
         for request in waiting_before:
             if request.request_id in ids or request.is_finished:
                 continue
