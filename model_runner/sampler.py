@@ -54,17 +54,26 @@ class TokenCounts:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Output token counts [n, vocab] float32 and prompt tokens seen [n, vocab] bool,
         one row per request in order, brought up to date with its latest outputs."""
-        slots, new_slots, new_tokens = [], [], []
+        if self._output_counts.shape[1] not in (0, vocab):
+            raise ValueError(f"vocab {vocab} != {self._output_counts.shape[1]} of the rows")
+        slots: list[int] = []
+        fresh: list[tuple[int, ScheduledRequest]] = []  # rows to fill from scratch
+        new_slots: list[int] = []
+        new_tokens: list[int] = []
         for request in requests:
             request_id, outputs = request.request_id, request.output_token_ids
             slot = self._slots.get(request_id)
             if slot is None or len(outputs) < self._num_counted[request_id]:
-                slot = self._new_row(request, vocab)
+                slot = self._slots[request_id] = slot if slot is not None else self._take(vocab)
+                self._num_counted[request_id] = 0
+                fresh.append((slot, request))
             new = outputs[self._num_counted[request_id] :]
             new_slots += [slot] * len(new)
             new_tokens += new
             self._num_counted[request_id] = len(outputs)
             slots.append(slot)
+        if fresh:  # NOTE: a few batched ops, whatever the number of new rows
+            self._reset(fresh)
         if new_tokens:
             index = (self._index(new_slots), self._index(new_tokens))
             ones = torch.ones(len(new_tokens), device=self.device)
@@ -80,21 +89,20 @@ class TokenCounts:
                 del self._num_counted[request_id]
                 self._free_slots.append(slot)
 
-    def _new_row(self, request: ScheduledRequest, vocab: int) -> int:
-        if self._output_counts.shape[1] not in (0, vocab):
-            raise ValueError(f"vocab {vocab} != {self._output_counts.shape[1]} of the rows")
-        slot = self._slots.get(request.request_id)
-        if slot is None:
-            if not self._free_slots:
-                self._grow(vocab)
-            slot = self._free_slots.pop()
-            self._slots[request.request_id] = slot
-        self._output_counts[slot].zero_()
-        self._prompt_seen[slot].zero_()
-        if request.prompt_token_ids:
-            self._prompt_seen[slot, self._index(request.prompt_token_ids)] = True
-        self._num_counted[request.request_id] = 0
-        return slot
+    def _take(self, vocab: int) -> int:
+        if not self._free_slots:
+            self._grow(vocab)
+        return self._free_slots.pop()
+
+    def _reset(self, fresh: list[tuple[int, ScheduledRequest]]) -> None:
+        """Zero the rows, then mark each row's prompt tokens as seen."""
+        rows = self._index([slot for slot, _ in fresh])
+        self._output_counts[rows] = 0.0
+        self._prompt_seen[rows] = False
+        prompt_slots = [slot for slot, r in fresh for _ in r.prompt_token_ids]
+        if prompt_slots:
+            prompt_ids = [t for _, r in fresh for t in r.prompt_token_ids]
+            self._prompt_seen[self._index(prompt_slots), self._index(prompt_ids)] = True
 
     def _grow(self, vocab: int) -> None:
         capacity = self._output_counts.shape[0]
