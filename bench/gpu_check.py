@@ -5,8 +5,9 @@ Parts, each recorded as "pass", "fail" or "skipped: <reason>":
 1. kernel_tests: pytest on tests/unit/test_triton_attention.py, test_triton_layers.py and
    test_cuda_graphs.py, compiled on CUDA (no Triton interpreter).
 2. kernel_timing: the Triton write_kv_cache / paged_attention against the torch reference
-   (model_runner/attention.py) at Qwen3-0.6B-like attention shapes (16 heads, 8 kv heads,
-   head_dim 128, bf16, block size 16): time, speedup, KV read bandwidth, max error.
+   (model_runner/attention/torch_backend.py) at Qwen3-0.6B-like attention shapes (16
+   heads, 8 kv heads, head_dim 128, bf16, block size 16): time, speedup, KV read
+   bandwidth, max error.
 3. Model-runner checks on random-weight models (nothing downloaded), through the real
    Scheduler and ModelRunner with the Triton backend and decode CUDA graphs:
    - greedy_parity_hf: greedy tokens == HF `generate` on a small Llama, exact in fp32,
@@ -135,7 +136,7 @@ class _TimingSetup:
     block_size: int
     gen: object  # torch.Generator
     timer: Callable[[Callable[[], object]], float]
-    torch_ref: object  # model_runner.attention, or None
+    torch_ref: object  # model_runner.attention.torch_backend, or None
     atol: float
 
 
@@ -144,7 +145,7 @@ def run_kernel_timing(dry_run: bool) -> PartResult:
     import torch
 
     try:
-        from model_runner import attention as torch_ref
+        from model_runner.attention import torch_backend as torch_ref
     except ImportError as e:  # the comparison is then skipped, the timing still runs
         torch_ref = None
         ref_missing = f"torch reference unavailable: {e}"
@@ -397,7 +398,7 @@ def _qwen3_model(dry_run: bool) -> tuple[Path, object]:
 def _make_runner(model_config, dry_run: bool, interpret_triton: bool = False):
     """A ModelRunner; in a dry run with the decode graph runner attached in eager mode
     (and the Triton kernels under the interpreter when `interpret_triton`)."""
-    from model_runner.attention import AttentionBackend
+    from model_runner.attention.backend import AttentionBackend
     from model_runner.cuda_graphs import DecodeGraphRunner
     from model_runner.loader import load_model
     from model_runner.runner import ModelRunner

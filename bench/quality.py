@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runner.attention import TORCH_BACKEND
+from model_runner.attention import torch_backend
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.llama import LlamaForCausalLM
 from model_runner.loader import LoadedModel
@@ -92,4 +92,6 @@ def prefill(model: LlamaForCausalLM, token_ids: torch.Tensor) -> torch.Tensor:
         model.num_layers, num_seqs * blocks_per_seq, BLOCK_SIZE,
         model.num_kv_heads, model.head_dim, model.embed_tokens.weight.dtype, device,
     )
-    return model(inputs.input_ids, inputs.positions, inputs.meta, kv_cache.layers, TORCH_BACKEND)
+    return model(
+        inputs.input_ids, inputs.positions, inputs.meta, kv_cache.layers, torch_backend.BACKEND
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_runner.attention import ATTENTION_BACKENDS
+from model_runner.attention.selection import ATTENTION_BACKENDS
 from model_runner.cpu_linear import WEIGHT_DTYPES
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from model_runner.attention import AttentionBackend
+from model_runner.attention.backend import AttentionBackend
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import fill_block_tables

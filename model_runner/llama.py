@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from model_runner.attention import AttentionBackend, LayerOps
+from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.cpu_linear import PackedLinear, pack_linear
 

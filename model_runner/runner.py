@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_runner.attention import select_attention_backend
+from model_runner.attention.selection import select_attention_backend
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import create_decode_graph_runner, host_to_device

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model_runner.attention import LayerOps
+from model_runner.attention.backend import LayerOps
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from types import FrameType
 
 from bench import client as bench_client
 from bench.client import BenchConfig
-from model_runner.attention import ATTENTION_BACKENDS
+from model_runner.attention.selection import ATTENTION_BACKENDS
 from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig

@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runner.attention import (
-    TORCH_BACKEND,
-    paged_attention,
-    select_attention_backend,
-    write_kv_cache,
-)
+from model_runner.attention.selection import select_attention_backend
+from model_runner.attention.torch_backend import BACKEND as TORCH_BACKEND
+from model_runner.attention.torch_backend import paged_attention, write_kv_cache
 from model_runner.attention_metadata import AttentionMetadata
 from tests.attention_helpers import Batch, assert_close, dense_reference
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_runner import attention, cpu_attention
-from model_runner.attention import select_attention_backend
+from model_runner.attention import cpu_backend as cpu_attention
+from model_runner.attention import torch_backend as attention
+from model_runner.attention.selection import select_attention_backend
 from tests.attention_helpers import Batch, assert_close, dense_reference
 
 CPU = torch.device("cpu")
@@ -155,7 +156,7 @@ def test_auto_falls_back_to_torch_where_the_kernels_cannot_be_built(tmp_path: Pa
     # the torch reference, asking for "cpu" says why it cannot
     code = (
         "import torch\n"
-        "from model_runner.attention import select_attention_backend\n"
+        "from model_runner.attention.selection import select_attention_backend\n"
         "print(select_attention_backend('auto', torch.device('cpu'), 64).name)\n"
         "try:\n"
         "    select_attention_backend('cpu', torch.device('cpu'), 64)\n"

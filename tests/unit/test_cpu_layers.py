@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runner.cpu_attention import LAYER_OPS
+from model_runner.attention.cpu_backend import LAYER_OPS
 from model_runner.cpu_kernels import load_cpu_kernels
 from model_runner.llama import RMSNorm, apply_rope
 

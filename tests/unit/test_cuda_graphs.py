@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from model_runner.attention import AttentionBackend, write_kv_cache
+from model_runner.attention.backend import AttentionBackend
+from model_runner.attention.torch_backend import write_kv_cache
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import DecodeGraphRunner, graph_batch_sizes
 from model_runner.loader import load_model, resolve_dtype

@@ -254,13 +254,13 @@ def test_long_context_default_config(dtype: torch.dtype) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Against the project's torch backend (model_runner/attention.py), when it is there
+# Against the project's torch backend (model_runner/attention/torch_backend.py)
 # --------------------------------------------------------------------------------------
 
 
 def test_matches_torch_backend() -> None:
-    torch_backend = pytest.importorskip("model_runner.attention",
-                                        reason="model_runner/attention.py not written yet")
+    torch_backend = pytest.importorskip("model_runner.attention.torch_backend",
+                                        reason="the torch backend is not there")
     batch = mixed_batch()
     # The torch backend multiplies whole gathered blocks by a mask, so NaN in a slot past
     # the context would leak into it: give the unused slots finite stale values, as a

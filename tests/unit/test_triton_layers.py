@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from model_runner import triton_attention as ta  # noqa: E402
 from model_runner import triton_layers as tl_ops  # noqa: E402
-from model_runner.attention import AttentionBackend  # noqa: E402
+from model_runner.attention.backend import AttentionBackend  # noqa: E402
 from model_runner.config import ModelConfig  # noqa: E402
 from model_runner.llama import RMSNorm, apply_rope  # noqa: E402
 from model_runner.loader import load_model  # noqa: E402

@@ -1,21 +1,20 @@
-"""Paged attention in plain torch: the reference every other backend is tested against.
+"""The "torch" attention backend: paged attention in plain torch, on any device, the
+reference every other backend is tested against.
 
 The cache layout is per layer (num_blocks, block_size, num_kv_heads, head_dim); token slot
 s lives at block s // block_size, offset s % block_size. `write_kv_cache` and
-`paged_attention` have exactly the signatures of the C++ CPU kernels' wrappers in
-model_runner/cpu_attention.py and of the Triton kernels in model_runner/triton_attention.py,
-and `select_attention_backend` picks one pair of them.
+`paged_attention` have the signatures of backend.WriteKVCache and backend.PagedAttention.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from model_runner.attention.backend import AttentionBackend
 from model_runner.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -223,99 +222,4 @@ def prefill_attention(
         out[start:end] = o[0].transpose(0, 1)
 
 
-WriteKVCache = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
-]
-PagedAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
-
-
-@dataclass(frozen=True)
-class LayerOps:
-    """Fused kernels for the elementwise parts of a layer, which model_runner/llama.py runs
-    instead of its torch code (the reference) for activations of one of `dtypes`.
-
-    rms_norm(x [T, H], weight, eps) -> [T, H]; silu_and_mul([T, 2 I]) -> [T, I];
-    rope_(qkv, cos, sin, num_heads, num_kv_heads, head_dim, qk_norm) rotates the query
-    and key heads of the fused qkv rows in place, after the per-head norm `qk_norm` =
-    (q weight, k weight, eps) when given, which only ops with `takes_qk_norm` accept.
-    `widths_multiple_of`: the hidden, intermediate and head sizes must be multiples of it.
-    """
-
-    name: str
-    dtypes: frozenset[torch.dtype]
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    rope_: Callable[..., None]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    takes_qk_norm: bool = False
-    widths_multiple_of: int = 1
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """A matching pair of cache-write and attention functions, and the fused layer kernels
-    of the same device, if any (`layer_ops`)."""
-
-    name: str
-    write_kv_cache: WriteKVCache
-    paged_attention: PagedAttention
-    layer_ops: LayerOps | None = None
-
-
-TORCH_BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention)
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-
-
-def select_attention_backend(
-    name: str, device: torch.device, head_dim: int
-) -> AttentionBackend:
-    """The backend for `name` ("auto", "torch", "cpu" or "triton") on `device`, for a model
-    of `head_dim`.
-
-    "auto" is Triton on CUDA when it imports, the C++ kernels ("cpu") on the CPU when they
-    build and take the head_dim, else the torch reference. Asking for "triton" off CUDA or
-    without Triton, or for "cpu" where "auto" would not pick it, is a ValueError.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}")
-    if name == "torch":
-        return TORCH_BACKEND
-    if device.type == "cpu" and name in ("auto", "cpu"):
-        return _cpu_backend(head_dim, required=name == "cpu")
-    if name == "cpu":
-        raise ValueError(f"the cpu attention backend runs on the CPU, not {device.type}")
-    if device.type != "cuda":
-        raise ValueError(f"the triton attention backend needs a CUDA device, not {device.type}")
-    try:
-        # NOTE: imported here so that the CPU never needs triton installed.
-        from model_runner import triton_attention, triton_layers
-    except ImportError as e:
-        if name == "triton":
-            raise ValueError(f"the triton attention backend is unavailable: {e}") from e
-        logger.warning("triton attention unavailable (%s); using the torch reference", e)
-        return TORCH_BACKEND
-    return AttentionBackend(
-        "triton",
-        triton_attention.write_kv_cache,
-        triton_attention.paged_attention,
-        triton_layers.TRITON_LAYER_OPS,
-    )
-
-
-def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
-    """The C++ CPU kernels, or (when they cannot serve and were not required) the torch
-    reference."""
-    from model_runner.cpu_kernels import cpu_kernels_error
-
-    error = cpu_kernels_error(head_dim)
-    if error is not None:
-        if required:
-            raise ValueError(error)
-        logger.warning("%s; using the torch reference attention", error)
-        return TORCH_BACKEND
-    from model_runner import cpu_attention  # NOTE: importing it loads the kernels
-
-    return AttentionBackend(
-        "cpu", cpu_attention.write_kv_cache, cpu_attention.paged_attention, cpu_attention.LAYER_OPS
-    )
+BACKEND = AttentionBackend("torch", write_kv_cache, paged_attention)

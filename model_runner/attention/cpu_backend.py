@@ -4,14 +4,15 @@ layer kernels of csrc/cpu_layers.cpp as its LayerOps.
 Decode rows read their keys and values straight from the paged cache (the torch
 reference gathers them first); prompt chunks use the reference's prefill path, whose
 time goes to matmul-shaped work that torch's fused CPU attention already does well.
-`write_kv_cache` and `paged_attention` have the signatures of model_runner/attention.py's.
+`write_kv_cache` and `paged_attention` have the signatures of the torch reference's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from model_runner.attention import LayerOps, prefill_attention
+from model_runner.attention.backend import AttentionBackend, LayerOps
+from model_runner.attention.torch_backend import prefill_attention
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.cpu_kernels import load_cpu_kernels
 
@@ -74,3 +75,5 @@ LAYER_OPS = LayerOps(
     silu_and_mul=torch.ops.pagedserve.silu_and_mul,
     widths_multiple_of=16,  # csrc/cpu_layers.cpp: widths of 8, RoPE halves of 8
 )
+
+BACKEND = AttentionBackend("cpu", write_kv_cache, paged_attention, LAYER_OPS)
