@@ -136,14 +136,6 @@ class Request:
             return self.waited_s + (now - self.waiting_since)
         return self.waited_s
 
-    def __lt__(self, other: Request) -> bool:
-        """Priority order: (priority, arrival_time, request_id), most urgent first."""
-        return (self.priority, self.arrival_time, self.request_id) < (
-            other.priority,
-            other.arrival_time,
-            other.request_id,
-        )
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

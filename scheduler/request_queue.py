@@ -66,13 +66,6 @@ class RequestQueue(ABC):
         self._forget(request)
         self._maybe_compact()
 
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        """Remove every given request that is queued (O(1) each); others are ignored."""
-        for request in requests:
-            if request.request_id in self._live:
-                self._forget(request)
-        self._maybe_compact()
-
     def __contains__(self, request: Request) -> bool:
         """Whether `request` is queued."""
         return request.request_id in self._live

@@ -76,23 +76,6 @@ def test_remove_missing_raises(queue: RequestQueue) -> None:
     assert len(queue) == 1
 
 
-def test_remove_requests_ignores_missing(queue: RequestQueue) -> None:
-    rs = [req(f"r{i}", arrival=float(i)) for i in range(6)]
-    for r in rs:
-        queue.add(r)
-    queue.remove_requests([rs[1], rs[4], req("not-queued")])
-    assert ids(queue) == ["r0", "r2", "r3", "r5"]
-    assert queue.pop() is rs[0]
-
-
-def test_remove_requests_accepts_generator(queue: RequestQueue) -> None:
-    rs = [req(f"r{i}", arrival=float(i)) for i in range(3)]
-    for r in rs:
-        queue.add(r)
-    queue.remove_requests(r for r in rs if r.request_id != "r1")
-    assert ids(queue) == ["r1"]
-
-
 def test_iteration_leaves_queue_intact(queue: RequestQueue) -> None:
     for i in (3, 1, 2, 0):
         queue.add(req(f"r{i}", arrival=float(i)))
@@ -147,7 +130,9 @@ def test_many_removals_compact_and_keep_order(queue: RequestQueue) -> None:
     rs = [req(f"r{i:04d}", priority=i % 3, arrival=i) for i in range(1000)]
     for r in rs:
         queue.add(r)
-    queue.remove_requests(r for i, r in enumerate(rs) if i % 10)
+    for i, r in enumerate(rs):
+        if i % 10:
+            queue.remove(r)
     kept = [r for i, r in enumerate(rs) if i % 10 == 0]
     assert len(queue) == len(kept)
     assert sorted(queue.count_by_priority().items()) == [(0, 34), (1, 33), (2, 33)]
@@ -302,10 +287,3 @@ def test_create_request_queue(policy: SchedulingPolicy | str, cls: type[RequestQ
 def test_create_request_queue_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         create_request_queue("lifo")
-
-
-def test_request_lt_orders_by_priority_arrival_id() -> None:
-    assert req("z", priority=0, arrival=9) < req("a", priority=1, arrival=0)
-    assert req("z", priority=1, arrival=0) < req("a", priority=1, arrival=1)
-    assert req("a", priority=1, arrival=1) < req("b", priority=1, arrival=1)
-    assert not req("b", priority=1, arrival=1) < req("a", priority=1, arrival=1)
