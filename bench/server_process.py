@@ -33,7 +33,8 @@ def pagedserve_command(port: int, flags: Sequence[str]) -> list[str]:
 
 
 class ServerProcess:
-    """Starts `command(port)` (default: pagedserve with `flags`); `wait_healthy` polls
+    """Starts `command(port)` (default: pagedserve with `flags`) in `cwd` (default: this
+    checkout); `wait_healthy` polls
     GET /health; `terminate` sends SIGTERM and returns the exit status."""
 
     def __init__(
@@ -44,13 +45,14 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         log_prefix: str = "pagedserve-",
+        cwd: Path = REPO_ROOT,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
         cmd = list(command) if command is not None else pagedserve_command(self.port, flags)
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.pid = self.proc.pid

@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`.
+"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`
+(or `pagedserve bench --engine-loop --simulate-step-ms MS ...`, no server).
 
 This is the only module that parses command-line flags; it turns them into the
 frozen configs of each layer (ServerConfig, ModelConfig, SchedulerConfig; the
@@ -57,6 +58,7 @@ class ServeConfigs:
     model: ModelConfig
     scheduler: SchedulerConfig
     enable_prefix_caching: bool
+    simulate_step_ms: float | None = None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +90,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: no CUDA graphs for decode")
     model.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    model.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                       help="benchmarking aid: no model weights; every step sleeps MS ms (as "
+                       "a GPU step would, without CPU) and samples random tokens that are "
+                       "never EOS, with the model's tokenizer")
 
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16)
@@ -167,7 +173,10 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         step_timeout_s=args.step_timeout_s,
         log_level=args.log_level,
     )
-    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching)
+    if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
+        raise ValueError("--simulate-step-ms must be >= 0")
+    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
+                        args.simulate_step_ms)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -192,7 +201,14 @@ def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagedserve bench`."""
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://host:8000")
+    parser.add_argument("--url", default=None,
+                        help="server base URL, e.g. http://host:8000 (needed but with "
+                        "--engine-loop)")
+    parser.add_argument("--engine-loop", action="store_true",
+                        help="no server: run the requests through the in-process engine step "
+                        "loop on the simulated runner (needs --simulate-step-ms)")
+    parser.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                        help="with --engine-loop: the simulated runner's step time")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -225,8 +241,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_bench_config(args: argparse.Namespace) -> BenchConfig:
     """The bench config from parsed `bench` flags; ValueError on invalid values."""
+    if args.engine_loop:
+        if args.simulate_step_ms is None or args.simulate_step_ms < 0:
+            raise ValueError("--engine-loop needs --simulate-step-ms MS (MS >= 0)")
+    elif args.url is None:
+        raise ValueError("--url is required (or --engine-loop)")
     return BenchConfig(
-        url=args.url,
+        url=args.url or "",
         model=args.model,
         api_key=args.api_key,
         num_requests=args.num_requests,
@@ -273,6 +294,7 @@ def serve(configs: ServeConfigs) -> int:
             enable_prefix_caching=configs.enable_prefix_caching,
             served_model_name=configs.server.served_model_name,
             step_timeout_s=configs.server.step_timeout_s,
+            simulate_step_ms=configs.simulate_step_ms,
         )
     except (FileNotFoundError, ValueError) as exc:
         logger.error("cannot load the model: %s", exc)
@@ -288,6 +310,16 @@ def serve(configs: ServeConfigs) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
     server.run()  # the app's lifespan starts the engine and, on shutdown, stops it
+    return 0
+
+
+def _bench_engine_loop(config: BenchConfig, step_ms: float) -> int:
+    import json
+
+    from bench.engine_loop import format_engine_loop, run_engine_loop
+
+    summary = run_engine_loop(config, step_ms)
+    print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))
     return 0
 
 
@@ -312,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_config = build_bench_config(args)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.engine_loop:
+            return _bench_engine_loop(bench_config, args.simulate_step_ms)
         return bench_client.run(bench_config)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

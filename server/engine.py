@@ -23,12 +23,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
-from model_runner.loader import load_model
+from model_runner.loader import ModelSpec, load_model, load_model_spec
 from model_runner.runner import ModelRunner
+from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import SampleLogprobs, SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -601,9 +603,10 @@ def create_engine(
     enable_prefix_caching: bool = True,
     served_model_name: str | None = None,
     step_timeout_s: float | None = None,
+    simulate_step_ms: float | None = None,
 ) -> Engine:
-    """Load the model, size the KV cache and build the scheduler that matches it, on a new
-    thread that then runs the engine loop: the engine comes back started.
+    """`build_engine_parts` on a new thread that then runs the engine loop: the engine
+    comes back started.
 
     The context length is the model's (or model_config.max_model_len), capped to what
     the KV cache holds. Loading errors are raised here.
@@ -619,7 +622,7 @@ def create_engine(
         try:
             engine = _build_engine(
                 model_config, scheduler_config, enable_prefix_caching, served_model_name,
-                step_timeout_s,
+                step_timeout_s, simulate_step_ms,
             )
         except BaseException as exc:
             built.set_exception(exc)
@@ -636,31 +639,56 @@ def _build_engine(
     enable_prefix_caching: bool,
     served_model_name: str | None,
     step_timeout_s: float | None,
+    simulate_step_ms: float | None = None,
 ) -> Engine:
     """The engine of `create_engine`, built on the calling thread, not started."""
-    loaded = load_model(model_config)
-    runner = ModelRunner(loaded, model_config)
+    scheduler, runner, info = build_engine_parts(
+        model_config, scheduler_config, enable_prefix_caching=enable_prefix_caching,
+        served_model_name=served_model_name, simulate_step_ms=simulate_step_ms,
+    )
+    return Engine(scheduler, runner, info, step_timeout_s=step_timeout_s)
+
+
+def build_engine_parts(
+    model_config: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    enable_prefix_caching: bool = True,
+    served_model_name: str | None = None,
+    simulate_step_ms: float | None = None,
+) -> tuple[Scheduler, ModelRunner | SimulatedRunner, EngineInfo]:
+    """Load the model (with `simulate_step_ms`, only its tokenizer and config, for a
+    SimulatedRunner), size the KV cache and build the scheduler that matches it."""
+    runner: ModelRunner | SimulatedRunner
+    if simulate_step_ms is not None:
+        spec = load_model_spec(model_config)
+        runner = SimulatedRunner(spec, model_config, simulate_step_ms)
+    else:
+        loaded = load_model(model_config)
+        spec = ModelSpec(loaded.hf_config, loaded.tokenizer, loaded.eos_token_ids,
+                         loaded.max_model_len, loaded.served_model_name, Path(loaded.model_path))
+        runner = ModelRunner(loaded, model_config)
     cache_config = CacheConfig(
         num_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
         enable_prefix_caching=enable_prefix_caching,
     )
-    scheduler_config = replace(scheduler_config, max_model_len=loaded.max_model_len)
+    scheduler_config = replace(scheduler_config, max_model_len=spec.max_model_len)
     scheduler = Scheduler(scheduler_config, cache_config)
     # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
     # lone request can always run to its end; the HTTP checks use that same limit.
     max_model_len = scheduler.max_request_len
-    if max_model_len < loaded.max_model_len:
+    if max_model_len < spec.max_model_len:
         logger.warning(
             "max_model_len %d capped to %d, what the KV cache holds (%d blocks of %d)",
-            loaded.max_model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
+            spec.max_model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
         )
     info = EngineInfo(
-        model_name=served_model_name or loaded.served_model_name,
+        model_name=served_model_name or spec.served_model_name,
         max_model_len=max_model_len,
-        vocab_size=int(loaded.hf_config.vocab_size),
+        vocab_size=int(spec.hf_config.vocab_size),
         policy=scheduler_config.policy,
-        tokenizer=loaded.tokenizer,
-        eos_token_ids=loaded.eos_token_ids,
+        tokenizer=spec.tokenizer,
+        eos_token_ids=spec.eos_token_ids,
     )
-    return Engine(scheduler, runner, info, step_timeout_s=step_timeout_s)
+    return scheduler, runner, info
