@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,22 +24,7 @@ from typing import Any
 
 from bench.client import BenchConfig, run_bench
 from bench.engine_loop import run_engine_loop
-from bench.server_process import REPO_ROOT, ServerProcess, free_port
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children
+from bench.server_process import REPO_ROOT, ServerProcess, cpu_seconds, free_port
 
 
 def _server_flags(step_ms: float, num_requests: int) -> list[str]:
@@ -58,8 +42,8 @@ def measure_http(
                            log_prefix="pagedserve-bench-")
     try:
         server.wait_healthy(120)
-        pids = {"api": server.pid, **{f"core{i}": p for i, p in
-                                      enumerate(child_pids(server.pid))}}
+        pids = {"api": server.pid, **{"core" if i == 0 else f"core{i}": p for i, p in
+                                      enumerate(server.child_pids())}}
         before = {k: cpu_seconds(p) for k, p in pids.items()}
         summary = asyncio.run(run_bench(BenchConfig(**{**config.__dict__,
                                                        "url": server.url})))

@@ -20,6 +20,15 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,6 +83,15 @@ class ServerProcess:
             time.sleep(0.25)
         self.proc.kill()
         raise RuntimeError(f"server did not become healthy:\n{self.log_tail()}")
+
+    def child_pids(self) -> list[int]:
+        """The server's child processes (its engine core), not counting multiprocessing's
+        resource tracker (Linux /proc)."""
+        children = []
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+        return [c for c in children
+                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return Path(self.log.name).read_text(errors="replace")[-num_chars:]

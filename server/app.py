@@ -223,8 +223,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/scheduler/state")
-    async def scheduler_state() -> dict[str, Any]:
-        return await engine.snapshot()
+    async def scheduler_state(check: int = 0) -> dict[str, Any]:
+        """The scheduler's state; with `check=1` also its integrity check's verdict."""
+        try:
+            return await engine.snapshot(bool(check), timeout_s=config.snapshot_timeout_s)
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not serving: {exc}.", type="server_error") from exc
 
     return app
 

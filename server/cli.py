@@ -59,6 +59,7 @@ class ServeConfigs:
     scheduler: SchedulerConfig
     enable_prefix_caching: bool
     simulate_step_ms: float | None = None
+    stream_interval: int = 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +131,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--step-timeout-s", type=float, default=300.0,
                       help="a step running longer marks the engine hung: /health and new "
                       "requests answer 503 until it returns")
+    http.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                      help="send a stream's tokens every N tokens (the first and the last "
+                      "are never held back)")
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
 
@@ -175,8 +179,10 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     )
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
         raise ValueError("--simulate-step-ms must be >= 0")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
-                        args.simulate_step_ms)
+                        args.simulate_step_ms, args.stream_interval)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -284,6 +290,7 @@ def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from server.app import GracefulServer, build_app
+    from server.core_process import EngineStartError
     from server.engine import create_engine
 
     logger.info("starting: %s", configs)
@@ -295,8 +302,10 @@ def serve(configs: ServeConfigs) -> int:
             served_model_name=configs.server.served_model_name,
             step_timeout_s=configs.server.step_timeout_s,
             simulate_step_ms=configs.simulate_step_ms,
+            stream_interval=configs.stream_interval,
+            log_level=configs.server.log_level,
         )
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, EngineStartError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
@@ -309,7 +318,10 @@ def serve(configs: ServeConfigs) -> int:
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
-    server.run()  # the app's lifespan starts the engine and, on shutdown, stops it
+    try:
+        server.run()  # the app's lifespan stops the engine core on shutdown
+    finally:
+        engine.shutdown()  # idempotent; also when uvicorn failed to start
     return 0
 
 

@@ -99,7 +99,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             tokenizer=ByteTokenizer(),
             eos_token_ids=frozenset({BYTE_EOS}),
         )
-        engine = Engine(scheduler, runner or ScriptedRunner(script), info)
+        engine = Engine.in_process(scheduler, runner or ScriptedRunner(script), info)
         if start:
             engine.start()
         engines.append(engine)
