@@ -131,6 +131,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--step-timeout-s", type=float, default=300.0,
                       help="a step running longer marks the engine hung: /health and new "
                       "requests answer 503 until it returns")
+    http.add_argument("--body-timeout-s", type=float, default=30.0,
+                      help="a request body not received within this is a 408")
+    http.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                      help="uvicorn answers 503 beyond N concurrent connections and tasks")
     http.add_argument("--stream-interval", type=int, default=1, metavar="N",
                       help="send a stream's tokens every N tokens (the first and the last "
                       "are never held back)")
@@ -175,6 +179,8 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
         step_timeout_s=args.step_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
     )
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
