@@ -20,6 +20,15 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,7 +42,8 @@ def pagedserve_command(port: int, flags: Sequence[str]) -> list[str]:
 
 
 class ServerProcess:
-    """Starts `command(port)` (default: pagedserve with `flags`); `wait_healthy` polls
+    """Starts `command(port)` (default: pagedserve with `flags`) in `cwd` (default: this
+    checkout); `wait_healthy` polls
     GET /health; `terminate` sends SIGTERM and returns the exit status."""
 
     def __init__(
@@ -44,13 +54,14 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         log_prefix: str = "pagedserve-",
+        cwd: Path = REPO_ROOT,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
         cmd = list(command) if command is not None else pagedserve_command(self.port, flags)
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.pid = self.proc.pid
@@ -72,6 +83,15 @@ class ServerProcess:
             time.sleep(0.25)
         self.proc.kill()
         raise RuntimeError(f"server did not become healthy:\n{self.log_tail()}")
+
+    def child_pids(self) -> list[int]:
+        """The server's child processes (its engine core), not counting multiprocessing's
+        resource tracker (Linux /proc)."""
+        children = []
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            children += [int(c) for c in (task / "children").read_text().split()]
+        return [c for c in children
+                if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return Path(self.log.name).read_text(errors="replace")[-num_chars:]

@@ -96,37 +96,63 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+@dataclass
+class ModelSpec:
+    """A model's config, tokenizer and limits, without its weights."""
+
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    served_model_name: str
+    folder: Path
+
+
+def load_model_spec(config: ModelConfig) -> ModelSpec:
+    """config.model's config, tokenizer, EOS ids and context length (no weights read);
+    the errors of `load_model`."""
+    folder, served_name = resolve_model_folder(config.model)
+    hf_config = _load_hf_config(folder)
+    tokenizer = _load_tokenizer(folder)
+    return ModelSpec(
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(folder, hf_config, tokenizer),
+        max_model_len=_max_model_len(hf_config, config.max_model_len),
+        served_model_name=served_name,
+        folder=folder,
+    )
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load config.model (a Hugging Face folder, a .gguf file, or None for the default).
 
     Raises FileNotFoundError for a path that does not exist (hub ids included: nothing is
     downloaded) and ValueError for a path that is not a model or an unsupported one.
     """
-    folder, served_name = resolve_model_folder(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     check_weight_dtype(device, dtype, config.weight_dtype)
-    hf_config = _load_hf_config(folder)
-    max_model_len = _max_model_len(hf_config, config.max_model_len)
+    spec = load_model_spec(config)
+    hf_config, max_model_len = spec.hf_config, spec.max_model_len
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(_iter_safetensors(folder))
+    model.load_weights(_iter_safetensors(spec.folder))
     model.init_rope_cache(max_model_len)
     model.eval()
     if can_pack(device, dtype, config.weight_dtype):
         model.pack_weights(config.weight_dtype)
 
-    tokenizer = _load_tokenizer(folder)
     return LoadedModel(
         model=model,
         hf_config=hf_config,
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(folder, hf_config, tokenizer),
+        tokenizer=spec.tokenizer,
+        eos_token_ids=spec.eos_token_ids,
         max_model_len=max_model_len,
-        served_model_name=served_name,
-        model_path=str(folder),
+        served_model_name=spec.served_model_name,
+        model_path=str(spec.folder),
         device=device,
         dtype=dtype,
     )

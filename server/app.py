@@ -18,15 +18,18 @@ context, and prompt plus max_tokens against the context: each is a 400 naming th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import copy
 import hmac
 import json
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import orjson
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
@@ -78,6 +81,7 @@ _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
 _ABORT_FLUSH_S = 2.0
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
+_T = TypeVar("_T")
 
 
 class APIError(Exception):
@@ -174,6 +178,45 @@ class _BodyLimitMiddleware:
         )
 
 
+class _BodyTimeoutMiddleware:
+    """408 when a request body has not fully arrived within timeout_s (a client that
+    sends its body slowly, or not at all, holds no handler for long)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self._timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self._timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(
+                    408, f"The request body did not arrive within {self._timeout_s:g} s.",
+                    code="request_timeout",
+                ) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    """A time.monotonic() deadline on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
+
+
 # ------------------------------------------------------------------ the app
 
 
@@ -188,6 +231,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(_BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     if config.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
     _install_error_handlers(app)
@@ -223,8 +267,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/scheduler/state")
-    async def scheduler_state() -> dict[str, Any]:
-        return await engine.snapshot()
+    async def scheduler_state(check: int = 0) -> dict[str, Any]:
+        """The scheduler's state; with `check=1` also its integrity check's verdict."""
+        try:
+            return await engine.snapshot(bool(check), timeout_s=config.snapshot_timeout_s)
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine is not serving: {exc}.", type="server_error") from exc
 
     return app
 
@@ -242,6 +290,7 @@ class GracefulServer(uvicorn.Server):
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_FLUSH_S,
+            limit_concurrency=config.limit_concurrency,
         ))
         self._engine = engine
         self._grace_s = config.shutdown_grace_s
@@ -352,7 +401,7 @@ class _EventStreamResponse(StreamingResponse):
     `finally` (which aborts the request) runs even when the client went away while a
     chunk was being sent rather than while the generator was waiting for one."""
 
-    body_iterator: AsyncGenerator[str, None]
+    body_iterator: AsyncGenerator[str | bytes, None]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -379,8 +428,16 @@ class _OpenAIServing:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.info.tokenizer
+        self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, engine.info.max_model_len)
+        # NOTE: tokenizing and chat templates run off the event loop, so that a huge prompt
+        # stalls no other stream nor /health; one thread with its own copy of the
+        # tokenizer, as a fast tokenizer is not thread-safe.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._pool_tokenizer = copy.deepcopy(self.tokenizer)
+
+    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # -------------------------------------------------------------- routes
 
@@ -394,13 +451,13 @@ class _OpenAIServing:
             texts = [str(p) for p in body.prompts]
             for text in texts:  # one by one: the first prompt over a limit ends the work
                 self._check_prompt_chars(text, "prompt", "prompt")
-                prompts.append(self._encode(text, add_special_tokens=True))
+                prompts.append(await self._in_pool(self._encode, text, True))
                 self._check_prompt(prompts[-1], max_tokens)
         else:
             prompts = [list(p) for p in body.prompts]
             for prompt in prompts:
                 self._check_prompt(prompt, max_tokens)
-            texts = [self.tokenizer.decode(p) for p in prompts] if body.echo else []
+            texts = await self._in_pool(self._decode_all, prompts) if body.echo else []
         params = self._sampling_params(body, max_tokens, body.logprobs)
         request_id = random_id("cmpl")
         stream = self._submit(request_id, prompts, params, body, arrival)
@@ -424,7 +481,7 @@ class _OpenAIServing:
         arrival = time.monotonic()
         body = await self._parse(raw, ChatCompletionRequest)
         self._check_admission(body)
-        prompt = self._render_chat(body)
+        prompt = await self._in_pool(self._render_chat, body)
         self._check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or self.engine.info.max_model_len - len(prompt)
         params = self._sampling_params(body, max_tokens, body.num_logprobs)
@@ -553,12 +610,18 @@ class _OpenAIServing:
             raise APIError(400, str(exc)) from exc
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        """On the tokenizer thread."""
+        return list(self._pool_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _decode_all(self, prompts: list[list[int]]) -> list[str]:
+        """On the tokenizer thread."""
+        return [str(self._pool_tokenizer.decode(p)) for p in prompts]
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """On the tokenizer thread."""
         messages = [m.to_template_dict() for m in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = self._pool_tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # jinja errors: the messages do not fit the template
@@ -610,13 +673,13 @@ class _OpenAIServing:
 
     # ------------------------------------------------------ streaming
 
-    def _sse(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+    def _sse(self, events: AsyncGenerator[str | bytes, None]) -> StreamingResponse:
         return _EventStreamResponse(events, media_type="text/event-stream",
                                     headers=_SSE_HEADERS)
 
     async def _stream_guard(
-        self, stream: RequestStream, events: AsyncIterator[str]
-    ) -> AsyncGenerator[str, None]:
+        self, stream: RequestStream, events: AsyncIterator[str | bytes]
+    ) -> AsyncGenerator[str | bytes, None]:
         """Ends every stream with [DONE] (after an error event on failure) and aborts the
         request when the client goes away mid-stream."""
         try:
@@ -637,11 +700,11 @@ class _OpenAIServing:
         body: CompletionRequest,
         prompts: list[list[int]],
         echo: list[str] | None,
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         model = self.engine.info.model_name
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str | bytes]:
             choices: dict[int, _Choice] = {}
             for i in range(len(prompts) * body.n):
                 choices[i] = _Choice()
@@ -652,6 +715,7 @@ class _OpenAIServing:
                     choices[i].text = text
                     choice = CompletionStreamChoice(index=i, text=text, logprobs=logprobs)
                     yield self._completion_chunk(request_id, created, model, choice)
+            head = _chunk_head(request_id, "text_completion", created, model)
             async for output in stream:
                 state = choices[output.index]
                 offset = len(state.text)
@@ -662,6 +726,9 @@ class _OpenAIServing:
                         [], output.token_ids, output.logprobs or [], offset
                     )
                 if not output.text and logprobs is None and not output.finished:
+                    continue
+                if logprobs is None:
+                    yield _fast_chunk(head, output, {"text": output.text})
                     continue
                 choice = CompletionStreamChoice(
                     index=output.index,
@@ -694,7 +761,7 @@ class _OpenAIServing:
         stream: RequestStream,
         body: ChatCompletionRequest,
         prompt: list[int],
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         model = self.engine.info.model_name
 
@@ -702,18 +769,23 @@ class _OpenAIServing:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
             return _sse_data(c.model_dump_json())
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str | bytes]:
             choices = {i: _Choice() for i in range(body.n)}
             for i in range(body.n):
                 yield chunk(ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content="")
                 ))
+            head = _chunk_head(request_id, "chat.completion.chunk", created, model)
             async for output in stream:
                 _accumulate(choices[output.index], output)
                 logprobs = None
                 if body.logprobs and output.token_ids:
                     logprobs = self._chat_logprobs(output.token_ids, output.logprobs or [])
                 if not output.text and logprobs is None and not output.finished:
+                    continue
+                if logprobs is None:
+                    delta = {"content": output.text} if output.text else {}
+                    yield _fast_chunk(head, output, {"delta": delta})
                     continue
                 yield chunk(ChatCompletionStreamChoice(
                     index=output.index,
@@ -871,6 +943,23 @@ def _usage(prompts: list[list[int]], choices: Sequence[_Choice]) -> UsageInfo:
 
 def _sse_data(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+def _chunk_head(request_id: str, kind: str, created: int, model: str) -> bytes:
+    """`data: {"id":...,"object":...,"created":...,"model":...,"choices":[` of a stream's
+    chunks, encoded once per stream."""
+    head = orjson.dumps({"id": request_id, "object": kind, "created": created, "model": model})
+    return b"data: " + head[:-1] + b',"choices":['
+
+
+def _fast_chunk(head: bytes, output: RequestOutput, content: dict[str, Any]) -> bytes:
+    """The SSE event of a chunk without logprobs, encoded with orjson: the same JSON as
+    the chunk models (CompletionStreamChoice / ChatCompletionStreamChoice) write."""
+    choice: dict[str, Any] = {"index": output.index, **content, "logprobs": None,
+                              "finish_reason": output.finish_reason}
+    if output.finished:
+        choice["num_preemptions"] = output.num_preemptions
+    return head + orjson.dumps(choice) + b"]}\n\n"
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

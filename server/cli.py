@@ -1,4 +1,5 @@
-"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`.
+"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`
+(or `pagedserve bench --engine-loop --simulate-step-ms MS ...`, no server).
 
 This is the only module that parses command-line flags; it turns them into the
 frozen configs of each layer (ServerConfig, ModelConfig, SchedulerConfig; the
@@ -57,6 +58,8 @@ class ServeConfigs:
     model: ModelConfig
     scheduler: SchedulerConfig
     enable_prefix_caching: bool
+    simulate_step_ms: float | None = None
+    stream_interval: int = 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +91,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: no CUDA graphs for decode")
     model.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    model.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                       help="benchmarking aid: no model weights; every step sleeps MS ms (as "
+                       "a GPU step would, without CPU) and samples random tokens that are "
+                       "never EOS, with the model's tokenizer")
 
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--block-size", type=int, default=16)
@@ -131,6 +138,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--step-timeout-s", type=float, default=300.0,
                       help="a step running longer marks the engine hung: /health and new "
                       "requests answer 503 until it returns")
+    http.add_argument("--body-timeout-s", type=float, default=30.0,
+                      help="a request body not received within this is a 408")
+    http.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                      help="uvicorn answers 503 beyond N concurrent connections and tasks")
+    http.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                      help="send a stream's tokens every N tokens (the first and the last "
+                      "are never held back)")
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
 
@@ -178,9 +192,16 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
         step_timeout_s=args.step_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
     )
-    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching)
+    if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
+        raise ValueError("--simulate-step-ms must be >= 0")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
+    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
+                        args.simulate_step_ms, args.stream_interval)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -205,7 +226,14 @@ def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagedserve bench`."""
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://host:8000")
+    parser.add_argument("--url", default=None,
+                        help="server base URL, e.g. http://host:8000 (needed but with "
+                        "--engine-loop)")
+    parser.add_argument("--engine-loop", action="store_true",
+                        help="no server: run the requests through the in-process engine step "
+                        "loop on the simulated runner (needs --simulate-step-ms)")
+    parser.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                        help="with --engine-loop: the simulated runner's step time")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -238,8 +266,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_bench_config(args: argparse.Namespace) -> BenchConfig:
     """The bench config from parsed `bench` flags; ValueError on invalid values."""
+    if args.engine_loop:
+        if args.simulate_step_ms is None or args.simulate_step_ms < 0:
+            raise ValueError("--engine-loop needs --simulate-step-ms MS (MS >= 0)")
+    elif args.url is None:
+        raise ValueError("--url is required (or --engine-loop)")
     return BenchConfig(
-        url=args.url,
+        url=args.url or "",
         model=args.model,
         api_key=args.api_key,
         num_requests=args.num_requests,
@@ -276,6 +309,7 @@ def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from server.app import GracefulServer, build_app
+    from server.core_process import EngineStartError
     from server.engine import create_engine
 
     logger.info("starting: %s", configs)
@@ -286,8 +320,11 @@ def serve(configs: ServeConfigs) -> int:
             enable_prefix_caching=configs.enable_prefix_caching,
             served_model_name=configs.server.served_model_name,
             step_timeout_s=configs.server.step_timeout_s,
+            simulate_step_ms=configs.simulate_step_ms,
+            stream_interval=configs.stream_interval,
+            log_level=configs.server.log_level,
         )
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, EngineStartError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
@@ -300,7 +337,20 @@ def serve(configs: ServeConfigs) -> int:
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
-    server.run()  # the app's lifespan starts the engine and, on shutdown, stops it
+    try:
+        server.run()  # the app's lifespan stops the engine core on shutdown
+    finally:
+        engine.shutdown()  # idempotent; also when uvicorn failed to start
+    return 0
+
+
+def _bench_engine_loop(config: BenchConfig, step_ms: float) -> int:
+    import json
+
+    from bench.engine_loop import format_engine_loop, run_engine_loop
+
+    summary = run_engine_loop(config, step_ms)
+    print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))
     return 0
 
 
@@ -325,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_config = build_bench_config(args)
         except ValueError as exc:
             parser.error(str(exc))
+        if args.engine_loop:
+            return _bench_engine_loop(bench_config, args.simulate_step_ms)
         return bench_client.run(bench_config)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -16,6 +16,10 @@ class ServerConfig:
     shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
     aborted. max_body_bytes: larger request bodies get 413. step_timeout_s: an engine step
     running longer makes /health and new requests answer 503 (None: no limit).
+    snapshot_timeout_s: GET /scheduler/state answers 503 when the core takes longer.
+    body_timeout_s: a request body not fully received by then is a 408.
+    limit_concurrency: uvicorn answers 503 beyond this many connections and tasks (None:
+    no limit).
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +31,9 @@ class ServerConfig:
     step_timeout_s: float | None = 300.0
     max_body_bytes: int = 8 * 1024**2
     retry_after_s: int = 1
+    snapshot_timeout_s: float = 5.0
+    body_timeout_s: float = 30.0
+    limit_concurrency: int | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -44,6 +51,12 @@ class ServerConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
+        if self.body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be > 0")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ValueError("limit_concurrency must be >= 1")
+        if self.snapshot_timeout_s <= 0:
+            raise ValueError("snapshot_timeout_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError("retry_after_s must be >= 1")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):

@@ -1,8 +1,10 @@
 """Incremental detokenization with stop strings.
 
-Each step decodes a short window of tokens (a few already-read ones for context, so
-that tokenizers that drop a leading space when decoding a lone token still get it
-right) and emits only the new text. Text is held back while:
+A Hugging Face fast tokenizer decodes each new token once, with tokenizers'
+`DecodeStream` (primed with the prompt's last tokens). Any other tokenizer decodes a
+short window per token (a few already-read ones for context, so that tokenizers that
+drop a leading space when decoding a lone token still get it right) and emits only the
+new text. Text is held back while:
 - it ends in U+FFFD: a multi-byte character split across tokens is not complete yet;
 - its tail could be the start of a stop string: it is sent once that is ruled out.
 A matched stop string and everything after it are never sent.
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
@@ -42,6 +46,10 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: DecodeStream | None = None
+        if self._backend is not None:
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._token_ids = context
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(context)  # tokens before this are already in `_text`
@@ -84,6 +92,13 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new(self) -> str:
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, self._token_ids[-1])
+            if not piece:
+                return ""  # a character still incomplete (or a skipped special token)
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            return str(piece)
         head = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._token_ids[self._prefix_offset :])
         if len(full) <= len(head) or full.endswith(_REPLACEMENT_CHAR):

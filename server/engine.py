@@ -1,16 +1,17 @@
-"""The engine loop: one thread that owns the Scheduler and the ModelRunner.
+"""The engine front end in the API process: requests in, text out, over an engine core.
 
-HTTP handlers never touch the scheduler. They send commands (add, abort, snapshot)
-through a list guarded by a condition variable; the engine thread drains it at the start
-of every step, runs the step as three calls (schedule, execute, update), detokenizes,
-applies stop strings (finishing the request in the same step), updates the metrics and
-hands every request's new text to its handler's asyncio queue with
-`loop.call_soon_threadsafe`. With nothing to do, the thread sleeps on the condition and
-checks the KV cache's integrity once.
+HTTP handlers never touch the scheduler. `Engine.add_request` turns an HTTP request into
+scheduler requests (one per choice) and sends them to the core; the core answers with
+one `StepOutputs` message per step, which the engine turns into text (incremental
+detokenization, stop strings: a match finishes the request in the core), metrics and
+one output per choice, handed to each handler's stream with one event-loop wakeup per
+step. A stream holds one merging slot per choice, so a client that stops reading holds
+no growing queue.
 
-A step that raises fails the requests it scheduled (their handlers get an error) and
-aborts them, freeing their blocks; the loop goes on. If the loop itself dies, every
-pending request fails and `is_alive` turns False.
+The core runs in its own process (`create_engine`: server/core_process.py) or, for the
+unit tests, on a thread of this one (`Engine.in_process`: `InProcessCoreClient`). If the
+core dies, every pending request fails at once and `is_alive` turns False with the
+reason.
 """
 
 from __future__ import annotations
@@ -18,44 +19,54 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
-from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
-from model_runner.loader import load_model
-from model_runner.runner import ModelRunner
+from model_runner.loader import load_model_spec
 from scheduler.config import SchedulerConfig
 from scheduler.output import SampleLogprobs, SchedulerOutput
-from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from server.core import EngineCore, Runner, run_core_loop
+from server.core_process import CoreConfig, ProcessCoreClient
 from server.detokenizer import IncrementalDetokenizer
+from server.messages import (
+    AddRequests,
+    Command,
+    CoreMessage,
+    FinishRequests,
+    NewRequest,
+    Shutdown,
+    SnapshotQuery,
+    SnapshotReply,
+    StepOutputs,
+    StepScheduled,
+)
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-_STUCK_WAIT_S = 0.01
-
 
 class EngineDeadError(RuntimeError):
-    """The engine loop is not running (it died, or the server is shutting down)."""
+    """The engine core is not running (it died, or the server is shutting down)."""
 
 
 class EngineStepError(RuntimeError):
-    """A step that included this request failed; the request was aborted."""
+    """A step that included this request failed (or the core died); the request ended."""
 
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one choice of a request.
+    """What one or more steps produced for one choice of a request.
 
     `text` and `token_ids` are new since the previous output. `finish_reason` is set on
-    the choice's last output; `error` is set instead when the step failed.
+    the choice's last output; `error` is set instead when a step failed.
     """
 
     index: int
@@ -66,94 +77,91 @@ class RequestOutput:
     num_preemptions: int
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0
     error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by `later` (of the same choice) as one."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = [*(logprobs or []), *later.logprobs]
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
+        )
+
 
 class RequestStream:
-    """The handler's end of a request: yields the outputs of all its choices, in order,
-    until every choice finished; raises EngineStepError when a step failed it."""
+    """The handler's end of a request: yields the outputs of all its choices until every
+    choice finished; raises EngineStepError when a step failed it.
+
+    Outputs not yet read merge into one pending output per choice; an error is raised
+    once the outputs before it are read."""
 
     def __init__(self, request_id: str, num_choices: int) -> None:
         self.request_id = request_id
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self._pending: dict[int, RequestOutput] = {}
+        self._error: str | None = None  # a step failed: raised once the text is out
+        self._ready = asyncio.Event()
         self._num_unfinished = num_choices
 
     @property
     def finished(self) -> bool:
         return self._num_unfinished == 0
 
-    def put(self, output: RequestOutput) -> None:
-        """Thread-safe: called by the engine thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-        except RuntimeError:
-            pass  # the handler's event loop is gone (shutdown): nobody is listening
+    def push(self, output: RequestOutput) -> None:
+        """On the stream's event loop."""
+        if output.error is not None:
+            self._error = self._error or output.error
+        else:
+            earlier = self._pending.get(output.index)
+            self._pending[output.index] = output if earlier is None else earlier.merged(output)
+        self._ready.set()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while self._num_unfinished:
-            output = await self._queue.get()
-            if output.error is not None:
-                raise EngineStepError(output.error)
-            if output.finished:
-                self._num_unfinished -= 1
-            yield output
+            if self._pending:
+                outputs = list(self._pending.values())
+                self._pending.clear()
+                for output in outputs:
+                    if output.finished:
+                        self._num_unfinished -= 1
+                    yield output
+            elif self._error is not None:
+                self._num_unfinished = 0
+                raise EngineStepError(self._error)
+            else:
+                self._ready.clear()
+                await self._ready.wait()
+
+
+def _deliver(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in outputs:
+        stream.push(output)
 
 
 @dataclass
 class _Choice:
-    """Engine-side state of one scheduler request (one choice of an HTTP request)."""
+    """Front-end state of one scheduler request (one choice of an HTTP request)."""
 
-    request: Request
+    request_id: str
     stream: RequestStream
     group_id: str
     index: int
+    priority: int
+    num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer
     arrival_time: float  # time.monotonic() when the HTTP request arrived
-    want_logprobs: bool
-    num_sent_tokens: int = 0
-    first_scheduled_time: float | None = None
+    num_output_tokens: int = 0
     last_token_time: float | None = None
-
-
-@dataclass
-class _Add:
-    group_id: str
-    choices: list[_Choice]
-
-
-@dataclass
-class _Abort:
-    group_id: str
-
-
-@dataclass
-class _AbortAll:
-    pass
-
-
-@dataclass
-class _Snapshot:
-    future: concurrent.futures.Future[dict[str, Any]]
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _AbortAll | _Snapshot | _Stop
-
-
-@dataclass
-class _StatsSeen:
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
+    held: RequestOutput | None = None  # output held back by --stream-interval
 
 
 @dataclass
@@ -168,44 +176,154 @@ class EngineInfo:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-class Engine:
-    """Runs scheduler + runner steps in a thread and streams outputs to HTTP handlers.
+class CoreClient(Protocol):
+    """A transport to an engine core: commands out, messages to `on_message`."""
 
-    `runner` needs only `execute(SchedulerOutput) -> ModelRunnerOutput`. The tokenizer is
-    copied for the engine thread's own decoding, so handlers may keep encoding with it.
-    `fault_hook` is for tests only: when set, every step calls it with the plan, after
-    `schedule()` and before `execute()`; an exception it raises fails that step.
+    @property
+    def step_started(self) -> float: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def start(
+        self, on_message: Callable[[CoreMessage], None], on_death: Callable[[str], None]
+    ) -> None: ...
+
+    def send(self, command: Command) -> None: ...
+
+    def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
+class InProcessCoreClient:
+    """An EngineCore stepped by a thread of this process (the unit tests' engine)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._cond = threading.Condition()
+        self._commands: list[Command] = []  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def step_started(self) -> float:
+        return self.core.step_clock.value
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    @property
+    def closed(self) -> bool:
+        """The thread has exited: nothing mutates the scheduler any more."""
+        return self._closed
+
+    def start(
+        self, on_message: Callable[[CoreMessage], None], on_death: Callable[[str], None]
+    ) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, args=(on_message, on_death), name="engine-core", daemon=True
+            )
+            self._thread.start()
+
+    def send(self, command: Command) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.send(Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _receive(self, timeout_s: float | None) -> list[Command]:
+        with self._cond:
+            if not self._commands and timeout_s != 0:
+                self._cond.wait_for(lambda: bool(self._commands), timeout_s)
+            commands, self._commands = self._commands, []
+        return commands
+
+    def _run(
+        self, on_message: Callable[[CoreMessage], None], on_death: Callable[[str], None]
+    ) -> None:
+        try:
+            run_core_loop(self.core, self._receive, on_message)
+        except BaseException as exc:
+            logger.exception("engine core loop died")
+            on_death(f"its loop raised {exc!r}")
+            try:  # best effort: free the blocks of what was in flight
+                self.core.abort_all()
+            except Exception:
+                logger.exception("could not abort the requests of the dead engine loop")
+        finally:
+            self._closed = True
+
+
+class Engine:
+    """Streams outputs of an engine core to HTTP handlers.
+
     A step running longer than `step_timeout_s` counts as a hung engine: `is_alive` turns
-    False (so /health and new requests get 503) until the step returns.
+    False (so /health and new requests get 503) until the step returns. With
+    `stream_interval` N > 1 a choice's tokens reach its handler every N tokens (the first
+    and the last are never held back).
     """
 
     def __init__(
         self,
-        scheduler: Scheduler,
-        runner: Any,
+        client: CoreClient,
         info: EngineInfo,
         metrics: ServerMetrics | None = None,
         step_timeout_s: float | None = None,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
         self.info = info
         self.step_timeout_s = step_timeout_s
-        self._step_started: float | None = None  # monotonic start of the running step
+        self.stream_interval = stream_interval
         self.metrics = metrics or ServerMetrics(info.model_name)
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
-        self._scheduler = scheduler
-        self._runner = runner
+        # NOTE: a fast tokenizer is not thread-safe; handlers encode with info.tokenizer.
         self._decode_tokenizer = copy.deepcopy(info.tokenizer)
-        self._cond = threading.Condition()
-        self._commands: list[_Command] = []  # guarded by _cond
-        self._num_pending_adds = 0  # guarded by _cond
+        self._client = client
+        self._lock = threading.Lock()  # guards what both the loop and the client touch
+        self._choices: dict[str, _Choice] = {}  # by scheduler id
+        self._groups: dict[str, set[str]] = {}
+        self._snapshots: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._query_ids = itertools.count()
+        self._num_pending_adds = 0
         self._num_waiting = 0
+        self._stats: dict[str, Any] = {}
+        self._started = False
         self._stopping = False
-        self._dead: BaseException | None = None
-        self._closed = False  # the thread has exited (or is exiting); guarded by _cond
-        self._thread: threading.Thread | None = None
-        self._choices: dict[str, _Choice] = {}  # engine thread only, by scheduler id
-        self._groups: dict[str, set[str]] = {}  # engine thread only
-        self._stats_seen = _StatsSeen()
+        self._dead: str | None = None
+
+    @classmethod
+    def in_process(
+        cls,
+        scheduler: Scheduler,
+        runner: Runner,
+        info: EngineInfo,
+        metrics: ServerMetrics | None = None,
+        step_timeout_s: float | None = None,
+        stream_interval: int = 1,
+    ) -> Engine:
+        """An engine whose core runs on a thread of this process (not started)."""
+        core = EngineCore(scheduler, runner, info.eos_token_ids)
+        return cls(InProcessCoreClient(core), info, metrics, step_timeout_s, stream_interval)
+
+    @property
+    def fault_hook(self) -> Callable[[SchedulerOutput], None] | None:
+        """The in-process core's test hook (see EngineCore)."""
+        return self._in_process_core().fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[SchedulerOutput], None] | None) -> None:
+        self._in_process_core().fault_hook = hook
+
+    def _in_process_core(self) -> EngineCore:
+        if not isinstance(self._client, InProcessCoreClient):
+            raise TypeError("only an in-process engine core has a fault hook")
+        return self._client.core
 
     # ------------------------------------------------------------ handler side
 
@@ -213,19 +331,17 @@ class Engine:
     def is_alive(self) -> bool:
         return (
             self._dead is None
+            and self._started
             and not self._stopping
             and not self.is_stalled
-            and self._thread is not None
-            and self._thread.is_alive()
+            and self._client.is_running
         )
 
     @property
     def is_stalled(self) -> bool:
         """Whether the running step has outlived `step_timeout_s`."""
-        started, timeout = self._step_started, self.step_timeout_s
-        return started is not None and timeout is not None and (
-            time.monotonic() - started > timeout
-        )
+        started, timeout = self._client.step_started, self.step_timeout_s
+        return bool(started) and timeout is not None and time.monotonic() - started > timeout
 
     @property
     def num_waiting(self) -> int:
@@ -233,28 +349,17 @@ class Engine:
         return self._num_waiting + self._num_pending_adds
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-            self._thread.start()
-
-    def run_on_this_thread(self, on_alive: Callable[[], None]) -> None:
-        """Make the calling thread the engine thread: call `on_alive` once the engine takes
-        requests, then run the loop until shutdown (see `create_engine`)."""
-        if self._thread is not None:
-            raise RuntimeError("the engine already has a thread")
-        self._thread = threading.current_thread()
-        on_alive()
-        self._loop()
+        """Start taking outputs from the core (idempotent)."""
+        if not self._started:
+            self._client.start(self._on_message, self._on_death)
+            self._started = True
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort whatever is still in flight and stop the thread."""
-        with self._cond:
-            self._stopping = True
-            self._commands.append(_Stop())
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        """Abort whatever is still in flight and stop the core."""
+        self._stopping = True
+        self.abort_all()
+        self._client.shutdown(timeout_s)
+        self._fail_all("server is shutting down")
 
     def add_request(
         self,
@@ -270,231 +375,191 @@ class Engine:
         """Queue one HTTP request: n choices per prompt, each its own scheduler request.
 
         Choice `p * n + i` (prompt p, sample i) has the scheduler id `<request_id>-<p*n+i>`;
-        with a seed, sample i uses seed + i so that the n samples differ. Must be called
-        from the event loop that will consume the returned stream.
+        with a seed, sample i uses seed + i so that the n samples differ; choices i > 0
+        name choice p * n as their prompt leader. Must be called from the event loop that
+        will consume the returned stream.
         """
         if not self.is_alive:
             raise EngineDeadError(self.unavailable_reason())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, len(prompts) * n)
-        choices = []
+        choices, new_requests = [], []
         for p, prompt in enumerate(prompts):
             for i in range(n):
                 params = sampling_params
                 if i > 0 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
                 index = p * n + i
-                request = Request(
-                    f"{request_id}-{index}",
-                    list(prompt),
-                    params,
-                    eos_token_ids=self.info.eos_token_ids,
-                    priority=priority,
-                    arrival_time=arrival,
-                    prompt_leader_id=f"{request_id}-{p * n}" if i > 0 else None,
-                )
+                scheduler_id = f"{request_id}-{index}"
+                new_requests.append(NewRequest(
+                    scheduler_id, list(prompt), params, priority, arrival,
+                    f"{request_id}-{p * n}" if i > 0 else None,
+                ))
                 detokenizer = IncrementalDetokenizer(self._decode_tokenizer, prompt, stop)
-                choices.append(
-                    _Choice(request, stream, request_id, index, detokenizer, arrival,
-                            want_logprobs=params.logprobs is not None)
-                )
-        with self._cond:
+                choices.append(_Choice(scheduler_id, stream, request_id, index, priority,
+                                       len(prompt), detokenizer, arrival))
+        with self._lock:
             if not self.is_alive:
                 raise EngineDeadError(self.unavailable_reason())
-            self._commands.append(_Add(request_id, choices))
+            for choice in choices:
+                self._choices[choice.request_id] = choice
+            self._groups[request_id] = {c.request_id for c in choices}
             self._num_pending_adds += len(choices)
-            self._cond.notify()
+        self._client.send(AddRequests(new_requests))
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort every unfinished choice of a request (e.g. its client went away)."""
-        with self._cond:
-            self._commands.append(_Abort(request_id))
-            self._cond.notify()
+        with self._lock:
+            ids = list(self._groups.get(request_id, ()))
+            self._end_choices(ids, "abort")
+        if ids:
+            self._client.send(FinishRequests(ids))
 
     def abort_all(self) -> None:
-        """Abort every request queued so far (the shutdown's grace period is over);
-        thread-safe, and a no-op once the thread has exited."""
-        with self._cond:
-            self._commands.append(_AbortAll())
-            self._cond.notify()
+        """Abort every request queued so far (the shutdown's grace period is over)."""
+        with self._lock:
+            ids = list(self._choices)
+            self._end_choices(ids, "abort")
+        if ids and self._client.is_running:
+            self._client.send(FinishRequests(ids))
 
-    async def snapshot(self) -> dict[str, Any]:
-        """The scheduler's state (`Scheduler.snapshot()`), taken by the engine thread, with
-        `integrity`: "ok", or why `check_integrity()` failed."""
+    async def snapshot(
+        self, check_integrity: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """The scheduler's state (`Scheduler.snapshot()`), taken by the core between steps,
+        with `integrity` ("ok", or why `check_integrity()` failed) when asked for.
+        EngineDeadError when the core is gone or does not answer within `timeout_s`."""
+        client = self._client
+        if isinstance(client, InProcessCoreClient) and (client.closed or not self._started):
+            return client.core.snapshot(check_integrity)  # no thread mutates the scheduler
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        with self._cond:
-            if self._thread is None or self._closed:
-                return self._snapshot()  # no thread mutates the scheduler now
-            self._commands.append(_Snapshot(future))
-            self._cond.notify()
-        return await asyncio.wrap_future(future)
+        with self._lock:
+            if self._dead is not None or not client.is_running:
+                raise EngineDeadError(self.unavailable_reason())
+            query_id = next(self._query_ids)
+            self._snapshots[query_id] = future
+        client.send(SnapshotQuery(query_id, check_integrity))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            raise EngineDeadError(
+                f"the engine core did not answer within {timeout_s:g} s "
+                "(a step is running long)"
+            ) from None
+        finally:
+            with self._lock:
+                self._snapshots.pop(query_id, None)
 
     def unavailable_reason(self) -> str:
         """Why the engine takes no requests now (meaningful when `is_alive` is False)."""
         if self._dead is not None:
-            return f"engine loop died: {self._dead!r}"
+            return self._dead
         if self.is_stalled:
             return f"engine step has run for over {self.step_timeout_s:g} s (--step-timeout-s)"
-        return "engine is not running" if not self._stopping else "server is shutting down"
+        if self._stopping:
+            return "server is shutting down"
+        return "engine is not running"
 
-    # ------------------------------------------------------------- engine side
+    # ------------------------------------------------------------- core side
 
-    def _loop(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:
-            logger.exception("engine loop died")
-            self._die(exc)
-        finally:
-            self._close()
+    def _on_message(self, message: CoreMessage) -> None:
+        """On the client's thread: one message of the core."""
+        if isinstance(message, StepOutputs):
+            with self._lock:
+                outputs, stopped = self._process(message)
+            self._dispatch(outputs)
+            if stopped:
+                self._client.send(FinishRequests(stopped, stopped=True))
+        elif isinstance(message, StepScheduled):
+            with self._lock:
+                self._num_pending_adds = max(0, self._num_pending_adds - message.num_added)
+                self._num_waiting = message.num_waiting
+                for request_id in message.first_scheduled:
+                    choice = self._choices.get(request_id)
+                    if choice is not None:
+                        self.metrics.observe_queue_time(
+                            message.step_start - choice.arrival_time, choice.priority
+                        )
+        elif isinstance(message, SnapshotReply):
+            with self._lock:
+                future = self._snapshots.pop(message.query_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.state)
 
-    def _run(self) -> None:
-        went_idle = True
-        while True:
-            with self._cond:
-                while not self._commands and not self._scheduler.has_unfinished_requests():
-                    if not went_idle:
-                        self._on_idle()
-                        went_idle = True
-                    self._cond.wait()
-                commands, self._commands = self._commands, []
-                self._num_pending_adds = 0
-            if not self._apply(commands):
-                return
-            if self._scheduler.has_unfinished_requests():
-                went_idle = False
-                self._step()
-
-    def _apply(self, commands: list[_Command]) -> bool:
-        """Run the handlers' commands; False when one of them says stop."""
-        stop = False
-        for command in commands:
-            if isinstance(command, _Add):
-                added = {c.request.request_id for c in command.choices if self._add(c)}
-                if added:
-                    self._groups[command.group_id] = added
-            elif isinstance(command, _Abort):
-                self._abort(list(self._groups.get(command.group_id, ())))
-            elif isinstance(command, _AbortAll):
-                self._abort(list(self._choices))
-            elif isinstance(command, _Snapshot):
-                command.future.set_result(self._snapshot())
-            else:
-                stop = True
-        if stop:
-            self._abort(list(self._choices))
-        self._record_stats()
-        return not stop
-
-    def _close(self) -> None:
-        """The thread is exiting: answer the snapshots that raced with the stop."""
-        with self._cond:
-            self._closed = True
-            commands, self._commands = self._commands, []
-        for command in commands:
-            if isinstance(command, _Snapshot):
-                try:
-                    command.future.set_result(self._snapshot())
-                except Exception as exc:
-                    command.future.set_exception(exc)
-
-    def _snapshot(self) -> dict[str, Any]:
-        state = self._scheduler.snapshot()
-        try:
-            self._scheduler.check_integrity()
-            state["integrity"] = "ok"
-        except Exception as exc:
-            state["integrity"] = f"failed: {exc}"
-        return state
-
-    def _add(self, choice: _Choice) -> bool:
-        try:
-            self._scheduler.add_request(choice.request)
-        except ValueError as exc:  # the HTTP checks should have caught it
-            choice.stream.put(self._output(choice, "", [], None, None, error=str(exc)))
-            return False
-        self._choices[choice.request.request_id] = choice
-        return True
-
-    def _step(self) -> None:
-        self._step_started = time.monotonic()
-        try:
-            self._run_step()
-        finally:
-            self._step_started = None
-
-    def _run_step(self) -> None:
-        plan: SchedulerOutput | None = None
-        try:
-            plan = self._scheduler.schedule()
-            self._num_waiting = self._scheduler.num_waiting
-            self._note_scheduled(plan)
-            if self.fault_hook is not None:
-                self.fault_hook(plan)
-            runner_output = self._runner.execute(plan)
-            updated = self._scheduler.update(plan, runner_output)
-            self._process(updated)
-        except Exception as exc:
-            logger.exception("engine step failed; aborting its requests")
-            if plan is not None:
-                ids = [scheduled.request_id for scheduled in plan.scheduled]
-            else:
-                ids = list(self._choices)
-            self._fail(ids, f"internal error in engine step: {exc!r}")
-        self._record_stats()
-        if plan is not None and plan.is_empty:
-            # Nothing could be scheduled: wait for a command instead of spinning.
-            with self._cond:
-                if not self._commands:
-                    self._cond.wait(_STUCK_WAIT_S)
-
-    def _note_scheduled(self, plan: SchedulerOutput) -> None:
+    def _process(
+        self, message: StepOutputs
+    ) -> tuple[list[tuple[RequestStream, RequestOutput]], list[str]]:
+        """Detokenize, apply stop strings and update the metrics of one step; returns the
+        outputs to deliver and the ids of requests a stop string finished."""
         now = time.monotonic()
-        for scheduled in plan.scheduled:
-            choice = self._choices.get(scheduled.request_id)
-            if choice is not None and choice.first_scheduled_time is None:
-                choice.first_scheduled_time = now
-                self.metrics.observe_queue_time(
-                    now - choice.arrival_time, choice.request.priority
-                )
-
-    def _process(self, updated: list[Request]) -> None:
-        """Detokenize, apply stop strings, update metrics and stream the step's outputs."""
-        now = time.monotonic()
-        for request in updated:
-            choice = self._choices.get(request.request_id)
+        self._num_pending_adds = max(0, self._num_pending_adds - message.num_added)
+        outputs: list[tuple[RequestStream, RequestOutput]] = []
+        stopped: list[str] = []
+        for delta in message.deltas:
+            choice = self._choices.get(delta.request_id)
             if choice is None:
+                continue  # aborted or stopped here already
+            if delta.error is not None:
+                outputs.append((choice.stream, self._output(choice, "", [], None, None,
+                                                            error=delta.error)))
+                self._forget(choice, "abort", now)
                 continue
-            new_ids = request.output_token_ids[choice.num_sent_tokens :]
-            logprobs = None
-            if choice.want_logprobs:
-                logprobs = request.output_logprobs[choice.num_sent_tokens :]
-            choice.num_sent_tokens = len(request.output_token_ids)
+            new_ids = delta.new_token_ids
             if new_ids:
                 self._observe_tokens(choice, len(new_ids), now)
-            delta = choice.detokenizer.step(new_ids)
-            text, finish_reason = delta.text, None
-            if delta.stopped:
-                if not request.is_finished:
-                    self._scheduler.finish_requests(
-                        [request.request_id], RequestStatus.FINISHED_STOPPED
-                    )
+            text_delta = choice.detokenizer.step(new_ids)
+            text, finish_reason = text_delta.text, None
+            if text_delta.stopped:
+                if delta.finish_reason is None:
+                    stopped.append(choice.request_id)
                 finish_reason = "stop"
-            elif request.is_finished:
+            elif delta.finish_reason is not None:
                 text += choice.detokenizer.flush()
-                finish_reason = request.finish_reason or "stop"
-            choice.stream.put(self._output(choice, text, new_ids, logprobs, finish_reason))
+                finish_reason = delta.finish_reason
+            output = self._output(choice, text, new_ids, delta.logprobs, finish_reason,
+                                  num_preemptions=delta.num_preemptions,
+                                  num_cached_tokens=delta.num_cached_tokens)
+            output = self._hold_back(choice, output)
+            if output is not None:
+                outputs.append((choice.stream, output))
             if finish_reason is not None:
                 self._forget(choice, finish_reason, now)
+        self._record_stats(message.stats)
+        return outputs, stopped
+
+    def _hold_back(self, choice: _Choice, output: RequestOutput) -> RequestOutput | None:
+        """--stream-interval: the output to send now, or None while it is held back."""
+        if self.stream_interval == 1:
+            return output
+        if choice.held is not None:
+            output = choice.held.merged(output)
+            choice.held = None
+        first = output.num_output_tokens == len(output.token_ids)
+        if output.finished or first or len(output.token_ids) >= self.stream_interval:
+            return output
+        choice.held = output
+        return None
+
+    def _dispatch(self, outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """One wakeup per event loop (one loop serves the HTTP app) for a step's outputs."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for stream, output in outputs:
+            by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass  # the handler's event loop is gone (shutdown): nobody is listening
 
     def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
         if choice.last_token_time is None:
-            self.metrics.observe_ttft(now - choice.arrival_time, choice.request.priority)
-            self.metrics.inc_prompt_tokens(len(choice.request.prompt_token_ids))
+            self.metrics.observe_ttft(now - choice.arrival_time, choice.priority)
+            self.metrics.inc_prompt_tokens(choice.num_prompt_tokens)
         else:
             self.metrics.observe_inter_token_latency(now - choice.last_token_time)
         choice.last_token_time = now
+        choice.num_output_tokens += num_new
         self.metrics.inc_generation_tokens(num_new)
 
     def _output(
@@ -504,94 +569,93 @@ class Engine:
         token_ids: list[int],
         logprobs: list[SampleLogprobs] | None,
         finish_reason: str | None,
+        *,
         error: str | None = None,
+        num_preemptions: int | None = None,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput:
-        request = choice.request
+        held = choice.held
+        if num_preemptions is None:
+            num_preemptions = held.num_preemptions if held is not None else 0
         return RequestOutput(
             index=choice.index,
             text=text,
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=finish_reason,
-            num_preemptions=request.num_preemptions,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
+            num_preemptions=num_preemptions,
+            num_prompt_tokens=choice.num_prompt_tokens,
+            num_output_tokens=choice.num_output_tokens,
+            num_cached_tokens=num_cached_tokens,
             error=error,
         )
 
-    def _forget(self, choice: _Choice, finish_reason: str, now: float) -> None:
-        request_id = choice.request.request_id
-        del self._choices[request_id]
+    def _end_choices(self, request_ids: list[str], finish_reason: str) -> None:
+        """Under the lock: finish these choices here (the core is told by the caller)."""
+        now = time.monotonic()
+        outputs = []
+        for request_id in request_ids:
+            choice = self._choices.get(request_id)
+            if choice is None:
+                continue
+            output = self._output(choice, "", [], None, finish_reason)
+            if choice.held is not None:
+                output = choice.held.merged(output)
+                choice.held = None
+            outputs.append((choice.stream, output))
+            self._forget(choice, finish_reason, now)
+        self._dispatch(outputs)
+
+    def _forget(self, choice: _Choice, finish_reason: str | None, now: float) -> None:
+        """Drop a finished choice; count it in the metrics unless `finish_reason` is None."""
+        del self._choices[choice.request_id]
         group = self._groups.get(choice.group_id)
         if group is not None:
-            group.discard(request_id)
+            group.discard(choice.request_id)
             if not group:
                 del self._groups[choice.group_id]
-        self.metrics.inc_request_success(finish_reason)
-        self.metrics.observe_e2e_latency(now - choice.arrival_time)
+        if finish_reason is not None:
+            self.metrics.inc_request_success(finish_reason)
+            self.metrics.observe_e2e_latency(now - choice.arrival_time)
 
-    def _abort(self, request_ids: list[str]) -> None:
-        live = [i for i in request_ids if i in self._choices]
-        if not live:
-            return
-        self._scheduler.abort_requests(live)
+    def _record_stats(self, stats: dict[str, Any]) -> None:
+        seen = self._stats
+        metrics = self.metrics
+        metrics.inc_preemptions(
+            stats["num_preemptions_total"] - seen.get("num_preemptions_total", 0)
+        )
+        metrics.inc_prefix_cache(
+            stats["prefix_cache_queries_tokens"] - seen.get("prefix_cache_queries_tokens", 0),
+            stats["prefix_cache_hits_tokens"] - seen.get("prefix_cache_hits_tokens", 0),
+        )
+        metrics.set_scheduler_gauges(
+            stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]
+        )
+        self._stats = stats
+        self._num_waiting = stats["num_waiting"]
+
+    def _on_death(self, reason: str) -> None:
+        """On the client's thread: the core is gone; fail everything pending."""
+        logger.error("the engine core died: %s", reason)
+        self._dead = f"engine core died: {reason}"
+        self._fail_all(self._dead)
+
+    def _fail_all(self, reason: str) -> None:
         now = time.monotonic()
-        for request_id in live:
-            choice = self._choices[request_id]
-            choice.stream.put(self._output(choice, "", [], None, "abort"))
-            self._forget(choice, "abort", now)
-
-    def _fail(self, request_ids: list[str], message: str) -> None:
-        live = [i for i in request_ids if i in self._choices]
-        for request_id in live:
-            choice = self._choices[request_id]
-            choice.stream.put(self._output(choice, "", [], None, None, error=message))
-        self._scheduler.abort_requests(live)
-        now = time.monotonic()
-        for request_id in live:
-            self._forget(self._choices[request_id], "abort", now)
-
-    def _record_stats(self) -> None:
-        stats = self._scheduler.stats
-        seen = self._stats_seen
-        self.metrics.inc_preemptions(stats.num_preemptions_total - seen.num_preemptions)
-        self.metrics.inc_prefix_cache(
-            stats.prefix_cache_queries_tokens - seen.prefix_queries,
-            stats.prefix_cache_hits_tokens - seen.prefix_hits,
-        )
-        self._stats_seen = _StatsSeen(
-            stats.num_preemptions_total,
-            stats.prefix_cache_queries_tokens,
-            stats.prefix_cache_hits_tokens,
-        )
-        self.metrics.set_scheduler_gauges(
-            stats.num_running, stats.num_waiting, stats.kv_cache_usage
-        )
-        self._num_waiting = stats.num_waiting
-
-    def _on_idle(self) -> None:
-        self._record_stats()
-        try:
-            self._scheduler.check_integrity()
-        except Exception:
-            logger.exception("KV cache integrity check failed while idle")
-
-    def _die(self, exc: BaseException) -> None:
-        with self._cond:
-            self._dead = exc
-            adds = [cmd for cmd in self._commands if isinstance(cmd, _Add)]
-            self._commands = [cmd for cmd in self._commands if not isinstance(cmd, _Add)]
+        with self._lock:
+            outputs = [
+                (choice.stream, self._output(choice, "", [], None, None, error=reason))
+                for choice in self._choices.values()
+            ]
+            for choice in list(self._choices.values()):
+                self._forget(choice, None, now)
+            snapshots = list(self._snapshots.values())
+            self._snapshots.clear()
             self._num_pending_adds = 0
-        message = f"engine loop died: {exc!r}"
-        pending = [choice for add in adds for choice in add.choices]
-        for choice in [*self._choices.values(), *pending]:
-            choice.stream.put(self._output(choice, "", [], None, None, error=message))
-        try:  # best effort: free the blocks of what was in flight
-            self._scheduler.abort_requests(list(self._choices))
-        except Exception:
-            logger.exception("could not abort the requests of the dead engine loop")
-        self._choices.clear()
-        self._groups.clear()
+        self._dispatch(outputs)
+        for future in snapshots:
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
 
 def create_engine(
@@ -601,66 +665,37 @@ def create_engine(
     enable_prefix_caching: bool = True,
     served_model_name: str | None = None,
     step_timeout_s: float | None = None,
+    simulate_step_ms: float | None = None,
+    stream_interval: int = 1,
+    ready_timeout_s: float = 600.0,
+    log_level: str = "info",
 ) -> Engine:
-    """Load the model, size the KV cache and build the scheduler that matches it, on a new
-    thread that then runs the engine loop: the engine comes back started.
+    """Start the engine core in its own process (it loads the model, sizes the KV cache
+    and builds the matching scheduler; see `build_core_parts`) and return the engine,
+    started, once the core is ready.
 
-    The context length is the model's (or model_config.max_model_len), capped to what
-    the KV cache holds. Loading errors are raised here.
-
-    NOTE: the model runs on the thread that loaded it. Run on a second thread after the
-    loading thread had opened OpenMP parallel regions, every parallel op (the GEMMs,
-    SDPA) was slower and a decode step ~40% slower on a 2-core CPU (22 -> 32 ms at batch 1
-    on float16 weights; measured, cause in libgomp not pinned down).
+    The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
+    Loading errors are raised here: FileNotFoundError and ValueError as an in-process
+    load raises them, EngineStartError when the core crashed or was not ready within
+    `ready_timeout_s`.
+    NOTE: call it on the thread that will outlive the core (the main thread): the core
+    dies with the thread that started it (PR_SET_PDEATHSIG).
     """
-    built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
-
-    def load_then_run() -> None:
-        try:
-            engine = _build_engine(
-                model_config, scheduler_config, enable_prefix_caching, served_model_name,
-                step_timeout_s,
-            )
-        except BaseException as exc:
-            built.set_exception(exc)
-            return
-        engine.run_on_this_thread(on_alive=lambda: built.set_result(engine))
-
-    threading.Thread(target=load_then_run, name="engine", daemon=True).start()
-    return built.result()
-
-
-def _build_engine(
-    model_config: ModelConfig,
-    scheduler_config: SchedulerConfig,
-    enable_prefix_caching: bool,
-    served_model_name: str | None,
-    step_timeout_s: float | None,
-) -> Engine:
-    """The engine of `create_engine`, built on the calling thread, not started."""
-    loaded = load_model(model_config)
-    runner = ModelRunner(loaded, model_config)
-    cache_config = CacheConfig(
-        num_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        enable_prefix_caching=enable_prefix_caching,
-    )
-    scheduler_config = replace(scheduler_config, max_model_len=loaded.max_model_len)
-    scheduler = Scheduler(scheduler_config, cache_config)
-    # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
-    # lone request can always run to its end; the HTTP checks use that same limit.
-    max_model_len = scheduler.max_request_len
-    if max_model_len < loaded.max_model_len:
-        logger.warning(
-            "max_model_len %d capped to %d, what the KV cache holds (%d blocks of %d)",
-            loaded.max_model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
-        )
+    spec = load_model_spec(model_config)
+    client = ProcessCoreClient(CoreConfig(
+        model_config, scheduler_config, enable_prefix_caching, served_model_name,
+        simulate_step_ms, log_level,
+    ), ready_timeout_s)
+    core_info = client.info
     info = EngineInfo(
-        model_name=served_model_name or loaded.served_model_name,
-        max_model_len=max_model_len,
-        vocab_size=int(loaded.hf_config.vocab_size),
-        policy=scheduler_config.policy,
-        tokenizer=loaded.tokenizer,
-        eos_token_ids=loaded.eos_token_ids,
+        model_name=core_info.model_name,
+        max_model_len=core_info.max_model_len,
+        vocab_size=core_info.vocab_size,
+        policy=core_info.policy,
+        tokenizer=spec.tokenizer,
+        eos_token_ids=frozenset(core_info.eos_token_ids),
     )
-    return Engine(scheduler, runner, info, step_timeout_s=step_timeout_s)
+    engine = Engine(client, info, step_timeout_s=step_timeout_s,
+                    stream_interval=stream_interval)
+    engine.start()
+    return engine

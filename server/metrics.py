@@ -3,10 +3,12 @@
 prometheus-client appends `_total` to counter names, so counters are declared without
 it. Every series carries `model_name`; TTFT and queue time also carry `priority`,
 bounded to the first MAX_PRIORITY_LABELS distinct values (later ones are "other").
-Only the engine thread writes; /metrics reads through `render()`.
+Only the engine front end writes (under its lock); /metrics reads through `render()`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -107,45 +109,69 @@ class ServerMetrics:
             metric.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
+        # token) use these children, looked up once.
+        self._preemptions = self.num_preemptions.labels(model_name)
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._prefix_cache_queries = self.prefix_cache_queries.labels(model_name)
+        self._prefix_cache_hits = self.prefix_cache_hits.labels(model_name)
+        self._num_requests_running = self.num_requests_running.labels(model_name)
+        self._num_requests_waiting = self.num_requests_waiting.labels(model_name)
+        self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(model_name)
+        self._inter_token_latency = self.inter_token_latency.labels(model_name)
+        self._e2e_request_latency = self.e2e_request_latency.labels(model_name)
+        self._request_success: dict[str, Any] = {}
+        self._ttft: dict[str, Any] = {}  # by priority label
+        self._queue_time: dict[str, Any] = {}
 
     def inc_preemptions(self, n: int) -> None:
         if n > 0:
-            self.num_preemptions.labels(self._model_name).inc(n)
+            self._preemptions.inc(n)
 
     def inc_prompt_tokens(self, n: int) -> None:
-        self.prompt_tokens.labels(self._model_name).inc(n)
+        self._prompt_tokens.inc(n)
 
     def inc_generation_tokens(self, n: int) -> None:
         if n > 0:
-            self.generation_tokens.labels(self._model_name).inc(n)
+            self._generation_tokens.inc(n)
 
     def inc_request_success(self, finished_reason: str) -> None:
-        self.request_success.labels(self._model_name, finished_reason).inc()
+        child = self._request_success.get(finished_reason)
+        if child is None:
+            child = self.request_success.labels(self._model_name, finished_reason)
+            self._request_success[finished_reason] = child
+        child.inc()
 
     def inc_prefix_cache(self, queries: int, hits: int) -> None:
         if queries > 0:
-            self.prefix_cache_queries.labels(self._model_name).inc(queries)
+            self._prefix_cache_queries.inc(queries)
         if hits > 0:
-            self.prefix_cache_hits.labels(self._model_name).inc(hits)
+            self._prefix_cache_hits.inc(hits)
 
     def set_scheduler_gauges(self, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.num_requests_running.labels(self._model_name).set(running)
-        self.num_requests_waiting.labels(self._model_name).set(waiting)
-        self.kv_cache_usage_perc.labels(self._model_name).set(kv_cache_usage)
+        self._num_requests_running.set(running)
+        self._num_requests_waiting.set(waiting)
+        self._kv_cache_usage_perc.set(kv_cache_usage)
 
     def observe_ttft(self, seconds: float, priority: int) -> None:
-        label = self.priority_label(priority)
-        self.time_to_first_token.labels(self._model_name, label).observe(seconds)
+        self._by_priority(self.time_to_first_token, self._ttft, priority).observe(seconds)
 
     def observe_queue_time(self, seconds: float, priority: int) -> None:
-        label = self.priority_label(priority)
-        self.request_queue_time.labels(self._model_name, label).observe(seconds)
+        self._by_priority(self.request_queue_time, self._queue_time, priority).observe(seconds)
 
     def observe_inter_token_latency(self, seconds: float) -> None:
-        self.inter_token_latency.labels(self._model_name).observe(seconds)
+        self._inter_token_latency.observe(seconds)
 
     def observe_e2e_latency(self, seconds: float) -> None:
-        self.e2e_request_latency.labels(self._model_name).observe(seconds)
+        self._e2e_request_latency.observe(seconds)
+
+    def _by_priority(self, metric: Histogram, children: dict[str, Any], priority: int) -> Any:
+        label = self.priority_label(priority)
+        child = children.get(label)
+        if child is None:
+            child = children[label] = metric.labels(self._model_name, label)
+        return child
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

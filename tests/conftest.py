@@ -85,6 +85,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         max_num_seqs: int = 16,
         start: bool = True,
         runner: object | None = None,
+        stream_interval: int = 1,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
@@ -99,7 +100,8 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             tokenizer=ByteTokenizer(),
             eos_token_ids=frozenset({BYTE_EOS}),
         )
-        engine = Engine(scheduler, runner or ScriptedRunner(script), info)
+        engine = Engine.in_process(scheduler, runner or ScriptedRunner(script), info,
+                                   stream_interval=stream_interval)
         if start:
             engine.start()
         engines.append(engine)

@@ -57,7 +57,7 @@ def wait_idle(url: str, headers: dict | None = None, timeout_s: float = 10.0) ->
     (no block held) and the scheduler's integrity check passes. Returns the state."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = httpx.get(f"{url}/scheduler/state", headers=headers, timeout=10).json()
+        state = httpx.get(f"{url}/scheduler/state?check=1", headers=headers, timeout=10).json()
         if not state["running"] and not state["waiting"]:
             break
         assert time.monotonic() < deadline, f"still in flight: {state}"

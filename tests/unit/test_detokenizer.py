@@ -112,3 +112,24 @@ def test_real_tokenizer_spaces_and_accents_round_trip() -> None:
     deltas = [detok.step([i]).text for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == tok.decode(ids)
+
+
+def test_a_fast_tokenizer_decodes_each_token_once() -> None:
+    """DecodeStream: no full decode per step (the windowed path decoded twice per token)."""
+    transformers = pytest.importorskip("transformers")
+    from model_runner.loader import cache_root
+
+    folders = sorted(cache_root().glob("**/tokenizer.json")) if cache_root().exists() else []
+    if not folders:
+        pytest.skip("no converted default model in the cache")
+    tok = transformers.AutoTokenizer.from_pretrained(folders[0].parent)
+    text = " Streaming, token by token: naïve 日本 🙂 and a stop here."
+    ids = tok.encode(text, add_special_tokens=False)
+    calls = []
+    real_decode = tok.decode
+    tok.decode = lambda *a, **kw: (calls.append(1), real_decode(*a, **kw))[1]
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:", add_special_tokens=False), ("stop",))
+    deltas = [detok.step([i]) for i in ids]
+    assert not calls
+    assert "".join(d.text for d in deltas) == " Streaming, token by token: naïve 日本 🙂 and a "
+    assert deltas[-1].stopped or any(d.stopped for d in deltas)

@@ -39,7 +39,7 @@ def server() -> Iterator[LiveServer]:
     )
     info = EngineInfo("fake-model", scheduler.max_request_len, 257, "priority",
                       ByteTokenizer(), frozenset({BYTE_EOS}))
-    live = LiveServer(Engine(scheduler, ScriptedRunner(), info))
+    live = LiveServer(Engine.in_process(scheduler, ScriptedRunner(), info))
     yield live
     live.stop()
 

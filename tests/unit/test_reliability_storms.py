@@ -285,7 +285,7 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=5), 503)
     assert time.monotonic() - start < 2.0
-    state = httpx.get(f"{server.url}/scheduler/state").json()
+    state = httpx.get(f"{server.url}/scheduler/state?check=1").json()
     assert state["kv_cache"]["usage"] == 0 and state["integrity"] == "ok"
     assert not state["running"] and not state["waiting"]
 
@@ -332,4 +332,5 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
     assert choice["finish_reason"] == "abort"
     assert expected_text("long plain", 100).startswith(choice["text"])
     assert not server.engine.is_alive
-    assert json.loads(json.dumps(asyncio.run(server.engine.snapshot())))["integrity"] == "ok"
+    state = asyncio.run(server.engine.snapshot(check_integrity=True))
+    assert json.loads(json.dumps(state))["integrity"] == "ok"

@@ -170,3 +170,19 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     assert configs().server.api_key == "from-env"
     assert configs("--api-key", "flag").server.api_key == "flag"
+
+
+def test_simulate_step_ms_reaches_the_configs() -> None:
+    assert configs().simulate_step_ms is None
+    assert configs("--simulate-step-ms", "2.5").simulate_step_ms == 2.5
+    with pytest.raises(ValueError):
+        configs("--simulate-step-ms", "-1")
+
+
+def test_bench_engine_loop_needs_a_step_time_and_no_url() -> None:
+    args = build_parser().parse_args(["bench", "--engine-loop", "--simulate-step-ms", "10"])
+    assert build_bench_config(args).url == ""
+    with pytest.raises(ValueError, match="--simulate-step-ms"):
+        build_bench_config(build_parser().parse_args(["bench", "--engine-loop"]))
+    with pytest.raises(ValueError, match="--url"):
+        build_bench_config(build_parser().parse_args(["bench"]))

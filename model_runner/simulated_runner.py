@@ -1,0 +1,57 @@
+"""A stand-in for ModelRunner in capacity tests (`pagedserve serve --simulate-step-ms MS`).
+
+Each step sleeps MS milliseconds (wall time without CPU use, as a step on a GPU) and
+samples pseudo-random tokens that are never EOS nor another special token, so every
+request runs to its max_tokens. The KV pool is sized as the real model's would be (from
+--num-kv-blocks or the CPU memory budget) but holds no tensors. A benchmarking aid: the
+whole server (HTTP, scheduler, KV accounting, metrics) runs as with a model.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.kv_cache import bytes_per_block, num_blocks_for_memory
+from model_runner.loader import ModelSpec
+from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+
+
+class SimulatedRunner:
+    """`execute(plan)` sleeps `step_ms` and samples one random non-special token per
+    request that samples; logprobs, when asked for, are 0 for the sampled token."""
+
+    def __init__(self, spec: ModelSpec, config: ModelConfig, step_ms: float) -> None:
+        if step_ms < 0:
+            raise ValueError("simulate_step_ms must be >= 0")
+        self.step_s = step_ms / 1000
+        self.block_size = config.block_size
+        hf = spec.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        block_bytes = bytes_per_block(
+            hf.num_hidden_layers, self.block_size, num_kv_heads, head_dim, torch.float32
+        )
+        self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(
+            config.kv_cache_memory, block_bytes
+        )
+        special = set(spec.tokenizer.all_special_ids) | set(spec.eos_token_ids)
+        vocab_size = int(hf.vocab_size)
+        self.token_ids = [t for t in range(vocab_size) if t not in special]
+        self._rng = random.Random(config.seed)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        time.sleep(self.step_s)
+        out = ModelRunnerOutput()
+        choice = self._rng.choice
+        for scheduled in plan.scheduled:
+            if not scheduled.sample:
+                continue
+            token = choice(self.token_ids)
+            out.sampled_token_ids[scheduled.request_id] = token
+            if scheduled.sampling_params.logprobs is not None:
+                out.logprobs[scheduled.request_id] = SampleLogprobs(0.0, [(token, 0.0)])
+        return out

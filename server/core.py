@@ -1,0 +1,252 @@
+"""The engine core: the scheduler and the model runner, stepped on one thread.
+
+`EngineCore` takes the API side's commands (server/messages.py) and runs each step as
+three calls (`schedule`, `execute`, `update`); once scheduled, a step is announced by a
+small `StepScheduled` message, and what it did leaves as one `StepOutputs` message: the
+new token ids of every request that got one, finish reasons, preemption counts,
+logprobs and the scheduler's stats. It knows no text, no HTTP and no
+transport: `run_core_loop` drives it between a command source and a message sink, on a
+thread of the API process (tests) or as the main loop of the core process
+(server/core_process.py).
+
+A step that raises fails the requests it scheduled (an `error` delta) and aborts them,
+freeing their blocks; the loop goes on. Any other exception ends the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler import Scheduler
+from server.messages import (
+    AddRequests,
+    Command,
+    CoreMessage,
+    FinishRequests,
+    RequestDelta,
+    Shutdown,
+    SnapshotQuery,
+    SnapshotReply,
+    StepOutputs,
+    StepScheduled,
+)
+
+logger = logging.getLogger(__name__)
+
+# With work that cannot be scheduled now (e.g. a full pool), wait this long for a command
+# instead of spinning.
+STUCK_WAIT_S = 0.01
+
+
+class Runner(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class StepClock(Protocol):
+    """Where the core writes the monotonic start of the running step (0.0 between
+    steps): a plain object in-process, a shared `multiprocessing.Value` across processes."""
+
+    value: float
+
+
+@dataclasses.dataclass
+class LocalStepClock:
+    value: float = 0.0
+
+
+class EngineCore:
+    """Scheduler + runner behind commands and per-step messages; single-threaded.
+
+    `fault_hook` is for tests only: when set, every step calls it with the plan, after
+    `schedule()` and before `execute()`; an Exception it raises fails that step, any other
+    BaseException ends the loop.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        eos_token_ids: frozenset[int],
+        step_clock: StepClock | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
+        self.step_clock: StepClock = LocalStepClock() if step_clock is None else step_clock
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        self.stuck = False  # the last step scheduled nothing
+        self._num_sent: dict[str, int] = {}  # tokens already reported, by request id
+        self._scheduled_once: set[str] = set()
+        self._pending: list[RequestDelta] = []  # errors of rejected adds
+        self._num_added = 0
+        self._dirty = False  # commands changed the state since the last message
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------ commands
+
+    def apply(self, command: Command) -> CoreMessage | None:
+        """Run one command; the reply of a snapshot query, else None."""
+        self._dirty = True
+        if isinstance(command, AddRequests):
+            self._add(command)
+        elif isinstance(command, FinishRequests):
+            status = (RequestStatus.FINISHED_STOPPED if command.stopped
+                      else RequestStatus.FINISHED_ABORTED)
+            self._finish(command.request_ids, status)
+        elif isinstance(command, SnapshotQuery):
+            return SnapshotReply(command.query_id, self.snapshot(command.check_integrity))
+        elif isinstance(command, Shutdown):
+            self.abort_all()
+        return None
+
+    def _add(self, command: AddRequests) -> None:
+        for new in command.requests:
+            request = Request(
+                new.request_id, new.prompt_token_ids, new.sampling_params,
+                eos_token_ids=self.eos_token_ids, priority=new.priority,
+                arrival_time=new.arrival_time, prompt_leader_id=new.prompt_leader_id,
+            )
+            self._num_added += 1
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:  # the HTTP checks should have caught it
+                self._pending.append(RequestDelta(new.request_id, [], error=str(exc)))
+                continue
+            self._num_sent[new.request_id] = 0
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    def abort_all(self) -> None:
+        self._finish(list(self._num_sent), RequestStatus.FINISHED_ABORTED)
+
+    def snapshot(self, check_integrity: bool = False) -> dict[str, Any]:
+        """`Scheduler.snapshot()`, with `integrity` ("ok", or why the check failed) when
+        `check_integrity`."""
+        state = self.scheduler.snapshot()
+        if check_integrity:
+            try:
+                self.scheduler.check_integrity()
+                state["integrity"] = "ok"
+            except Exception as exc:
+                state["integrity"] = f"failed: {exc}"
+        return state
+
+    # ------------------------------------------------------------ steps
+
+    def step(self, on_scheduled: Callable[[StepScheduled], None] | None = None) -> StepOutputs:
+        """One step: schedule, (`on_scheduled`,) execute, update; its message."""
+        start = time.monotonic()
+        self.step_clock.value = start
+        plan: SchedulerOutput | None = None
+        deltas, first = self._pending, []
+        self._pending = []
+        try:
+            plan = self.scheduler.schedule()
+            for scheduled in plan.scheduled:
+                if scheduled.request_id not in self._scheduled_once:
+                    self._scheduled_once.add(scheduled.request_id)
+                    first.append(scheduled.request_id)
+            if on_scheduled is not None:
+                num_added, self._num_added = self._num_added, 0
+                on_scheduled(StepScheduled(start, first, self.scheduler.num_waiting, num_added))
+            if self.fault_hook is not None:
+                self.fault_hook(plan)
+            runner_output = self.runner.execute(plan)
+            updated = self.scheduler.update(plan, runner_output)
+            deltas.extend(self._delta(request) for request in updated)
+        except Exception as exc:
+            logger.exception("engine step failed; aborting its requests")
+            ids = [s.request_id for s in plan.scheduled] if plan else list(self._num_sent)
+            ids = [i for i in ids if i in self._num_sent]
+            message = f"internal error in engine step: {exc!r}"
+            deltas.extend(RequestDelta(i, [], error=message) for i in ids)
+            self._finish(ids, RequestStatus.FINISHED_ABORTED)
+        finally:
+            self.step_clock.value = 0.0
+        self.stuck = plan is not None and plan.is_empty
+        return self._message(deltas)
+
+    def idle_message(self) -> StepOutputs | None:
+        """Between steps: the errors and stats that commands produced, if any."""
+        if not self._dirty and not self._pending:
+            return None
+        deltas, self._pending = self._pending, []
+        return self._message(deltas)
+
+    def on_idle(self) -> None:
+        try:
+            self.scheduler.check_integrity()
+        except Exception:
+            logger.exception("KV cache integrity check failed while idle")
+
+    def _delta(self, request: Request) -> RequestDelta:
+        request_id = request.request_id
+        sent = self._num_sent[request_id]
+        new_ids = request.output_token_ids[sent:]
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = request.output_logprobs[sent:]
+        self._num_sent[request_id] = len(request.output_token_ids)
+        finish_reason = request.finish_reason if request.is_finished else None
+        if request.is_finished:
+            self._forget(request_id)
+        return RequestDelta(request_id, new_ids, request.num_preemptions,
+                            request.num_cached_tokens, logprobs, finish_reason)
+
+    def _forget(self, request_id: str) -> None:
+        self._num_sent.pop(request_id, None)
+        self._scheduled_once.discard(request_id)
+
+    def _message(self, deltas: list[RequestDelta]) -> StepOutputs:
+        num_added, self._num_added, self._dirty = self._num_added, 0, False
+        return StepOutputs(deltas, dataclasses.asdict(self.scheduler.stats), num_added)
+
+
+def run_core_loop(
+    core: EngineCore,
+    receive: Callable[[float | None], list[Command]],
+    send: Callable[[CoreMessage], None],
+) -> None:
+    """Step `core` until a Shutdown command: `receive(timeout)` returns the commands that
+    arrived (waiting up to `timeout` seconds for one, None: as long as it takes, 0: not
+    at all); every step's message and every reply goes to `send`. With nothing to do, the
+    KV cache's integrity is checked once per idle period."""
+    went_idle = True
+    while True:
+        timeout: float | None = 0.0
+        if not core.has_work:
+            if not went_idle:
+                core.on_idle()
+                went_idle = True
+            timeout = None
+        elif core.stuck:
+            timeout = STUCK_WAIT_S
+        for command in receive(timeout):
+            reply = core.apply(command)
+            if reply is not None:
+                send(reply)
+            if isinstance(command, Shutdown):
+                message = core.idle_message()
+                if message is not None:
+                    send(message)
+                return
+        if core.has_work:
+            went_idle = False
+            send(core.step(send))
+        else:
+            message = core.idle_message()
+            if message is not None:
+                send(message)

@@ -1,0 +1,70 @@
+"""Build what the engine core runs: the model runner (or the simulated one) and the
+scheduler that matches the KV cache the runner allocated."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kvcache.config import CacheConfig
+from model_runner.config import ModelConfig
+from model_runner.loader import load_model, load_model_spec
+from model_runner.runner import ModelRunner
+from model_runner.simulated_runner import SimulatedRunner
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from server.messages import CoreInfo
+
+logger = logging.getLogger(__name__)
+
+
+def build_core_parts(
+    model_config: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    enable_prefix_caching: bool = True,
+    served_model_name: str | None = None,
+    simulate_step_ms: float | None = None,
+) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo]:
+    """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
+    SimulatedRunner), size the KV cache and build the scheduler that matches it.
+
+    The context length is the model's (or model_config.max_model_len), capped to what
+    the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
+    """
+    runner: ModelRunner | SimulatedRunner
+    if simulate_step_ms is not None:
+        spec = load_model_spec(model_config)
+        runner = SimulatedRunner(spec, model_config, simulate_step_ms)
+        hf_config, model_len = spec.hf_config, spec.max_model_len
+        name = spec.served_model_name
+        eos_token_ids = spec.eos_token_ids
+    else:
+        loaded = load_model(model_config)
+        runner = ModelRunner(loaded, model_config)
+        hf_config, model_len = loaded.hf_config, loaded.max_model_len
+        name = loaded.served_model_name
+        eos_token_ids = loaded.eos_token_ids
+    cache_config = CacheConfig(
+        num_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    scheduler_config = replace(scheduler_config, max_model_len=model_len)
+    scheduler = Scheduler(scheduler_config, cache_config)
+    # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
+    # lone request can always run to its end; the HTTP checks use that same limit.
+    max_model_len = scheduler.max_request_len
+    if max_model_len < model_len:
+        logger.warning(
+            "max_model_len %d capped to %d, what the KV cache holds (%d blocks of %d)",
+            model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
+        )
+    info = CoreInfo(
+        model_name=served_model_name or name,
+        max_model_len=max_model_len,
+        vocab_size=int(hf_config.vocab_size),
+        policy=scheduler_config.policy,
+        eos_token_ids=sorted(eos_token_ids),
+    )
+    return scheduler, runner, info

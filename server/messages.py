@@ -1,0 +1,120 @@
+"""The messages between the API process and the engine core, as msgspec structs.
+
+In (API -> core): `AddRequests`, `FinishRequests` (aborts, and stop strings the API
+process matched), `SnapshotQuery`, `Shutdown`. Out (core -> API): `Ready` or
+`LoadFailed` once, then per step a `StepScheduled` and a `StepOutputs`, and a
+`SnapshotReply` per query. The
+same structs travel in-process (the unit tests' engine) and, msgpack-encoded, over the
+pyzmq sockets between the two processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from scheduler.output import SampleLogprobs
+from scheduler.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One scheduler request (one choice of an HTTP request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None  # time.monotonic(), the same clock in both processes
+    prompt_leader_id: str | None = None
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    requests: list[NewRequest]
+
+
+class FinishRequests(msgspec.Struct, tag=True, array_like=True):
+    """Finish requests in the core: aborted (client gone, shutdown) or stopped (the API
+    process matched a stop string). Unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+    stopped: bool = False
+
+
+class SnapshotQuery(msgspec.Struct, tag=True, array_like=True):
+    query_id: int
+    check_integrity: bool = False
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+Command = AddRequests | FinishRequests | SnapshotQuery | Shutdown
+
+
+class CoreInfo(msgspec.Struct, array_like=True):
+    """What the core tells the API process once its model is loaded."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    policy: str
+    eos_token_ids: list[int]
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    info: CoreInfo
+
+
+class LoadFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not load the model; `kind` is the exception's class name."""
+
+    kind: str
+    message: str
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step did to one request: its new tokens, and its end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" or "length" (EOS, stop ids, max_tokens)
+    error: str | None = None  # the step failed; the core aborted the request
+
+
+class StepScheduled(msgspec.Struct, tag=True, array_like=True):
+    """Sent once a step is scheduled, before it runs: `first_scheduled` names the requests
+    scheduled for the first time (at `step_start`, monotonic); `num_waiting` is the
+    scheduler's count after scheduling; `num_added` counts the requests the core took in
+    since its previous message."""
+
+    step_start: float
+    first_scheduled: list[str]
+    num_waiting: int
+    num_added: int
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """What a step did (or, between steps, what commands did: rejected adds, stats);
+    `stats` is `dataclasses.asdict(scheduler.stats)`."""
+
+    deltas: list[RequestDelta]
+    stats: dict[str, Any]
+    num_added: int = 0
+
+
+class SnapshotReply(msgspec.Struct, tag=True, array_like=True):
+    query_id: int
+    state: dict[str, Any]
+
+
+CoreMessage = Ready | LoadFailed | StepScheduled | StepOutputs | SnapshotReply
+
+command_encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(Command)
+output_encoder = msgspec.msgpack.Encoder()
+output_decoder = msgspec.msgpack.Decoder(CoreMessage)
