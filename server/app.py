@@ -66,6 +66,7 @@ from server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
     random_id,
@@ -420,6 +421,7 @@ class _Choice:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class _OpenAIServing:
@@ -927,17 +929,23 @@ def _accumulate(choice: _Choice, output: RequestOutput) -> None:
     choice.logprobs.extend(output.logprobs or [])
     choice.num_output_tokens = output.num_output_tokens
     choice.num_preemptions = output.num_preemptions
+    choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
     if output.finish_reason is not None:
         choice.finish_reason = output.finish_reason
 
 
 def _usage(prompts: list[list[int]], choices: Sequence[_Choice]) -> UsageInfo:
+    """Usage of a request: each prompt counted once, as are its cached tokens (those of
+    its first choice, which computes the prompt for the others)."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices)
+    n = max(1, len(choices) // max(1, len(prompts)))
+    cached_tokens = sum(c.num_cached_tokens for c in choices[::n])
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

@@ -161,7 +161,8 @@ class EngineCore:
                     first.append(scheduled.request_id)
             if on_scheduled is not None:
                 num_added, self._num_added = self._num_added, 0
-                on_scheduled(StepScheduled(start, first, self.scheduler.num_waiting, num_added))
+                on_scheduled(StepScheduled(start, first, self.scheduler.num_waiting, num_added,
+                                           plan.num_scheduled_tokens))
             if self.fault_hook is not None:
                 self.fault_hook(plan)
             runner_output = self.runner.execute(plan)

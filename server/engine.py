@@ -160,6 +160,8 @@ class _Choice:
     detokenizer: IncrementalDetokenizer
     arrival_time: float  # time.monotonic() when the HTTP request arrived
     num_output_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     last_token_time: float | None = None
     held: RequestOutput | None = None  # output held back by --stream-interval
 
@@ -475,9 +477,11 @@ class Engine:
             with self._lock:
                 self._num_pending_adds = max(0, self._num_pending_adds - message.num_added)
                 self._num_waiting = message.num_waiting
+                self.metrics.observe_iteration_tokens(message.num_scheduled_tokens)
                 for request_id in message.first_scheduled:
                     choice = self._choices.get(request_id)
                     if choice is not None:
+                        choice.first_scheduled_time = message.step_start
                         self.metrics.observe_queue_time(
                             message.step_start - choice.arrival_time, choice.priority
                         )
@@ -554,6 +558,7 @@ class Engine:
 
     def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
         if choice.last_token_time is None:
+            choice.first_token_time = now
             self.metrics.observe_ttft(now - choice.arrival_time, choice.priority)
             self.metrics.inc_prompt_tokens(choice.num_prompt_tokens)
         else:
@@ -617,6 +622,13 @@ class Engine:
         if finish_reason is not None:
             self.metrics.inc_request_success(finish_reason)
             self.metrics.observe_e2e_latency(now - choice.arrival_time)
+            first_token, first_scheduled = choice.first_token_time, choice.first_scheduled_time
+            self.metrics.observe_request_phases(
+                first_token - first_scheduled
+                if first_token is not None and first_scheduled is not None
+                else None,
+                now - first_token if first_token is not None else None,
+            )
 
     def _record_stats(self, stats: dict[str, Any]) -> None:
         seen = self._stats
@@ -630,6 +642,13 @@ class Engine:
         )
         metrics.set_scheduler_gauges(
             stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]
+        )
+        seen_preemptions = seen.get("num_preemptions_by_priority", {})
+        metrics.set_priority_stats(
+            stats["num_waiting_by_priority"],
+            stats["num_running_by_priority"],
+            {p: n - seen_preemptions.get(p, 0)
+             for p, n in stats["num_preemptions_by_priority"].items()},
         )
         self._stats = stats
         self._num_waiting = stats["num_waiting"]

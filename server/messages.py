@@ -90,12 +90,13 @@ class StepScheduled(msgspec.Struct, tag=True, array_like=True):
     """Sent once a step is scheduled, before it runs: `first_scheduled` names the requests
     scheduled for the first time (at `step_start`, monotonic); `num_waiting` is the
     scheduler's count after scheduling; `num_added` counts the requests the core took in
-    since its previous message."""
+    since its previous message; `num_scheduled_tokens` is the step's size."""
 
     step_start: float
     first_scheduled: list[str]
     num_waiting: int
     num_added: int
+    num_scheduled_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

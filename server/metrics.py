@@ -1,8 +1,9 @@
 """Prometheus metrics with the SPEC's names, in a registry of their own.
 
 prometheus-client appends `_total` to counter names, so counters are declared without
-it. Every series carries `model_name`; TTFT and queue time also carry `priority`,
-bounded to the first MAX_PRIORITY_LABELS distinct values (later ones are "other").
+it. Every series carries `model_name`; TTFT, queue time, the per-priority gauges and the
+per-priority preemption counter also carry `priority`, bounded to the first
+MAX_PRIORITY_LABELS distinct values (later ones are "other").
 Only the engine front end writes (under its lock); /metrics reads through `render()`.
 """
 
@@ -23,6 +24,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -100,12 +102,39 @@ class ServerMetrics:
             "pagedserve_request_queue_time_seconds", "Arrival to first scheduled.",
             [*m, "priority"], buckets=_REQUEST_BUCKETS, registry=r,
         )
+        p = [*m, "priority"]
+        self.num_requests_waiting_by_priority = Gauge(
+            "pagedserve_num_requests_waiting_by_priority", "Requests waiting, by priority.",
+            p, registry=r,
+        )
+        self.num_requests_running_by_priority = Gauge(
+            "pagedserve_num_requests_running_by_priority", "Requests running, by priority.",
+            p, registry=r,
+        )
+        self.num_preemptions_by_priority = Counter(
+            "pagedserve_num_preemptions_by_priority", "Preemptions, by the victim's priority.",
+            p, registry=r,
+        )
+        self.request_prefill_time = Histogram(
+            "pagedserve_request_prefill_time_seconds",
+            "First scheduled to first generated token (the prompt's computation).",
+            m, buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        self.request_decode_time = Histogram(
+            "pagedserve_request_decode_time_seconds", "First generated token to finish.",
+            m, buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "pagedserve_iteration_tokens", "Tokens computed per engine step.",
+            m, buckets=_ITERATION_TOKEN_BUCKETS, registry=r,
+        )
         # Create the label-only series up front so that they are exposed before traffic.
         for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens,
                        self.prefix_cache_queries, self.prefix_cache_hits,
                        self.num_requests_running, self.num_requests_waiting,
                        self.kv_cache_usage_perc, self.inter_token_latency,
-                       self.e2e_request_latency):
+                       self.e2e_request_latency, self.request_prefill_time,
+                       self.request_decode_time, self.iteration_tokens):
             metric.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
@@ -121,6 +150,12 @@ class ServerMetrics:
         self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(model_name)
         self._inter_token_latency = self.inter_token_latency.labels(model_name)
         self._e2e_request_latency = self.e2e_request_latency.labels(model_name)
+        self._request_prefill_time = self.request_prefill_time.labels(model_name)
+        self._request_decode_time = self.request_decode_time.labels(model_name)
+        self._iteration_tokens = self.iteration_tokens.labels(model_name)
+        self._waiting_by_priority: dict[str, Any] = {}  # by priority label, ever seen
+        self._running_by_priority: dict[str, Any] = {}
+        self._preemptions_by_priority: dict[str, Any] = {}
         self._request_success: dict[str, Any] = {}
         self._ttft: dict[str, Any] = {}  # by priority label
         self._queue_time: dict[str, Any] = {}
@@ -154,6 +189,43 @@ class ServerMetrics:
         self._num_requests_waiting.set(waiting)
         self._kv_cache_usage_perc.set(kv_cache_usage)
 
+    def set_priority_stats(
+        self,
+        waiting: dict[int, int],
+        running: dict[int, int],
+        new_preemptions: dict[int, int],
+    ) -> None:
+        """Requests waiting and running per priority now (a label seen before and absent
+        now reads 0), and the preemptions per priority since the last call."""
+        for gauge, children, counts in (
+            (self.num_requests_waiting_by_priority, self._waiting_by_priority, waiting),
+            (self.num_requests_running_by_priority, self._running_by_priority, running),
+        ):
+            by_label: dict[str, int] = {}
+            for priority, n in counts.items():
+                label = self.priority_label(priority)
+                by_label[label] = by_label.get(label, 0) + n
+            for label in by_label.keys() - children.keys():
+                children[label] = gauge.labels(self._model_name, label)
+            for label, child in children.items():
+                child.set(by_label.get(label, 0))
+        for priority, n in new_preemptions.items():
+            if n > 0:
+                self._by_priority(
+                    self.num_preemptions_by_priority, self._preemptions_by_priority, priority
+                ).inc(n)
+
+    def observe_iteration_tokens(self, num_tokens: int) -> None:
+        self._iteration_tokens.observe(num_tokens)
+
+    def observe_request_phases(self, prefill_s: float | None, decode_s: float | None) -> None:
+        """A finished request's prefill time (first scheduled to first token) and decode
+        time (first token to finish); None when it never got that far."""
+        if prefill_s is not None:
+            self._request_prefill_time.observe(prefill_s)
+        if decode_s is not None:
+            self._request_decode_time.observe(decode_s)
+
     def observe_ttft(self, seconds: float, priority: int) -> None:
         self._by_priority(self.time_to_first_token, self._ttft, priority).observe(seconds)
 
@@ -166,7 +238,9 @@ class ServerMetrics:
     def observe_e2e_latency(self, seconds: float) -> None:
         self._e2e_request_latency.observe(seconds)
 
-    def _by_priority(self, metric: Histogram, children: dict[str, Any], priority: int) -> Any:
+    def _by_priority(
+        self, metric: Histogram | Counter, children: dict[str, Any], priority: int
+    ) -> Any:
         label = self.priority_label(priority)
         child = children.get(label)
         if child is None:

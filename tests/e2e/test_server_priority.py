@@ -83,9 +83,17 @@ def test_over_context_on_the_small_cache_is_400(server) -> None:
                           json={"prompt": [100] * 100, "max_tokens": 40})
     assert response.status_code == 400
     assert "128" in response.json()["error"]["message"]
-    ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH,
+    ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
                     json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1})
     assert ok.status_code == 200
+
+
+def metric_line(server: ServerProcess, series: str) -> float:
+    """One series' value (0 when it is not exposed yet)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(series + " ")]
+    return values[0] if values else 0.0
 
 
 async def _stream(client: httpx.AsyncClient, name: str, prompt: list[int], progress: dict,
@@ -137,12 +145,18 @@ def test_high_priority_preempts_finishes_first_and_outputs_match_solo_runs(
         solo[name] = choice["text"]
 
     preemptions_before = metric(server, "pagedserve_num_preemptions_total")
+    low_preemptions = ('pagedserve_num_preemptions_by_priority_total'
+                       '{model_name="SmolLM2-135M-Instruct",priority="10"}')
+    by_priority_before = metric_line(server, low_preemptions)
     results, finished = asyncio.run(_contend(server, prompts))
 
     assert finished[0] == "high", finished
     assert results["high"]["num_preemptions"] == 0
     assert sum(results[n]["num_preemptions"] for n in ("low-a", "low-b")) >= 1
-    assert metric(server, "pagedserve_num_preemptions_total") > preemptions_before
+    new_preemptions = metric(server, "pagedserve_num_preemptions_total") - preemptions_before
+    assert new_preemptions > 0
+    # every victim was a low-priority request
+    assert metric_line(server, low_preemptions) - by_priority_before == new_preemptions
     for name in prompts:
         assert results[name]["finish_reason"] == "length"
         assert results[name]["text"] == solo[name], name

@@ -27,6 +27,12 @@ SPEC_METRICS = {
     "pagedserve_inter_token_latency_seconds": "histogram",
     "pagedserve_e2e_request_latency_seconds": "histogram",
     "pagedserve_request_queue_time_seconds": "histogram",
+    "pagedserve_num_requests_waiting_by_priority": "gauge",
+    "pagedserve_num_requests_running_by_priority": "gauge",
+    "pagedserve_num_preemptions_by_priority_total": "counter",
+    "pagedserve_request_prefill_time_seconds": "histogram",
+    "pagedserve_request_decode_time_seconds": "histogram",
+    "pagedserve_iteration_tokens": "histogram",
 }
 
 
@@ -79,7 +85,8 @@ def test_completion_response_shape(serve) -> None:
     (choice,) = body["choices"]
     assert choice == {"index": 0, "text": SCRIPT.encode()[:16].decode(), "logprobs": None,
                       "finish_reason": "length", "num_preemptions": 0}
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 16, "total_tokens": 18}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 16, "total_tokens": 18,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_without_content_type_header(serve) -> None:
@@ -94,7 +101,8 @@ def test_completion_prompts_times_n(serve) -> None:
         "/v1/completions", json={"prompt": [[104, 105], [104]], "n": 2, "max_tokens": 2}
     ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_echo_and_logprobs(serve) -> None:
@@ -361,3 +369,41 @@ def test_max_waiting_is_503_with_retry_after(serve) -> None:
         thread.join(10)
     assert [r.status_code for r in results] == [200, 200]
     ok(client)
+
+
+def metric_value(text: str, series: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(series + " ")]
+    return float(line.split()[-1])
+
+
+def test_cached_prompt_tokens_reach_usage(serve) -> None:
+    client, _ = serve()
+    prompt = list(range(40, 60))  # 20 tokens: 4 full blocks of 4 a later request can hit
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    events = sse_events(client, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 2, "n": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    # the prompt counts once, with its first choice's cached tokens
+    assert events[-1]["usage"]["prompt_tokens"] == 20
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_priority_and_step_metrics(serve) -> None:
+    client, engine = serve(policy="priority")
+    for priority in (3, -2):
+        response = client.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "priority": priority})
+        assert response.status_code == 200
+    text = client.get("/metrics").text
+    m = 'model_name="fake-model"'
+    for priority in ("3", "-2"):  # seen running, and none running now
+        labels = f'{{{m},priority="{priority}"}}'
+        assert metric_value(text, f"pagedserve_num_requests_running_by_priority{labels}") == 0
+    assert metric_value(text, f"pagedserve_request_prefill_time_seconds_count{{{m}}}") == 2
+    assert metric_value(text, f"pagedserve_request_decode_time_seconds_count{{{m}}}") == 2
+    # a prefill step and 3 decode steps per request, each of its own
+    assert metric_value(text, f"pagedserve_iteration_tokens_count{{{m}}}") == 8
+    assert metric_value(text, f"pagedserve_iteration_tokens_sum{{{m}}}") == 2 * (2 + 3)
