@@ -434,8 +434,10 @@ class Scheduler:
             else:
                 self._consider(request, step)
             scheduled = request.request_id in step.num_scheduled_tokens
-            if scheduled and self.policy is SchedulingPolicy.PRIORITY:
-                step.prefill_level = level if step.prefill_level is None else step.prefill_level
+            if scheduled and self.policy is SchedulingPolicy.PRIORITY and (
+                step.prefill_level is None
+            ):
+                step.prefill_level = level
 
     @staticmethod
     def _can_chunk(request: Request, step: _Step) -> bool:
