@@ -84,7 +84,7 @@ def test_over_context_on_the_small_cache_is_400(server) -> None:
     assert response.status_code == 400
     assert "128" in response.json()["error"]["message"]
     ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH,
-                    json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1})
+                    json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1}, timeout=120)
     assert ok.status_code == 200
 
 
