@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import multiprocessing
 import os
 import threading
 import time
@@ -265,3 +267,30 @@ def test_create_engine_runs_the_core_in_its_own_process(tmp_path) -> None:
 def test_create_engine_raises_loading_errors_in_the_caller(tmp_path) -> None:
     with pytest.raises(ValueError, match="no config.json"):
         engine_module.create_engine(ModelConfig(model=str(tmp_path)), SchedulerConfig())
+
+
+def test_a_load_error_in_the_core_process_reaches_the_caller_as_itself(tmp_path) -> None:
+    """The API process reads the config and tokenizer; what only the core finds out (here
+    the weights' dtype check) comes back through the ready handshake, same type, same
+    message, and the core process is gone."""
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    config = ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16",
+                         device="cpu", num_kv_blocks=16)
+    children_before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
+        engine_module.create_engine(config, SchedulerConfig())
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None:
+    """`StepOutputs.stats` is `dataclasses.asdict(scheduler.stats)`: new fields flow."""
+    from scheduler.scheduler import SchedulerStats
+    from server.messages import AddRequests, NewRequest
+
+    engine = make_fake_engine(start=False)
+    core = engine._in_process_core()
+    core.apply(AddRequests([NewRequest("r", [1, 2], GREEDY)]))
+    message = core.step()
+    assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert message.stats["num_running"] == 1 and message.num_added == 1
+    assert [d.request_id for d in message.deltas] == ["r"]
