@@ -3,24 +3,30 @@
     python -m bench.http_vs_engine --step-ms 10 --num-requests 256 --output-len 256 \\
         --stream-intervals 1,4 --baseline-tree /tmp/thread-baseline
 
-Measures, on the same load (every request in flight at once, `ignore_eos`):
-- the load generator's ceiling against bench/null_server.py (a server that does nothing);
+Measures, on the same load (every request in flight at once, `ignore_eos`; the load
+generator's raw HTTP client, in this process):
+- the load generator's ceiling against bench/null_server.py (a server that does nothing),
+  streaming as fast as it can and paced like the engine (one chunk per stream per step);
 - `pagedserve bench --engine-loop`: the step loop with no HTTP (this process);
 - `pagedserve serve --simulate-step-ms` over HTTP, once per --stream-intervals value, and
   the server of --baseline-tree (another checkout, e.g. the thread design before the
   engine core had its own process, run with its own PYTHONPATH) when given;
-and prints output tok/s and the CPU seconds per 1,000 output tokens of each server
-process (the API process and, when there is one, the engine core) as a markdown table.
+and prints output tok/s, the inter-chunk p50 and the CPU seconds per 1,000 output tokens
+of each process (the API process, the engine core when there is one, the client) as a
+markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import httpx
+import uvloop
 
 from bench.client import BenchConfig, run_bench
 from bench.engine_loop import run_engine_loop
@@ -45,8 +51,9 @@ def measure_http(
         pids = {"api": server.pid, **{"core" if i == 0 else f"core{i}": p for i, p in
                                       enumerate(server.child_pids())}}
         before = {k: cpu_seconds(p) for k, p in pids.items()}
-        summary = asyncio.run(run_bench(BenchConfig(**{**config.__dict__,
-                                                       "url": server.url})))
+        client_cpu = time.process_time()
+        summary = uvloop.run(run_bench(replace(config, url=server.url)))
+        client_cpu = time.process_time() - client_cpu
         after = {k: cpu_seconds(p) for k, p in pids.items()}
     finally:
         server.terminate()
@@ -57,8 +64,37 @@ def measure_http(
         "tok_s": summary["output_token_throughput"],
         "failed": summary["num_failed"],
         "itl_p50_ms": (summary["all"]["itl_s"]["p50"] or 0) * 1000,
-        "cpu_per_1k": {k: 1000 * (after[k] - before[k]) / tokens for k in pids},
+        "cpu_per_1k": {**{k: 1000 * (after[k] - before[k]) / tokens for k in pids},
+                       "client": 1000 * client_cpu / tokens},
     }
+
+
+def measure_null_server(config: BenchConfig, step_ms: float | None) -> dict[str, Any]:
+    """The load generator against bench/null_server.py: its own ceiling."""
+    port = free_port()
+    command = [sys.executable, "-m", "bench.null_server", "--port", str(port)]
+    if step_ms is not None:
+        command += ["--step-ms", str(step_ms)]
+    server = ServerProcess(command=command, port=port, log_prefix="pagedserve-null-")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{server.url}/v1/models", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.2)
+        cpu = time.process_time()
+        summary = uvloop.run(run_bench(replace(config, url=server.url)))
+        cpu = time.process_time() - cpu
+    finally:
+        server.terminate()
+        server.remove_log()
+    tokens = max(summary["output_tokens"], 1)
+    return {"tok_s": summary["output_token_throughput"],
+            "itl_p50_ms": (summary["all"]["itl_s"]["p50"] or 0) * 1000,
+            "client_cpu_per_1k": 1000 * cpu / tokens}
 
 
 def main() -> None:
@@ -74,26 +110,15 @@ def main() -> None:
     args = parser.parse_args()
     config = BenchConfig(url="", num_requests=args.num_requests,
                          concurrency=args.num_requests, input_len=(args.input_len,) * 2,
-                         output_len=(args.output_len,) * 2, ignore_eos=True)
+                         output_len=(args.output_len,) * 2, ignore_eos=True,
+                         http_client="raw")
     rows = []
 
-    port = free_port()
-    null = [sys.executable, "-m", "bench.null_server", "--port", str(port)]
-    null_server = ServerProcess(command=null, port=port)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            ceiling = asyncio.run(run_bench(BenchConfig(**{**config.__dict__,
-                                                           "url": null_server.url})))
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-    null_server.terminate()
-    null_server.remove_log()
-    rows.append(f"| load generator vs a null server | {ceiling['output_token_throughput']:.0f} "
-                "| - | - |")
+    for pace in (None, args.step_ms):
+        ceiling = measure_null_server(config, pace)
+        what = "as fast as it can" if pace is None else f"one chunk per stream per {pace:g} ms"
+        rows.append(f"| load generator vs a null server ({what}) | {ceiling['tok_s']:.0f} "
+                    f"| {ceiling['itl_p50_ms']:.1f} | client {ceiling['client_cpu_per_1k']:.3f} |")
 
     loop = run_engine_loop(config, args.step_ms)
     rows.append(f"| engine loop in-process (no HTTP) | {loop['output_token_throughput']:.0f} "

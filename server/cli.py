@@ -257,6 +257,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
+                        help="raw: plain asyncio connections, a fraction of httpx's CPU per "
+                        "streamed line (http:// only)")
     parser.add_argument("--workload", choices=sorted(bench_client.WORKLOADS), default=None,
                         help="a fixed workload of docs/benchmarks.md (overrides the length, "
                         "count and priority flags)")
@@ -290,6 +293,7 @@ def build_bench_config(args: argparse.Namespace) -> BenchConfig:
         json=args.json,
         workload=args.workload,
         scale=args.scale,
+        http_client=args.http_client,
     )
 
 

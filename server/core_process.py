@@ -82,6 +82,10 @@ class ProcessCoreClient:
         commands_path, outputs_path = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._zmq = zmq.Context()
         self._commands = self._zmq.socket(zmq.PUSH)
+        # NOTE: no high-water mark, so that a send to a live core never blocks the event
+        # loop (a burst of requests during a long step); sends are NOBLOCK, so that one to
+        # a dead core (no peer: a PUSH would block forever) is dropped instead.
+        self._commands.setsockopt(zmq.SNDHWM, 0)
         self._commands.bind(commands_path)
         self._outputs = self._zmq.socket(zmq.PULL)
         self._outputs.bind(outputs_path)
@@ -137,11 +141,16 @@ class ProcessCoreClient:
             self._receiver.start()
 
     def send(self, command: Command) -> None:
-        """Thread-safe; a no-op once the client is closed."""
+        """Thread-safe; never blocks; a no-op once the client is closed or the core is
+        gone."""
         data = command_encoder.encode(command)
         with self._send_lock:
-            if not self._closed:
-                self._commands.send(data)
+            if self._closed:
+                return
+            try:
+                self._commands.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # no core to take it: it died (the receiver reports that)
+                logger.warning("the engine core is gone; dropped %s", type(command).__name__)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the core (it aborts what is left), wait for it, release the sockets."""

@@ -500,6 +500,7 @@ class Engine:
         self._num_pending_adds = max(0, self._num_pending_adds - message.num_added)
         outputs: list[tuple[RequestStream, RequestOutput]] = []
         stopped: list[str] = []
+        num_tokens = 0
         for delta in message.deltas:
             choice = self._choices.get(delta.request_id)
             if choice is None:
@@ -511,6 +512,7 @@ class Engine:
                 continue
             new_ids = delta.new_token_ids
             if new_ids:
+                num_tokens += len(new_ids)
                 self._observe_tokens(choice, len(new_ids), now)
             text_delta = choice.detokenizer.step(new_ids)
             text, finish_reason = text_delta.text, None
@@ -529,6 +531,7 @@ class Engine:
                 outputs.append((choice.stream, output))
             if finish_reason is not None:
                 self._forget(choice, finish_reason, now)
+        self.metrics.inc_generation_tokens(num_tokens)  # once per step, not per request
         self._record_stats(message.stats)
         return outputs, stopped
 
@@ -565,7 +568,6 @@ class Engine:
             self.metrics.observe_inter_token_latency(now - choice.last_token_time)
         choice.last_token_time = now
         choice.num_output_tokens += num_new
-        self.metrics.inc_generation_tokens(num_new)
 
     def _output(
         self,

