@@ -315,8 +315,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Counters and gauges for metrics; O(running + held), not O(waiting)."""
         kv = self.kv_cache
+        # NOTE: outside schedule() skipped_waiting is empty: waiting and held are all.
         waiting_by_priority = Counter(self.waiting.count_by_priority())
-        waiting_by_priority.update(self.skipped_waiting.count_by_priority())
         waiting_by_priority.update(r.priority for held in self.held.values() for r in held)
         return SchedulerStats(
             num_running=self.num_running,
@@ -338,11 +338,10 @@ class Scheduler:
         `max_waiting` waiting requests in policy order (`num_waiting` counts them all) and
         the KV pool. O(running + W log max_waiting)."""
         kv = self.kv_cache
-        waiting = [*self.skipped_waiting, *self.waiting.head(max_waiting)][:max_waiting]
         return {
             "policy": self.policy.value,
             "running": [self._describe(r) for r in self.running],
-            "waiting": [self._describe(r) for r in waiting],
+            "waiting": [self._describe(r) for r in self.waiting.head(max_waiting)],
             "num_waiting": self.num_waiting,
             "kv_cache": {
                 "num_blocks": kv.num_blocks,
