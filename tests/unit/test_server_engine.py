@@ -135,7 +135,8 @@ def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
     assert sample(engine, "pagedserve_request_success_total", finished_reason="abort") == 1
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engine) -> None:
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engine,
+                                                                  caplog) -> None:
     engine = make_fake_engine()
     calls = []
 
@@ -147,8 +148,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
     engine.fault_hook = fail_once
 
     async def run():
-        with pytest.raises(EngineStepError, match="injected"):
+        with pytest.raises(EngineStepError, match="error id") as failed:
             await collect(engine, "bad")
+        assert "injected" not in str(failed.value) and "injected" in caplog.text
         state = await wait_idle(engine)
         return state, await collect(engine, "good")
 
