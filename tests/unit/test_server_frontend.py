@@ -73,7 +73,7 @@ def test_a_stream_not_read_holds_one_merged_output_per_choice(make_fake_engine) 
 @pytest.mark.parametrize("finish_reason", [None, "length"])
 @pytest.mark.parametrize("text", ["", "plain", 'qu"ote\\ \n naïve 日本 🙂 \u2028'])
 def test_fast_chunks_are_the_chunk_models_json(finish_reason, text) -> None:
-    output = RequestOutput(2, text, [1], None, finish_reason, 3, 4, 5)
+    output = RequestOutput(2, text, [1], None, finish_reason, 3, 5)
     num_preemptions = 3 if finish_reason else None
     completion = CompletionStreamResponse(id="cmpl-x", created=7, model="m é", choices=[
         CompletionStreamChoice(index=2, text=text, finish_reason=finish_reason,
