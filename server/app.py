@@ -26,10 +26,10 @@ from server.config import ServerConfig
 from server.engine import Engine, EngineDeadError
 from server.errors import install_error_handlers, server_error
 from server.middleware import (
-    ApiKeyMiddleware,
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
     InternalErrorMiddleware,
+    TenantAuthMiddleware,
 )
 from server.openapi import generation_responses, install_openapi, json_request_body
 from server.protocol import (
@@ -43,14 +43,20 @@ from server.protocol import (
     ModelList,
 )
 from server.serving import Serving
+from server.tenants import TenantRegistry
 
 # After the grace period the engine aborts what is left; handlers then need a moment to
 # send their last chunk before uvicorn cuts the connections.
 _ABORT_FLUSH_S = 2.0
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving `engine`; its lifespan starts and stops the engine."""
+def build_app(
+    engine: Engine, config: ServerConfig, tenants: TenantRegistry | None = None
+) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and stops the engine.
+
+    `tenants` says who may ask for what (server/tenants.py); by default the one tenant
+    of `config.api_key` (or, without a key, everyone)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -61,8 +67,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
+    app.add_middleware(TenantAuthMiddleware, tenants=tenants)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest])

@@ -26,6 +26,7 @@ from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
+from server.tenants import TenantRegistry, TenantsFileError
 
 logger = logging.getLogger("pagedserve")
 
@@ -131,6 +132,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                       help="require `Authorization: Bearer KEY` (not on /health, /metrics); "
                       f"default: ${API_KEY_ENV}, which keeps the key out of `ps`")
+    http.add_argument("--tenants", default=None, metavar="FILE",
+                      help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
+                      "in-flight caps, token rates, fair-share weights, deadlines; "
+                      "reloaded on SIGHUP (instead of --api-key)")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many requests wait (default: no limit)")
     http.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -183,12 +188,14 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
             if args.long_prefill_token_threshold is None
             else args.long_prefill_token_threshold
         ),
+        fair_share=args.tenants is not None,
     )
     server = ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        tenants_file=args.tenants,
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
         step_timeout_s=args.step_timeout_s,
@@ -309,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reload_tenants(tenants: TenantRegistry, path: str) -> None:
+    """SIGHUP: the tenants file again; a bad file keeps the tenants as they were."""
+    try:
+        tenants.reload(path)
+    except TenantsFileError as exc:
+        logger.error("tenants not reloaded, the old ones stay: %s", exc)
+        return
+    logger.info("tenants reloaded from %s: %s", path, ", ".join(tenants.names))
+
+
 def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
@@ -317,6 +334,13 @@ def serve(configs: ServeConfigs) -> int:
     from server.engine import create_engine
 
     logger.info("starting: %s", configs)
+    tenants_file = configs.server.tenants_file
+    try:
+        tenants = (TenantRegistry.from_file(tenants_file) if tenants_file is not None
+                   else TenantRegistry.single(configs.server.api_key))
+    except TenantsFileError as exc:
+        logger.error("%s", exc)
+        return 1
     try:
         engine = create_engine(
             configs.model,
@@ -333,7 +357,7 @@ def serve(configs: ServeConfigs) -> int:
         return 1
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
     # abort the rest (each client gets finish_reason "abort"), then exit.
-    server = GracefulServer(build_app(engine, configs.server), engine, configs.server)
+    server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
                 configs.server.host, configs.server.port)
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped
@@ -341,6 +365,8 @@ def serve(configs: ServeConfigs) -> int:
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
+    if tenants_file is not None:
+        signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(tenants, tenants_file))
     try:
         server.run()  # the app's lifespan stops the engine core on shutdown
     finally:

@@ -3,8 +3,10 @@
 prometheus-client appends `_total` to counter names, so counters are declared without
 it. Every series carries `model_name`; TTFT, queue time, the per-priority gauges and the
 per-priority preemption counter also carry `priority`, bounded to the first
-MAX_PRIORITY_LABELS distinct values (later ones are "other").
-Only the engine front end writes (under its lock); /metrics reads through `render()`.
+MAX_PRIORITY_LABELS distinct values (later ones are "other"). The `pagedserve_tenant_*`
+series carry `tenant`, a name from the tenants file (or "default"), so they are bounded.
+The engine front end writes (under its lock), the HTTP handlers count rejections;
+/metrics reads through `render()`.
 """
 
 from __future__ import annotations
@@ -128,6 +130,27 @@ class ServerMetrics:
             "pagedserve_iteration_tokens", "Tokens computed per engine step.",
             m, buckets=_ITERATION_TOKEN_BUCKETS, registry=r,
         )
+        t = [*m, "tenant"]
+        self.tenant_requests = Counter(
+            "pagedserve_tenant_requests", "Finished requests by tenant and finish reason.",
+            [*t, "finished_reason"], registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "pagedserve_tenant_prompt_tokens", "Prompt tokens by tenant.", t, registry=r
+        )
+        self.tenant_generation_tokens = Counter(
+            "pagedserve_tenant_generation_tokens", "Generated tokens by tenant.", t, registry=r
+        )
+        self.tenant_rejections = Counter(
+            "pagedserve_tenant_rejections",
+            "Requests refused by a tenant limit, by reason (priority, in_flight, rate).",
+            [*t, "reason"], registry=r,
+        )
+        self.tenant_queue_time = Histogram(
+            "pagedserve_tenant_request_queue_time_seconds", "Arrival to first scheduled.",
+            t, buckets=_REQUEST_BUCKETS, registry=r,
+        )
+        self._tenant_children: dict[tuple[Any, ...], Any] = {}
         # Create the label-only series up front so that they are exposed before traffic.
         for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens,
                        self.prefix_cache_queries, self.prefix_cache_hits,
@@ -164,19 +187,26 @@ class ServerMetrics:
         if n > 0:
             self._preemptions.inc(n)
 
-    def inc_prompt_tokens(self, n: int) -> None:
+    def inc_prompt_tokens(self, n: int, tenant: str) -> None:
         self._prompt_tokens.inc(n)
+        self._tenant(self.tenant_prompt_tokens, tenant).inc(n)
 
-    def inc_generation_tokens(self, n: int) -> None:
+    def inc_generation_tokens(self, n: int, by_tenant: dict[str, int]) -> None:
         if n > 0:
             self._generation_tokens.inc(n)
+        for tenant, tokens in by_tenant.items():
+            self._tenant(self.tenant_generation_tokens, tenant).inc(tokens)
 
-    def inc_request_success(self, finished_reason: str) -> None:
+    def inc_request_success(self, finished_reason: str, tenant: str) -> None:
         child = self._request_success.get(finished_reason)
         if child is None:
             child = self.request_success.labels(self._model_name, finished_reason)
             self._request_success[finished_reason] = child
         child.inc()
+        self._tenant(self.tenant_requests, tenant, finished_reason).inc()
+
+    def inc_tenant_rejection(self, tenant: str, reason: str) -> None:
+        self._tenant(self.tenant_rejections, tenant, reason).inc()
 
     def inc_prefix_cache(self, queries: int, hits: int) -> None:
         if queries > 0:
@@ -229,8 +259,9 @@ class ServerMetrics:
     def observe_ttft(self, seconds: float, priority: int) -> None:
         self._by_priority(self.time_to_first_token, self._ttft, priority).observe(seconds)
 
-    def observe_queue_time(self, seconds: float, priority: int) -> None:
+    def observe_queue_time(self, seconds: float, priority: int, tenant: str) -> None:
         self._by_priority(self.request_queue_time, self._queue_time, priority).observe(seconds)
+        self._tenant(self.tenant_queue_time, tenant).observe(seconds)
 
     def observe_inter_token_latency(self, seconds: float) -> None:
         self._inter_token_latency.observe(seconds)
@@ -245,6 +276,13 @@ class ServerMetrics:
         child = children.get(label)
         if child is None:
             child = children[label] = metric.labels(self._model_name, label)
+        return child
+
+    def _tenant(self, metric: Histogram | Counter, tenant: str, *labels: str) -> Any:
+        key = (metric, tenant, *labels)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = metric.labels(self._model_name, tenant, *labels)
         return child
 
     def render(self) -> bytes:
