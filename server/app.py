@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
+from server.data_parallel import DataParallelEngine
 from server.engine import Engine, EngineDeadError
 from server.errors import install_error_handlers, server_error
 from server.middleware import (
@@ -45,13 +46,15 @@ from server.protocol import (
 from server.serving import Serving
 from server.tenants import TenantRegistry
 
+AnyEngine = Engine | DataParallelEngine
+
 # After the grace period the engine aborts what is left; handlers then need a moment to
 # send their last chunk before uvicorn cuts the connections.
 _ABORT_FLUSH_S = 2.0
 
 
 def build_app(
-    engine: Engine, config: ServerConfig, tenants: TenantRegistry | None = None
+    engine: AnyEngine, config: ServerConfig, tenants: TenantRegistry | None = None
 ) -> FastAPI:
     """The FastAPI app serving `engine`; its lifespan starts and stops the engine.
 
@@ -94,9 +97,14 @@ def build_app(
         return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
+        """200 while the engine serves (with data parallelism: while any core does, and
+        "degraded" naming the dead ones); 503 with the reason otherwise."""
         if not engine.is_alive:
             raise server_error(503, f"The engine is not serving: {engine.unavailable_reason()}.")
+        dead = engine.dead_engines() if isinstance(engine, DataParallelEngine) else {}
+        if dead:
+            return {"status": "degraded", "dead_engines": {str(i): w for i, w in dead.items()}}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -120,7 +128,7 @@ class GracefulServer(uvicorn.Server):
     well-formed end (finish_reason "abort", then `data: [DONE]` on a stream) before
     uvicorn closes the connections, `_ABORT_FLUSH_S` later."""
 
-    def __init__(self, app: FastAPI, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, app: FastAPI, engine: AnyEngine, config: ServerConfig) -> None:
         super().__init__(uvicorn.Config(
             app,
             host=config.host,

@@ -61,6 +61,7 @@ class ServeConfigs:
     enable_prefix_caching: bool
     simulate_step_ms: float | None = None
     stream_interval: int = 1
+    data_parallel_size: int = 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +126,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--watermark", type=float, default=0.0,
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                          help="N engine cores (each a whole copy of the model with its own "
+                          "KV cache and its share of the CPU threads) behind one API "
+                          "process; each request goes where it would start soonest")
 
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
@@ -205,10 +212,12 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     )
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
         raise ValueError("--simulate-step-ms must be >= 0")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
-                        args.simulate_step_ms, args.stream_interval)
+                        args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -331,7 +340,8 @@ def serve(configs: ServeConfigs) -> int:
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from server.app import GracefulServer, build_app
     from server.core_process import EngineStartError
-    from server.engine import create_engine
+    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
+    from server.engine import Engine, create_engine
 
     logger.info("starting: %s", configs)
     tenants_file = configs.server.tenants_file
@@ -341,17 +351,24 @@ def serve(configs: ServeConfigs) -> int:
     except TenantsFileError as exc:
         logger.error("%s", exc)
         return 1
+    engine_kwargs = dict(
+        model_config=configs.model,
+        scheduler_config=configs.scheduler,
+        enable_prefix_caching=configs.enable_prefix_caching,
+        served_model_name=configs.server.served_model_name,
+        step_timeout_s=configs.server.step_timeout_s,
+        simulate_step_ms=configs.simulate_step_ms,
+        stream_interval=configs.stream_interval,
+        log_level=configs.server.log_level,
+    )
+    engine: Engine | DataParallelEngine
     try:
-        engine = create_engine(
-            configs.model,
-            configs.scheduler,
-            enable_prefix_caching=configs.enable_prefix_caching,
-            served_model_name=configs.server.served_model_name,
-            step_timeout_s=configs.server.step_timeout_s,
-            simulate_step_ms=configs.simulate_step_ms,
-            stream_interval=configs.stream_interval,
-            log_level=configs.server.log_level,
-        )
+        if configs.data_parallel_size > 1:
+            engine = create_data_parallel_engine(
+                configs.data_parallel_size, create_engine, **engine_kwargs
+            )
+        else:
+            engine = create_engine(**engine_kwargs)
     except (FileNotFoundError, ValueError, EngineStartError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1

@@ -178,7 +178,7 @@ class Tenancy:
     cache_salt: str | None = None
 
 
-_NO_TENANCY = Tenancy()
+NO_TENANCY = Tenancy()
 
 
 @dataclass
@@ -366,6 +366,15 @@ class Engine:
         """Requests waiting for a seat (as of the last step) plus those not yet queued."""
         return self._num_waiting + self._num_pending_adds
 
+    def load(self, priority: int) -> tuple[int, float]:
+        """What a request of `priority` would queue behind here: the waiting requests of
+        equal or better priority (as of the last step, counting those not yet queued as
+        such) and the KV cache's usage (0 to 1)."""
+        with self._lock:
+            by_priority = self._stats.get("num_waiting_by_priority", {})
+            ahead = sum(n for p, n in by_priority.items() if int(p) <= priority)
+            return ahead + self._num_pending_adds, float(self._stats.get("kv_cache_usage", 0.0))
+
     def start(self) -> None:
         """Start taking outputs from the core (idempotent)."""
         if not self._started:
@@ -389,7 +398,7 @@ class Engine:
         stop: Sequence[str] = (),
         priority: int = 0,
         arrival_time: float | None = None,
-        tenancy: Tenancy = _NO_TENANCY,
+        tenancy: Tenancy = NO_TENANCY,
         on_done: Callable[[], None] | None = None,
     ) -> RequestStream:
         """Queue one HTTP request: n choices per prompt, each its own scheduler request.
@@ -719,6 +728,9 @@ def create_engine(
     stream_interval: int = 1,
     ready_timeout_s: float = 600.0,
     log_level: str = "info",
+    core_name: str = "core",
+    num_threads: int | None = None,
+    metrics_factory: Callable[[str], ServerMetrics] = ServerMetrics,
 ) -> Engine:
     """Start the engine core in its own process (it loads the model, sizes the KV cache
     and builds the matching scheduler; see `build_core_parts`) and return the engine,
@@ -727,14 +739,15 @@ def create_engine(
     The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
     Loading errors are raised here: FileNotFoundError and ValueError as an in-process
     load raises them, EngineStartError when the core crashed or was not ready within
-    `ready_timeout_s`.
+    `ready_timeout_s`. `core_name`, `num_threads` and `metrics_factory` (the metrics for
+    the served model's name) are for data parallelism (server/data_parallel.py).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
     spec = load_model_spec(model_config)
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
-        simulate_step_ms, log_level,
+        simulate_step_ms, log_level, num_threads, core_name,
     ), ready_timeout_s)
     core_info = client.info
     info = EngineInfo(
@@ -746,6 +759,6 @@ def create_engine(
         eos_token_ids=frozenset(core_info.eos_token_ids),
     )
     engine = Engine(client, info, step_timeout_s=step_timeout_s,
-                    stream_interval=stream_interval)
+                    stream_interval=stream_interval, metrics=metrics_factory(info.model_name))
     engine.start()
     return engine

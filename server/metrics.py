@@ -48,13 +48,30 @@ class PriorityLabels:
 
 
 class ServerMetrics:
-    """The server's metrics for one served model."""
+    """The server's metrics for one served model, or for one of its engine cores.
 
-    def __init__(self, model_name: str) -> None:
+    With `engine` (data parallelism) every series also carries `engine`; the metrics of
+    the other cores are views made with `shared=` the first one's, on the same registry.
+    """
+
+    def __init__(
+        self, model_name: str, engine: str | None = None, shared: ServerMetrics | None = None
+    ) -> None:
+        self._base = (model_name,) if engine is None else (model_name, engine)
+        if shared is not None:
+            self.__dict__.update({
+                name: value for name, value in vars(shared).items()
+                if isinstance(value, (Counter, Gauge, Histogram, CollectorRegistry,
+                                      PriorityLabels))
+            })
+        else:
+            self._define(["model_name"] if engine is None else ["model_name", "engine"])
+        self._children()
+
+    def _define(self, m: list[str]) -> None:
         self.registry = CollectorRegistry()
         self.priority_label = PriorityLabels()
-        r, m = self.registry, ["model_name"]
-        self._model_name = model_name
+        r = self.registry
         self.num_preemptions = Counter(
             "pagedserve_num_preemptions", "Preemptions of running requests.", m, registry=r
         )
@@ -150,6 +167,9 @@ class ServerMetrics:
             "pagedserve_tenant_request_queue_time_seconds", "Arrival to first scheduled.",
             t, buckets=_REQUEST_BUCKETS, registry=r,
         )
+
+    def _children(self) -> None:
+        base = self._base
         self._tenant_children: dict[tuple[Any, ...], Any] = {}
         # Create the label-only series up front so that they are exposed before traffic.
         for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens,
@@ -158,24 +178,24 @@ class ServerMetrics:
                        self.kv_cache_usage_perc, self.inter_token_latency,
                        self.e2e_request_latency, self.request_prefill_time,
                        self.request_decode_time, self.iteration_tokens):
-            metric.labels(model_name)
+            metric.labels(*base)
         for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*base, reason)
         # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
         # token) use these children, looked up once.
-        self._preemptions = self.num_preemptions.labels(model_name)
-        self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._prefix_cache_queries = self.prefix_cache_queries.labels(model_name)
-        self._prefix_cache_hits = self.prefix_cache_hits.labels(model_name)
-        self._num_requests_running = self.num_requests_running.labels(model_name)
-        self._num_requests_waiting = self.num_requests_waiting.labels(model_name)
-        self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(model_name)
-        self._inter_token_latency = self.inter_token_latency.labels(model_name)
-        self._e2e_request_latency = self.e2e_request_latency.labels(model_name)
-        self._request_prefill_time = self.request_prefill_time.labels(model_name)
-        self._request_decode_time = self.request_decode_time.labels(model_name)
-        self._iteration_tokens = self.iteration_tokens.labels(model_name)
+        self._preemptions = self.num_preemptions.labels(*base)
+        self._prompt_tokens = self.prompt_tokens.labels(*base)
+        self._generation_tokens = self.generation_tokens.labels(*base)
+        self._prefix_cache_queries = self.prefix_cache_queries.labels(*base)
+        self._prefix_cache_hits = self.prefix_cache_hits.labels(*base)
+        self._num_requests_running = self.num_requests_running.labels(*base)
+        self._num_requests_waiting = self.num_requests_waiting.labels(*base)
+        self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(*base)
+        self._inter_token_latency = self.inter_token_latency.labels(*base)
+        self._e2e_request_latency = self.e2e_request_latency.labels(*base)
+        self._request_prefill_time = self.request_prefill_time.labels(*base)
+        self._request_decode_time = self.request_decode_time.labels(*base)
+        self._iteration_tokens = self.iteration_tokens.labels(*base)
         self._waiting_by_priority: dict[str, Any] = {}  # by priority label, ever seen
         self._running_by_priority: dict[str, Any] = {}
         self._preemptions_by_priority: dict[str, Any] = {}
@@ -200,7 +220,7 @@ class ServerMetrics:
     def inc_request_success(self, finished_reason: str, tenant: str) -> None:
         child = self._request_success.get(finished_reason)
         if child is None:
-            child = self.request_success.labels(self._model_name, finished_reason)
+            child = self.request_success.labels(*self._base, finished_reason)
             self._request_success[finished_reason] = child
         child.inc()
         self._tenant(self.tenant_requests, tenant, finished_reason).inc()
@@ -236,7 +256,7 @@ class ServerMetrics:
                 label = self.priority_label(priority)
                 by_label[label] = by_label.get(label, 0) + n
             for label in by_label.keys() - children.keys():
-                children[label] = gauge.labels(self._model_name, label)
+                children[label] = gauge.labels(*self._base, label)
             for label, child in children.items():
                 child.set(by_label.get(label, 0))
         for priority, n in new_preemptions.items():
@@ -275,14 +295,14 @@ class ServerMetrics:
         label = self.priority_label(priority)
         child = children.get(label)
         if child is None:
-            child = children[label] = metric.labels(self._model_name, label)
+            child = children[label] = metric.labels(*self._base, label)
         return child
 
     def _tenant(self, metric: Histogram | Counter, tenant: str, *labels: str) -> Any:
         key = (metric, tenant, *labels)
         child = self._tenant_children.get(key)
         if child is None:
-            child = self._tenant_children[key] = metric.labels(self._model_name, tenant, *labels)
+            child = self._tenant_children[key] = metric.labels(*self._base, tenant, *labels)
         return child
 
     def render(self) -> bytes:

@@ -31,6 +31,7 @@ from fastapi.responses import Response
 from scheduler.output import SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 from server.config import ServerConfig
+from server.data_parallel import DataParallelEngine
 from server.engine import (
     Engine,
     EngineDeadError,
@@ -86,7 +87,7 @@ class Choice:
 class Serving:
     """Checks, tokenization and engine access of the generation routes (one per app)."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine | DataParallelEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
