@@ -198,12 +198,20 @@ def create_data_parallel_engine(
 ) -> DataParallelEngine:
     """`data_parallel_size` engines from `create` (server.engine.create_engine and its
     `kwargs`), core i named "core<i>", with its share of the CPU's threads and its view of
-    one set of metrics labelled `engine="<i>"`; the started ones are shut down if one
-    fails to start."""
+    one set of metrics labelled `engine="<i>"`; on CUDA core i sees only the i-th visible
+    GPU (CUDA_VISIBLE_DEVICES, inherited by its process). The started ones are shut down
+    if one fails to start."""
     threads = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
+    gpus = _visible_gpus(kwargs["model_config"].device)
+    if gpus is not None and len(gpus) < data_parallel_size:
+        raise ValueError(f"--data-parallel-size {data_parallel_size} needs as many GPUs; "
+                         f"{len(gpus)} visible")
     engines: list[Engine] = []
+    parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for i in range(data_parallel_size):
+            if gpus is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]  # the core's, at its spawn
             shared = engines[0].metrics if engines else None
             engines.append(create(
                 **kwargs, core_name=f"core{i}", num_threads=threads,
@@ -214,4 +222,26 @@ def create_data_parallel_engine(
         for engine in engines:
             engine.shutdown()
         raise
+    finally:
+        if gpus is not None:
+            if parent_gpus is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = parent_gpus
     return DataParallelEngine(engines)
+
+
+def _visible_gpus(device: str) -> list[str] | None:
+    """The GPUs the cores share out (None: the cores run on the CPU)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        if device == "cuda":
+            raise ValueError("--device cuda, but no CUDA device is available")
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
