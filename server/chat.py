@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -27,7 +26,14 @@ from server.protocol import (
     random_id,
 )
 from server.serving import Choice, Serving, json_response, usage
-from server.streaming import Event, chunk_head, delta_events, event_stream, sse_data
+from server.streaming import (
+    Event,
+    chunk_head,
+    delta_events,
+    event_stream,
+    fast_chunk,
+    sse_data,
+)
 
 
 class ChatCompletions:
@@ -90,6 +96,7 @@ class ChatCompletions:
         created = int(time.time())
         model = self.serving.model_name
         choices = {i: Choice() for i in range(body.n)}
+        head = chunk_head(request_id, "chat.completion.chunk", created, model)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
@@ -106,10 +113,10 @@ class ChatCompletions:
                 return None
             return self._logprobs(output.token_ids, output.logprobs or [])
 
-        def content_of(output: RequestOutput) -> dict[str, Any]:
-            return {"delta": {"content": output.text} if output.text else {}}
-
-        def chunk_with_logprobs(output: RequestOutput, logprobs: ChatChoiceLogprobs) -> str:
+        def event_of(output: RequestOutput, logprobs: ChatChoiceLogprobs | None) -> Event:
+            if logprobs is None:
+                return fast_chunk(head, output,
+                                  {"delta": {"content": output.text} if output.text else {}})
             return chunk(ChatCompletionStreamChoice(
                 index=output.index,
                 delta=DeltaMessage(content=output.text or None),
@@ -123,9 +130,7 @@ class ChatCompletions:
                                     usage=usage([prompt], list(choices.values())))
             return sse_data(c.model_dump_json())
 
-        head = chunk_head(request_id, "chat.completion.chunk", created, model)
-        deltas = delta_events(stream, choices, head, logprobs_of, content_of,
-                              chunk_with_logprobs)
+        deltas = delta_events(stream, choices, logprobs_of, event_of)
         return event_stream(self.serving.engine, stream, prelude(), deltas,
                             usage_event if body.include_usage_in_stream else None)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,7 +21,14 @@ from server.protocol import (
     random_id,
 )
 from server.serving import Choice, Serving, json_response, usage
-from server.streaming import Event, chunk_head, delta_events, event_stream, sse_data
+from server.streaming import (
+    Event,
+    chunk_head,
+    delta_events,
+    event_stream,
+    fast_chunk,
+    sse_data,
+)
 
 _DEFAULT_MAX_TOKENS = 16
 
@@ -84,6 +90,7 @@ class Completions:
         created = int(time.time())
         model = self.serving.model_name
         choices = {i: Choice() for i in range(len(prompts) * body.n)}
+        head = chunk_head(request_id, "text_completion", created, model)
 
         def chunk(choice: CompletionStreamChoice) -> str:
             response = CompletionStreamResponse(id=request_id, created=created, model=model,
@@ -105,10 +112,9 @@ class Completions:
                 return None
             return self._logprobs([], output.token_ids, output.logprobs or [], text_offset)
 
-        def content_of(output: RequestOutput) -> dict[str, Any]:
-            return {"text": output.text}
-
-        def chunk_with_logprobs(output: RequestOutput, logprobs: CompletionLogprobs) -> str:
+        def event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
+            if logprobs is None:
+                return fast_chunk(head, output, {"text": output.text})
             return chunk(CompletionStreamChoice(
                 index=output.index,
                 text=output.text,
@@ -124,9 +130,7 @@ class Completions:
             )
             return sse_data(response.model_dump_json())
 
-        head = chunk_head(request_id, "text_completion", created, model)
-        deltas = delta_events(stream, choices, head, logprobs_of, content_of,
-                              chunk_with_logprobs)
+        deltas = delta_events(stream, choices, logprobs_of, event_of)
         return event_stream(self.serving.engine, stream, prelude(), deltas,
                             usage_event if body.include_usage_in_stream else None)
 

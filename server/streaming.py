@@ -51,16 +51,15 @@ def fast_chunk(head: bytes, output: RequestOutput, content: dict[str, Any]) -> b
 async def delta_events(
     stream: RequestStream,
     choices: dict[int, Choice],
-    head: bytes,
     logprobs_of: Callable[[RequestOutput, int], Any | None],
-    content_of: Callable[[RequestOutput], dict[str, Any]],
-    chunk_with_logprobs: Callable[[RequestOutput, Any], str],
+    event_of: Callable[[RequestOutput, Any], Event | None],
 ) -> AsyncIterator[Event]:
-    """One chunk per output of `stream` worth sending, each output added to its choice.
+    """One event per output of `stream` worth sending, each output added to its choice.
 
     `logprobs_of(output, text_offset)` gives an output's logprobs in the route's shape
-    (None when the request asked for none), `content_of(output)` a plain chunk's content
-    fields, `chunk_with_logprobs(output, logprobs)` the whole event of a chunk with them.
+    (None when the request asked for none); `event_of(output, logprobs)` the event of a
+    chunk (None: nothing to send). An output with no text, no logprobs and no finish is
+    never sent.
     """
     async for output in stream:
         choice = choices[output.index]
@@ -69,10 +68,9 @@ async def delta_events(
         logprobs = logprobs_of(output, text_offset) if output.token_ids else None
         if not output.text and logprobs is None and not output.finished:
             continue
-        if logprobs is None:
-            yield fast_chunk(head, output, content_of(output))
-        else:
-            yield chunk_with_logprobs(output, logprobs)
+        event = event_of(output, logprobs)
+        if event is not None:
+            yield event
 
 
 def event_stream(
