@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from model_runner.loader import LoadedModel
 from model_runner.sampler import Sampler
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from model_runner.tp_workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +105,17 @@ class ModelRunner:
     `num_kv_blocks` and `block_size` describe the physical cache, which the scheduler's
     block manager must match. `execute` takes a SchedulerOutput and returns the sampled
     tokens of the requests whose chunk reaches the end of their known tokens.
+
+    Tensor parallel (a sharded model): rank 0's runner has the `workers` and sends them
+    each step before its own forward; a worker's runner runs `execute_worker`. The number
+    of KV blocks is the smallest any rank can hold.
     """
 
-    def __init__(self, loaded: LoadedModel, config: ModelConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: ModelConfig, workers: Workers | None = None
+    ) -> None:
         self.model = loaded.model
+        self.workers = workers
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
@@ -136,6 +147,8 @@ class ModelRunner:
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
         self.sampler.forget(scheduler_output.finished_ids)
+        if self.workers is not None:
+            self.workers.forget([*scheduler_output.finished_ids, *scheduler_output.preempted_ids])
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         # decodes first (stable, so the scheduler's order holds within each group)
@@ -143,6 +156,8 @@ class ModelRunner:
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
+        if self.workers is not None:
+            self.workers.send_step(requests)
         hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
         sampling = [r for r in requests if r.sample]
         if not sampling:
@@ -155,6 +170,15 @@ class ModelRunner:
             if logprobs is not None:
                 output.logprobs[r.request_id] = logprobs
         return output
+
+    @torch.inference_mode()
+    def execute_worker(self, requests: list[ScheduledRequest]) -> None:
+        """A worker rank's share of the step rank 0 runs on `requests` (same order): the
+        forward and, when a request samples, the LM head; their collectives meet rank 0's.
+        Nothing is sampled here."""
+        hidden, sample_rows = self._forward(requests)
+        if any(r.sample for r in requests):
+            self.model.compute_logits(hidden[sample_rows])
 
     def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the step and the rows that sample; decode-only steps go
@@ -195,6 +219,8 @@ class ModelRunner:
             )
         else:
             num_blocks = num_blocks_for_memory(config.kv_cache_memory, block_bytes)
+        if self.model.tp is not None:
+            num_blocks = self.model.tp.min(num_blocks)
         return self._new_kv_cache(num_blocks)
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:
