@@ -142,8 +142,10 @@ class Attention(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.tp = tp
-        self.q_heads = (0, num_heads) if tp is None else tp.split(num_heads, "num_attention_heads")
-        self.kv_heads = (0, num_kv_heads) if tp is None else tp.kv_heads(num_kv_heads)
+        self.q_heads, self.kv_heads = (
+            ((0, num_heads), (0, num_kv_heads)) if tp is None
+            else tp.heads(num_heads, num_kv_heads)
+        )
         self.num_heads = self.q_heads[1] - self.q_heads[0]
         self.num_kv_heads = self.kv_heads[1] - self.kv_heads[0]
         self.head_dim = head_dim
@@ -205,7 +207,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         width = config.intermediate_size
         self.tp = tp
-        self.rows = (0, width) if tp is None else tp.split(width, "intermediate_size")
+        self.rows = (0, width) if tp is None else tp.split(width)
         self.intermediate_size = self.rows[1] - self.rows[0]
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias and _is_first(tp))

@@ -55,28 +55,36 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
-    def split(self, total: int, what: str) -> tuple[int, int]:
-        """This rank's [start, stop) of `total` split evenly; ValueError when it does not
-        divide."""
-        if total % self.world_size:
-            raise ValueError(
-                f"{what} ({total}) is not divisible by --tensor-parallel-size {self.world_size}"
-            )
-        size = total // self.world_size
-        return self.rank * size, (self.rank + 1) * size
+    def split(self, total: int) -> tuple[int, int]:
+        """This rank's [start, stop) of `total` split as evenly as it goes (the first
+        total % N ranks one more)."""
+        size, extra = divmod(total, self.world_size)
+        start = self.rank * size + min(self.rank, extra)
+        return start, start + size + (self.rank < extra)
 
-    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
-        """This rank's [start, stop) of the KV heads: an even split, or with fewer heads
-        than ranks, the one head its query heads read (replicated on N / heads ranks)."""
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's [start, stop) of the query heads and of the KV heads.
+
+        The KV heads are split as evenly as they go, each with its group of query heads
+        (SmolLM2-135M's 3 over 2 ranks: 2 and 1). With fewer KV heads than ranks, each is
+        replicated on N / num_kv_heads ranks, which split its group; ValueError when that
+        does not divide.
+        """
+        group = num_heads // num_kv_heads
         if num_kv_heads >= self.world_size:
-            return self.split(num_kv_heads, "num_key_value_heads")
-        if self.world_size % num_kv_heads:
+            kv_start, kv_stop = self.split(num_kv_heads)
+            return (kv_start * group, kv_stop * group), (kv_start, kv_stop)
+        replicas = self.world_size // num_kv_heads
+        if self.world_size % num_kv_heads or group % replicas:
             raise ValueError(
-                f"--tensor-parallel-size {self.world_size} is neither a divisor nor a "
-                f"multiple of num_key_value_heads ({num_kv_heads})"
+                f"--tensor-parallel-size {self.world_size} does not shard {num_heads} query "
+                f"heads over {num_kv_heads} KV heads (with fewer KV heads than ranks, the "
+                "ranks must split each head's group evenly)"
             )
-        head = self.rank * num_kv_heads // self.world_size
-        return head, head + 1
+        head, part = divmod(self.rank, replicas)
+        size = group // replicas
+        start = head * group + part * size
+        return (start, start + size), (head, head + 1)
 
     def vocab(self, vocab_size: int) -> tuple[int, int, int]:
         """This rank's [start, stop) of the vocabulary and its padded row count: every rank

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _CLOSE_TIMEOUT_S = 10.0
+WORKER_DIED_EXIT_CODE = 3  # the engine core's exit status after a worker died
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Workers:
 def exit_on_worker_death(reason: str) -> None:
     """The engine core's reaction to a dead worker: exit at once (see the module docstring)."""
     logger.error("%s; the engine core exits", reason)
-    os._exit(1)
+    os._exit(WORKER_DIED_EXIT_CODE)
 
 
 def start_tensor_parallel(

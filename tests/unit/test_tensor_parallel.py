@@ -33,7 +33,9 @@ TP_CONFIGS = {
     "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": 255, "num_key_value_heads": 1},
                                  tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),  # q/k/v biases
-    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),  # q/k norm
+    # q/k norm; 3 KV heads, split 2 and 1 (as SmolLM2-135M's)
+    "qwen3": lambda: Qwen3Config(**{**TINY, "num_attention_heads": 6, "num_key_value_heads": 3},
+                                 head_dim=32, tie_word_embeddings=False),
 }
 MAX_TOKEN_ID = 250  # prompts stay inside every vocabulary above
 
@@ -63,7 +65,8 @@ def models(request, tmp_path_factory) -> Iterator[Models]:
     try:
         _, tp = start_tensor_parallel(replace(config, tensor_parallel_size=2), deaths.append)
         yield Models(hf, single, tp, deaths)
-        tp.workers.close()
+        tp.workers.close()  # EOF on its socket: the worker exits by itself
+        assert [p.returncode for p in tp.workers.processes] == [0]
         tp.model.tp.close()
     finally:
         torch.set_num_threads(threads)
@@ -81,14 +84,19 @@ def seqs(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Seq]:
     return [Seq(f"{tag}-{i}", p, max_tokens) for i, p in enumerate(prompts)]
 
 
-def test_shards_hold_half_the_model(models: Models):
+def test_rank_0_holds_its_share(models: Models):
     full, shard = models.single.model, models.tp.model
+    num_kv_heads = full.num_kv_heads
+    group = full.layers[0].self_attn.num_heads // num_kv_heads
+    rank_kv_heads = 1 if num_kv_heads == 1 else -(-num_kv_heads // 2)
+    rank_heads = group // 2 if num_kv_heads == 1 else rank_kv_heads * group
     assert shard.tp.world_size == 2
-    assert shard.layers[0].self_attn.num_heads == full.layers[0].self_attn.num_heads // 2
+    assert shard.layers[0].self_attn.q_heads == (0, rank_heads)
+    assert shard.layers[0].self_attn.kv_heads == (0, rank_kv_heads)
+    assert models.tp.kv_cache.layers[0][0].shape[2] == rank_kv_heads
     assert shard.layers[0].mlp.intermediate_size == full.layers[0].mlp.intermediate_size // 2
     assert shard.embed_tokens.num_embeddings == -(-full.vocab_size // 2)
     assert models.tp.num_kv_blocks == models.single.num_kv_blocks
-    assert models.tp.kv_cache.layers[0][0].shape[2] == max(1, full.num_kv_heads // 2)
 
 
 def test_batched_greedy_matches_one_rank_and_generate(models: Models):
