@@ -26,6 +26,7 @@ from model_runner.kv_cache import (
 )
 from model_runner.loader import LoadedModel
 from model_runner.sampler import Sampler
+from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -156,13 +157,17 @@ class ModelRunner:
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
-        if self.workers is not None:
+        if self.workers is None:
+            logits = self._logits(requests)
+        else:
             self.workers.send_step(requests)
-        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
+            try:
+                logits = self._logits(requests)
+            except Exception as exc:  # the workers wait in a collective rank 0 never joins
+                raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
-        if not sampling:
+        if logits is None:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
         result = self.sampler(logits, sampling, [self._generator(r) for r in sampling])
         output = ModelRunnerOutput()
         for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
@@ -174,11 +179,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_worker(self, requests: list[ScheduledRequest]) -> None:
         """A worker rank's share of the step rank 0 runs on `requests` (same order): the
-        forward and, when a request samples, the LM head; their collectives meet rank 0's.
-        Nothing is sampled here."""
-        hidden, sample_rows = self._forward(requests)
-        if any(r.sample for r in requests):
-            self.model.compute_logits(hidden[sample_rows])
+        same forward and LM head, whose collectives meet rank 0's. Nothing is sampled."""
+        self._logits(requests)
+
+    def _logits(self, requests: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The forward, then the LM head on the rows that sample: [num_sampling, vocab]
+        (whole on rank 0 only), or None when none samples."""
+        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
+        if not any(r.sample for r in requests):
+            return None
+        return self.model.compute_logits(hidden[sample_rows])
 
     def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the step and the rows that sample; decode-only steps go

@@ -20,6 +20,12 @@ TIMEOUT = timedelta(seconds=300)
 HOST = "127.0.0.1"
 
 
+class RanksOutOfStep(BaseException):
+    """Rank 0 failed between sending a step and finishing its collectives: the workers
+    wait in one it will never join. Not an Exception, so that the engine core does not go
+    on to the next step (it exits; see server/core_process.py)."""
+
+
 def open_store(world_size: int) -> dist.TCPStore:
     """Rank 0's rendezvous store on a free local port (`store.port`)."""
     return dist.TCPStore(HOST, 0, world_size, is_master=True, timeout=TIMEOUT,
