@@ -6,7 +6,7 @@ Systems: `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype float16
 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV), `pagedserve-int8`
 (`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see cpu_linear.py) and
 `llama-server` (llama.cpp, built separately: --llama-server PATH) are started as servers
-here and driven by bench.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
+here and driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
 Face `generate` sequential, static batching and continuous batching, run in this process
 on the same converted weights. Every output is forced to its requested length. Prints one
 table per workload with each system's output tokens/s and its ratio to every baseline;
@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.client import BenchConfig, run_items
 from bench.server_process import ServerProcess, free_port, pagedserve_command
-from bench.workloads import WORKLOADS, BenchItem, Workload
+from loadgen.client import BenchConfig, run_items
+from loadgen.workloads import WORKLOADS, BenchItem, Workload
 
 # pagedserve as served by default (float32, exact), on float16 weights and on int8 ones
 PAGEDSERVE_VARIANTS = {

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor
 
-from bench.workloads import Workload
+from loadgen.workloads import Workload
 
 
 @dataclass

@@ -23,8 +23,21 @@ def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[i
     return digest.digest()
 
 
+def salt_hash(cache_salt: str | None) -> BlockHash | None:
+    """The parent key of a sequence's first block under `cache_salt` (None: unsalted).
+
+    Blocks under different salts never share keys, so a prompt cached under one salt is
+    no hit (and no timing signal) under another."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"cache_salt\x00" + cache_salt.encode()).digest()
+
+
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
 ) -> None:
     """Append to `block_hashes` the keys of the full blocks of `token_ids` not hashed yet.
 
@@ -32,8 +45,9 @@ def extend_block_hashes(
     (a request's list only grows: full blocks never change).
     """
     num_full_blocks = len(token_ids) // block_size
+    root = salt_hash(cache_salt) if len(block_hashes) < num_full_blocks else None
     for i in range(len(block_hashes), num_full_blocks):
-        parent = block_hashes[i - 1] if i > 0 else None
+        parent = block_hashes[i - 1] if i > 0 else root
         block_hashes.append(
             hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         )

@@ -40,6 +40,11 @@ class KVCacheRequest(Protocol):
         """Keys of the request's full blocks; the manager appends to it."""
         ...
 
+    @property
+    def cache_salt(self) -> str | None:
+        """Blocks of different salts never share prefix-cache keys (None: unsalted)."""
+        ...
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
@@ -90,7 +95,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.cache_salt)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -170,7 +176,8 @@ class KVCacheManager:
         num_full = num_computed_tokens // self.block_size
         if num_done is None or num_full <= num_done:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.cache_salt)
         blocks = self._req_blocks[request_id]
         for i in range(num_done, num_full):
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])

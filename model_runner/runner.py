@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,10 +30,17 @@ from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from model_runner.tp_workers import Workers
-
 logger = logging.getLogger(__name__)
+
+
+class Workers(Protocol):
+    """Rank 0's handle on the other tensor-parallel ranks (model_runner/tp_workers.py)."""
+
+    def forget(self, request_ids: Sequence[str]) -> None: ...
+
+    def send_step(self, requests: Sequence[ScheduledRequest]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

@@ -16,7 +16,8 @@ class SchedulerConfig:
     kept free when admitting waiting requests (running requests may use them).
     long_prefill_token_threshold: the most tokens one prefill computes in a step that also
     carries decodes (0: no cap beyond the budget), so a long prompt cannot turn everyone's
-    next token into a long step.
+    next token into a long step. fair_share: under priority, order each priority level
+    by weighted fair share among tenants (scheduler/fair_share.py) instead of by arrival.
     """
 
     policy: str = "fcfs"
@@ -26,6 +27,7 @@ class SchedulerConfig:
     priority_aging_s: float | None = None
     watermark: float = 0.0
     long_prefill_token_threshold: int = 0
+    fair_share: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_DEADLINE = 6
 
     @property
     def is_finished(self) -> bool:
@@ -27,7 +28,8 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI finish_reason: "stop", "length", "abort", or None while unfinished."""
+        """OpenAI finish_reason: "stop", "length", "abort", "deadline", or None while
+        unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_DEADLINE: "deadline",
 }
 
 
@@ -43,7 +46,13 @@ class Request:
 
     `num_computed_tokens` is the one progress counter: tokens whose KV is in the cache.
     Prefill, chunked prefill, decode and recompute after preemption all follow from
-    comparing it with `num_tokens`. `arrival_time` is on the time.monotonic() clock.
+    comparing it with `num_tokens`. `arrival_time` and `deadline` are on the
+    time.monotonic() clock.
+
+    `tenant` and `weight` place the request in its priority level's fair share (tenants
+    served in proportion to their weights); `deadline`, when set, finishes the request
+    with "deadline" once passed; `cache_salt` keys its prefix-cache blocks apart from
+    those of any other salt.
     """
 
     def __init__(
@@ -55,7 +64,14 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         prompt_leader_id: str | None = None,
+        *,
+        tenant: str | None = None,
+        weight: float = 1.0,
+        deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        if weight <= 0:
+            raise ValueError("weight must be > 0")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -74,6 +90,13 @@ class Request:
         # request is held back until the leader's full prompt blocks are computed, then
         # shares them (None: no leader).
         self.prompt_leader_id = prompt_leader_id
+        self.tenant = tenant
+        self.weight = weight
+        self.deadline = deadline
+        self.cache_salt = cache_salt
+        # Order within a priority level, set once by the scheduler's fair share (None: by
+        # arrival time).
+        self.fair_tag: float | None = None
         # Prefix-cache keys of the full blocks of all_token_ids (kvcache appends to it).
         self.block_hashes: list[BlockHash] = []
         # Priority after aging: the priority queue lowers it while the request waits and
@@ -112,7 +135,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "length", "abort", or None while unfinished."""
+        """"stop", "length", "abort", "deadline", or None while unfinished."""
         return self.status.finish_reason
 
     def append_output_token(self, token_id: int, logprobs: SampleLogprobs | None = None) -> None:

@@ -162,14 +162,17 @@ class FCFSRequestQueue(RequestQueue):
         self._queue = deque(e for e in self._queue if self._is_live(e[1], e[0]))
 
 
-# Heap entry: (order key, arrival time, request id, sequence number, request). Live ids
+# Heap entry: (order key, order within the key, request id, sequence number, request);
+# within a key requests go by fair-share tag when the scheduler set one (server with
+# tenants), else by arrival time. Live ids
 # are unique and a stale entry's sequence number differs from the live one's, so
 # comparisons never reach the request itself.
 _HeapEntry = tuple[float, float, str, int, Request]
 
 
 class PriorityRequestQueue(RequestQueue):
-    """A heap ordered by (priority, arrival time, request id); lower first.
+    """A heap ordered by (priority, fair-share tag or arrival time, request id); lower
+    first.
 
     With `aging_s`, a request's effective priority improves continuously, by one level per
     `aging_s` seconds waited (`effective_priority`). NOTE: since every waiting request ages
@@ -190,7 +193,8 @@ class PriorityRequestQueue(RequestQueue):
     def add(self, request: Request) -> None:
         """Add by priority order."""
         seq = self._enter(request)
-        entry = (self._key(request), request.arrival_time, request.request_id, seq, request)
+        order = request.arrival_time if request.fair_tag is None else request.fair_tag
+        entry = (self._key(request), order, request.request_id, seq, request)
         heapq.heappush(self._heap, entry)
         if self.aging_s is not None:
             base = (request.priority, request.arrival_time, request.request_id, seq, request)

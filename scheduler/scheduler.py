@@ -33,6 +33,7 @@ Costs: schedule() and update() are O(running + admitted) per step, whatever the 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,7 @@ from kvcache.block_pool import KVCacheBlock
 from kvcache.config import CacheConfig
 from kvcache.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.config import SchedulerConfig
+from scheduler.fair_share import FairShare
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
@@ -140,6 +142,10 @@ class Scheduler:
     was admitted with, which shields it from preemption-for-admission by requests whose
     base priority is not better (or newcomers would throw every aged request out again).
 
+    A request with a deadline still unfinished when it passes is finished with
+    FINISHED_DEADLINE at the next schedule(), before anything is computed for it (and
+    returned by the following update() with the requests that got tokens).
+
     The choices of an n > 1 request compute the prompt once: a request naming a
     `prompt_leader_id` is held back until the leader has computed every full block of the
     prompt, then shares those blocks (through the prefix cache, or directly from the
@@ -166,6 +172,13 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
+        self.fair_share = (
+            FairShare()
+            if scheduler_config.fair_share and self.policy is SchedulingPolicy.PRIORITY
+            else None
+        )
+        self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request id)
+        self._expired: list[Request] = []  # passed their deadline in schedule()
         self._clock = clock
         self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
         self._max_prefill_chunk = scheduler_config.long_prefill_token_threshold or None
@@ -202,6 +215,13 @@ class Scheduler:
                 f"{self.cache_config.block_size} tokens)"
             )
         self.requests[request.request_id] = request
+        if self.fair_share is not None:
+            self.fair_share.tag(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+            if len(self._deadlines) > 2 * len(self.requests) + 1024:  # finished ones linger
+                self._deadlines = [d for d in self._deadlines if d[1] in self.requests]
+                heapq.heapify(self._deadlines)
         leader = self.requests.get(request.prompt_leader_id or "")
         if leader is not None and not self._has_computed_prompt(leader):
             self.held.setdefault(leader.request_id, []).append(request)
@@ -247,6 +267,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: decodes first, then prefill work in policy order."""
         step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
+        self._expire_deadlines(step.now)
         self._schedule_decodes(step)
         self._schedule_prefills(step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
@@ -258,11 +279,12 @@ class Scheduler:
     ) -> list[Request]:
         """Apply a computed step: advance progress, append sampled tokens, stop, cache.
 
-        Returns the requests that got a token this step (finished ones included), in
-        batch order. Requests finished or aborted since schedule() are skipped.
-        ValueError if the runner returned no token for a request that sampled.
+        Returns the requests whose deadline passed in schedule(), then those that got a
+        token this step (finished ones included), in batch order. Requests finished or
+        aborted since schedule() are skipped. ValueError if the runner returned no token
+        for a request that sampled.
         """
-        outputs: list[Request] = []
+        outputs, self._expired = self._expired, []
         any_finished = False
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -286,6 +308,17 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Finish every unfinished request whose deadline is past; O(expired log n)."""
+        deadlines = self._deadlines
+        expired = []
+        while deadlines and deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(deadlines)
+            if request_id in self.requests:
+                expired.append(request_id)
+        if expired:
+            self._expired.extend(self.finish_requests(expired, RequestStatus.FINISHED_DEADLINE))
 
     # ---- state ----
 
@@ -496,6 +529,8 @@ class Scheduler:
         else:
             admitted = urgent_enough and self._admit_by_preempting(request, step)
         if admitted:
+            if self.fair_share is not None:
+                self.fair_share.admitted(request)
             return
         self.skipped_waiting.add(request)
         if self.policy is SchedulingPolicy.FCFS or step.parked_head is not None:

@@ -4,7 +4,7 @@
 This is the only module that parses command-line flags; it turns them into the
 frozen configs of each layer (ServerConfig, ModelConfig, SchedulerConfig; the
 CacheConfig follows from the KV cache the runner allocates) and runs uvicorn, or into
-a BenchConfig for bench/client.py. Flag names follow vLLM's.
+a BenchConfig for loadgen/client.py. Flag names follow vLLM's.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from bench import client as bench_client
-from bench.client import BenchConfig
+from loadgen import client as bench_client
+from loadgen.client import BenchConfig
 from model_runner.attention.selection import ATTENTION_BACKENDS
 from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
@@ -357,7 +357,7 @@ def serve(configs: ServeConfigs) -> int:
 def _bench_engine_loop(config: BenchConfig, step_ms: float) -> int:
     import json
 
-    from bench.engine_loop import format_engine_loop, run_engine_loop
+    from server.engine_loop_bench import format_engine_loop, run_engine_loop
 
     summary = run_engine_loop(config, step_ms)
     print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))

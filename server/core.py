@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -168,11 +169,13 @@ class EngineCore:
             runner_output = self.runner.execute(plan)
             updated = self.scheduler.update(plan, runner_output)
             deltas.extend(self._delta(request) for request in updated)
-        except Exception as exc:
-            logger.exception("engine step failed; aborting its requests")
+        except Exception:
+            error_id = f"err-{uuid.uuid4().hex}"
+            logger.exception("engine step failed (error id %s); aborting its requests", error_id)
             ids = [s.request_id for s in plan.scheduled] if plan else list(self._num_sent)
             ids = [i for i in ids if i in self._num_sent]
-            message = f"internal error in engine step: {exc!r}"
+            message = (f"internal error in an engine step (error id {error_id}; the server "
+                       "log has the details)")
             deltas.extend(RequestDelta(i, [], error=message) for i in ids)
             self._finish(ids, RequestStatus.FINISHED_ABORTED)
         finally:

@@ -75,7 +75,6 @@ class RequestOutput:
     logprobs: list[SampleLogprobs] | None
     finish_reason: str | None
     num_preemptions: int
-    num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
@@ -591,7 +590,6 @@ class Engine:
             logprobs=logprobs,
             finish_reason=finish_reason,
             num_preemptions=num_preemptions,
-            num_prompt_tokens=choice.num_prompt_tokens,
             num_output_tokens=choice.num_output_tokens,
             num_cached_tokens=num_cached_tokens,
             error=error,

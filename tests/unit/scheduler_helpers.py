@@ -36,6 +36,7 @@ def make_scheduler(
     num_blocks: int = 32,
     block_size: int = 4,
     enable_prefix_caching: bool = True,
+    fair_share: bool = False,
     clock: Callable[[], float] | None = None,
 ) -> Scheduler:
     """A scheduler on a small pool (defaults: 32 blocks of 4 tokens, budget 64, 16 seats)."""
@@ -48,6 +49,7 @@ def make_scheduler(
             priority_aging_s=priority_aging_s,
             watermark=watermark,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            fair_share=fair_share,
         ),
         CacheConfig(
             num_blocks=num_blocks,

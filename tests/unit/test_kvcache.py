@@ -19,6 +19,7 @@ class Req:
         self.priority = priority
         self.num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []
+        self.cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

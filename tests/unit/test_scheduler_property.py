@@ -3,7 +3,8 @@
 After every step: every block and request is accounted for; no decode starves behind a
 prefill; and, where KV blocks and seats are plenty (so only the budget binds), no waiting
 request was denied budget that a prefill of worse priority got, and a step's prefills
-are of one priority level.
+are of one priority level; with fair share among tenants, no waiting request of a level
+was passed over for one of the same level with a later fair-share tag.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ configs = st.fixed_dictionaries(
         "watermark": st.sampled_from([0.0, 0.2]),
         "priority_aging_s": st.sampled_from([None, 3.0]),
         "long_prefill_token_threshold": st.sampled_from([0, 0, 3]),
+        "fair_share": st.booleans(),
     }
 )
 
@@ -47,6 +49,7 @@ ample_configs = st.fixed_dictionaries(
         "enable_prefix_caching": st.booleans(),
         "priority_aging_s": st.sampled_from([None, 3.0]),
         "long_prefill_token_threshold": st.sampled_from([0, 3]),
+        "fair_share": st.booleans(),
     }
 )
 
@@ -66,6 +69,10 @@ arrivals = st.lists(
     min_size=1,
     max_size=16,
 )
+
+
+# Tenants (by a prompt's first token) and their fair-share weights.
+TENANT_WEIGHTS = {1: ("a", 1.0), 2: ("b", 2.0), 3: ("c", 0.5)}
 
 
 def expected_token(request_id: str, position: int) -> int:
@@ -90,6 +97,7 @@ class Harness:
         max_len = self.scheduler.max_request_len
         prompt = prompt[: max_len - 1]
         leader_id = f"r{len(self.added)}"
+        tenant, weight = TENANT_WEIGHTS[prompt[0]]
         for i in range(num_choices):
             request = Request(
                 f"r{len(self.added)}",
@@ -100,6 +108,8 @@ class Harness:
                 priority=priority,
                 arrival_time=self.clock.now,
                 prompt_leader_id=leader_id if i else None,
+                tenant=tenant,
+                weight=weight,
             )
             self.scheduler.add_request(request)
             self.added.append(request)
@@ -166,6 +176,7 @@ class Harness:
         if not prefills:
             return
         now = self.clock.now
+        self.check_fair_order(prefills, running_ids=set(ids), waiting_before=waiting_before)
         levels = {r.effective_priority for r in prefills}
         assert len(levels) == 1, f"prefills of levels {levels} in one step"
         worst = max(levels)
@@ -177,6 +188,25 @@ class Harness:
                 f"{request!r} (effective {effective}) waited while a prefill of "
                 f"effective priority {worst} got budget"
             )
+
+    def check_fair_order(
+        self, prefills: list[Request], running_ids: set[str], waiting_before: list[Request]
+    ) -> None:
+        """With fair share (and no aging), a level's waiting requests are admitted in
+        fair-share tag order: none left waiting has an earlier tag than one admitted."""
+        scheduler = self.scheduler
+        if scheduler.fair_share is None or scheduler.config.priority_aging_s is not None:
+            return
+        admitted = [r for r in prefills if r in waiting_before]
+        for request in admitted:
+            assert request.fair_tag is not None
+            for other in waiting_before:
+                if other.request_id in running_ids or other.is_finished:
+                    continue
+                if other.priority == request.priority:
+                    assert (other.fair_tag, other.request_id) > (
+                        request.fair_tag, request.request_id
+                    ), f"{other!r} (tag {other.fair_tag}) passed over for {request!r}"
 
     def check_state(self) -> None:
         self.scheduler.check_integrity()

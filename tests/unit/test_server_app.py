@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 
@@ -70,6 +71,15 @@ def assert_error(response, status: int, *needles: str) -> dict:
     for needle in needles:
         assert needle in error["message"]
     return error
+
+
+def assert_logged_not_answered(message: str, details: str, log: str) -> None:
+    """An internal error's answer names an error id, which the log names beside the
+    details; the answer never holds them."""
+    assert details not in message
+    match = re.search(r"err-[0-9a-f]{32}", message)
+    assert match is not None, message
+    assert match.group() in log and details in log
 
 
 def ok(client: TestClient) -> None:
@@ -289,7 +299,7 @@ def test_api_key(serve) -> None:
     assert response.status_code == 200
 
 
-def test_failed_step_is_500_and_the_next_request_works(serve) -> None:
+def test_failed_step_is_500_and_the_next_request_works(serve, caplog) -> None:
     client, engine = serve()
     calls = []
 
@@ -299,13 +309,14 @@ def test_failed_step_is_500_and_the_next_request_works(serve) -> None:
             raise RuntimeError("injected fault")
 
     engine.fault_hook = fail_first
-    error = assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "injected")
+    error = assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "error id")
     assert error["type"] == "server_error"
+    assert_logged_not_answered(error["message"], "injected fault", caplog.text)
     ok(client)
     assert client.get("/scheduler/state").json()["kv_cache"]["usage"] == 0.0
 
 
-def test_failed_step_mid_stream_sends_an_error_event(serve) -> None:
+def test_failed_step_mid_stream_sends_an_error_event(serve, caplog) -> None:
     client, engine = serve()
     calls = []
 
@@ -317,7 +328,21 @@ def test_failed_step_mid_stream_sends_an_error_event(serve) -> None:
     engine.fault_hook = fail_third
     events = sse_events(client, "/v1/completions", {"prompt": "hi", "stream": True})
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "He"
-    assert "injected" in events[-1]["error"]["message"]
+    assert_logged_not_answered(events[-1]["error"]["message"], "injected fault", caplog.text)
+    ok(client)
+
+
+def test_an_unexpected_exception_is_a_500_naming_an_id_the_log_explains(serve, caplog) -> None:
+    client, engine = serve()
+
+    async def broken_snapshot(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+
+    engine.snapshot = broken_snapshot
+    error = assert_error(client.get("/scheduler/state"), 500, "error id")
+    assert error["type"] == "server_error" and error["code"] == "internal_error"
+    assert_logged_not_answered(error["message"], "secret internal detail", caplog.text)
+    assert len([r for r in caplog.records if r.exc_info]) == 1  # logged once, not re-raised
     ok(client)
 
 

@@ -13,7 +13,6 @@ import httpx
 import pytest
 
 from scheduler.sampling_params import SamplingParams
-from server.app import _chunk_head, _fast_chunk
 from server.cli import build_configs, build_parser
 from server.engine import RequestOutput
 from server.protocol import (
@@ -23,6 +22,7 @@ from server.protocol import (
     CompletionStreamResponse,
     DeltaMessage,
 )
+from server.streaming import chunk_head, fast_chunk
 from tests.reliability_helpers import LiveServer
 
 SCRIPT = "Hello, wörld! Bye."
@@ -73,24 +73,24 @@ def test_a_stream_not_read_holds_one_merged_output_per_choice(make_fake_engine) 
 @pytest.mark.parametrize("finish_reason", [None, "length"])
 @pytest.mark.parametrize("text", ["", "plain", 'qu"ote\\ \n naïve 日本 🙂 \u2028'])
 def test_fast_chunks_are_the_chunk_models_json(finish_reason, text) -> None:
-    output = RequestOutput(2, text, [1], None, finish_reason, 3, 4, 5)
+    output = RequestOutput(2, text, [1], None, finish_reason, 3, 5)
     num_preemptions = 3 if finish_reason else None
     completion = CompletionStreamResponse(id="cmpl-x", created=7, model="m é", choices=[
         CompletionStreamChoice(index=2, text=text, finish_reason=finish_reason,
                                num_preemptions=num_preemptions)
     ])
-    head = _chunk_head("cmpl-x", "text_completion", 7, "m é")
+    head = chunk_head("cmpl-x", "text_completion", 7, "m é")
     expected = f"data: {completion.model_dump_json()}\n\n".encode()
-    assert _fast_chunk(head, output, {"text": text}) == expected
+    assert fast_chunk(head, output, {"text": text}) == expected
     chat = ChatCompletionChunk(id="chat-x", created=7, model="m", choices=[
         ChatCompletionStreamChoice(index=2, delta=DeltaMessage(content=text or None),
                                    finish_reason=finish_reason,
                                    num_preemptions=num_preemptions)
     ])
-    head = _chunk_head("chat-x", "chat.completion.chunk", 7, "m")
+    head = chunk_head("chat-x", "chat.completion.chunk", 7, "m")
     delta = {"content": text} if text else {}
     expected = f"data: {chat.model_dump_json()}\n\n".encode()
-    assert _fast_chunk(head, output, {"delta": delta}) == expected
+    assert fast_chunk(head, output, {"delta": delta}) == expected
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.client import format_summary, run_bench
+from loadgen.client import format_summary, run_bench
 from server.cli import build_bench_config, build_parser
 from tests.reliability_helpers import LiveServer
 

@@ -73,13 +73,13 @@ def test_kv_pool_sized_like_the_model(spec) -> None:
 
 
 def test_engine_loop_bench_generates_every_requested_token() -> None:
-    from bench.client import BenchConfig
-    from bench.engine_loop import run_engine_loop
+    from loadgen.client import BenchConfig
+    from server.engine_loop_bench import run_engine_loop
 
     config = BenchConfig(url="", num_requests=12, concurrency=4, input_len=(8, 8),
                          output_len=(5, 9), ignore_eos=True)
     summary = run_engine_loop(config, step_ms=0)
-    from bench.client import make_items
+    from loadgen.client import make_items
 
     assert summary["output_tokens"] == sum(item.max_tokens for item in make_items(config))
     assert summary["num_requests"] == 12 and summary["num_steps"] >= 9

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from bench.client import BenchConfig, make_items
+from loadgen.client import BenchConfig, make_items
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model_spec
 from scheduler.config import SchedulerConfig

@@ -26,7 +26,7 @@ import httpx
 import orjson
 import uvloop
 
-from bench.workloads import WORKLOADS, BenchItem
+from loadgen.workloads import WORKLOADS, BenchItem
 
 _WORDS = (
     "the of and to in is was for on that with as by at from his her are be this have "
@@ -75,7 +75,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 600.0
     json: bool = False
-    workload: str | None = None  # a name from bench.workloads: its requests and concurrency
+    workload: str | None = None  # a name from loadgen.workloads: its requests and concurrency
     scale: float = 1.0  # scales the workload's request count
     http_client: str = "httpx"  # or "raw": plain asyncio connections (http:// only)
 

@@ -1,0 +1,157 @@
+"""ASGI middleware of the HTTP server: the API key, the body's size and arrival time, and
+the last resort for an unexpected exception.
+
+Each answers in OpenAI's error shape (server/errors.py) before a route runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, server_error
+from server.protocol import random_id
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class InternalErrorMiddleware:
+    """An exception no handler answered: logged with its traceback under a fresh error id,
+    answered with a 500 that names the id (never the exception's text), and not re-raised,
+    so the log holds it once. Mid-stream, the connection just ends."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            error_id = random_id("err")
+            logger.exception("internal error %s on %s %s", error_id, scope.get("method"),
+                             scope.get("path"))
+            if not started:
+                error = server_error(
+                    500, f"Internal server error (error id {error_id}; the server log has "
+                    "the details).", code="internal_error",
+                )
+                await error.response()(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """401 for every path but /health and /metrics without `Authorization: Bearer <key>`.
+
+    The key is compared in constant time (hmac.compare_digest) and never logged.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        # NOTE: compare_digest runs whatever the scheme, so that timing tells nothing.
+        key_matches = hmac.compare_digest(token.strip(), self._key)
+        return scheme.lower() == b"bearer" and key_matches
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            if not self._authorized(scope):
+                error = APIError(
+                    401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over max_bytes, by Content-Length or as they stream in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self._max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self._max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self._max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"Request body is larger than {self._max_bytes} bytes.",
+            code="request_too_large",
+        )
+
+
+class BodyTimeoutMiddleware:
+    """408 when a request body has not fully arrived within timeout_s (a client that
+    sends its body slowly, or not at all, holds no handler for long)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self._timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = time.monotonic() + self._timeout_s
+        body_done = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(
+                    408, f"The request body did not arrive within {self._timeout_s:g} s.",
+                    code="request_timeout",
+                ) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    """A time.monotonic() deadline on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())

@@ -1,0 +1,72 @@
+"""The OpenAPI schema of the generation routes, whose bodies are parsed by hand
+(server/serving.py): the request models as documented bodies, the SSE chunk models and
+the error answers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from server.protocol import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
+
+
+def json_request_body(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a JSON body of `model`."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def generation_responses(
+    response: type[pydantic.BaseModel], chunk: type[pydantic.BaseModel]
+) -> dict[int | str, dict[str, Any]]:
+    """The answers of a generation route: the response, or an SSE stream of `chunk` objects
+    ending in `data: [DONE]`, or an error in OpenAI's shape."""
+    # One server-sent event: a chunk, an error (then the end), or the final [DONE].
+    event_data = {"anyOf": [
+        {"type": "string", "const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": f"#/components/schemas/{chunk.__name__}"},
+            {"$ref": "#/components/schemas/ErrorResponse"},
+        ]}},
+    ]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": event_data}}
+    stream = {"schema": event}
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {
+            "model": response,
+            "description": "The completion, or with `stream` a text/event-stream of chunks.",
+            "content": {"text/event-stream": stream},
+        },
+    }
+    for status, why in ((400, "Invalid request"), (401, "Missing or wrong API key"),
+                        (404, "Unknown model"), (413, "Request body too large"),
+                        (500, "A step of the engine failed"),
+                        (503, "Engine not running, or too many requests waiting")):
+        responses[status] = {"model": ErrorResponse, "description": why}
+    return responses
+
+
+def install_openapi(app: FastAPI, request_models: Sequence[type[pydantic.BaseModel]]) -> None:
+    """Add the request models (and the chunk models) to the schema's components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            models = [
+                *((m, "validation") for m in request_models),
+                (CompletionStreamResponse, "serialization"),
+                (ChatCompletionChunk, "serialization"),
+            ]
+            _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in defs.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

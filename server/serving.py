@@ -1,0 +1,307 @@
+"""What the two generation routes share: parsing and checking a request, tokenizing off
+the event loop, submitting to the engine, gathering a non-streamed result, usage.
+
+Bodies are parsed here rather than by FastAPI, so that a missing or wrong Content-Type is
+no error and the checks run in a fixed order: key (middleware), body size (middleware),
+JSON, schema, model, priority, load, context length.
+
+Limits that keep one request from taking the server down: the JSON nesting depth and
+integer size, the protocol's bounds on every field and list, the prompt's characters
+(checked before tokenizing, so that a huge prompt costs no tokenizer time) and tokens
+against the context, and prompt plus max_tokens against the context: each is a 400
+naming the limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import Response
+
+from scheduler.output import SampleLogprobs
+from scheduler.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.engine import Engine, EngineDeadError, EngineStepError, RequestOutput, RequestStream
+from server.errors import APIError, server_error, validation_error
+from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+
+# A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+_RequestT = TypeVar("_RequestT", bound=SamplingRequest)
+_T = TypeVar("_T")
+
+
+@dataclass
+class Choice:
+    """A choice's text, tokens and logprobs gathered from its outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids.extend(output.token_ids)
+        self.logprobs.extend(output.logprobs or [])
+        self.num_output_tokens = output.num_output_tokens
+        self.num_preemptions = output.num_preemptions
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+
+
+class Serving:
+    """Checks, tokenization and engine access of the generation routes (one per app)."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, engine.info.max_model_len)
+        # NOTE: tokenizing and chat templates run off the event loop, so that a huge prompt
+        # stalls no other stream nor /health; one thread with its own copy of the
+        # tokenizer, as a fast tokenizer is not thread-safe.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.pool_tokenizer = copy.deepcopy(self.tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.info.model_name
+
+    async def in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the tokenizer thread (which owns `pool_tokenizer`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------ validation
+
+    async def parse(self, raw: Request, model: type[_RequestT]) -> _RequestT:
+        """The body as `model`, then the checks that need no tokens (`check_admission`)."""
+        body = await raw.body()
+        try:
+            data = json.loads(body)
+        except RecursionError as exc:
+            raise APIError(400, "Request body is not valid JSON: nested too deeply.") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"Request body is not valid JSON: {exc}") from exc
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise APIError(400, "Request body is not valid JSON: a number is too long.") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "Request body must be a JSON object.")
+        if _SURROGATE_ESCAPE_RE.search(body) and _has_lone_surrogate(data):
+            raise APIError(
+                400, "Request body is not valid JSON: a string holds an unpaired UTF-16 "
+                "surrogate (\\ud800-\\udfff), which is no Unicode character."
+            )
+        try:
+            request = model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc.errors(include_url=False)) from exc
+        self._check_admission(request)
+        return request
+
+    def _check_admission(self, body: SamplingRequest) -> None:
+        info = self.engine.info
+        if body.model is not None and body.model != info.model_name:
+            raise APIError(
+                404, f"The model `{body.model}` does not exist; this server serves "
+                f"`{info.model_name}`.", param="model", code="model_not_found",
+            )
+        if body.priority != 0 and info.policy != "priority":
+            raise APIError(
+                400, f"priority is not supported under the {info.policy} scheduling policy: "
+                "start the server with `--scheduling-policy priority`.", param="priority",
+            )
+        if not self.engine.is_alive:
+            raise server_error(
+                503, f"The engine is not serving: {self.engine.unavailable_reason()}."
+            )
+        vocab_size = info.vocab_size
+        bad_stop = [t for t in body.stop_token_ids or () if t >= vocab_size]
+        if bad_stop:
+            raise APIError(
+                400, f"stop_token_ids: token id {bad_stop[0]} is out of range: the vocabulary "
+                f"has {vocab_size} tokens.", param="stop_token_ids",
+            )
+        limit = self.config.max_waiting
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise server_error(
+                503, f"The server is overloaded: {limit} requests are waiting. Retry later.",
+                code="server_overloaded", headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    def check_prompt_chars(self, text: str, what: str, param: str) -> None:
+        """400 for a text that surely has more tokens than the context, before tokenizing
+        it (which takes seconds for megabytes)."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {self.engine.info.max_model_len} "
+                f"tokens, at most {limit} characters of text. However, your {what} is "
+                f"{len(text)} characters long. Please reduce the length of the {param}.",
+                param=param,
+            )
+
+    def check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        info = self.engine.info
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        bad = [t for t in prompt if t >= info.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"Token id {bad[0]} is out of range: the vocabulary has "
+                f"{info.vocab_size} tokens.", param="prompt",
+            )
+        limit = info.max_model_len
+        if len(prompt) >= limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(prompt)} input tokens, which leaves no room for output. "
+                "Please reduce the length of the input.", param="prompt",
+            )
+        if len(prompt) + max_tokens > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                "or of max_tokens.", param="max_tokens",
+            )
+
+    @staticmethod
+    def sampling_params(
+        body: SamplingRequest, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return body.to_sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """On the tokenizer thread."""
+        return list(self.pool_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (on the event loop)."""
+        return str(self.tokenizer.decode([token_id]))
+
+    # ------------------------------------------------------ engine
+
+    def submit(
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        body: SamplingRequest,
+        arrival: float,
+    ) -> RequestStream:
+        try:
+            return self.engine.add_request(
+                request_id, prompts, params, n=body.n, stop=body.stop_strings,
+                priority=body.priority, arrival_time=arrival,
+            )
+        except EngineDeadError as exc:
+            raise server_error(503, str(exc)) from exc
+
+    async def collect(self, stream: RequestStream, raw: Request) -> list[Choice] | None:
+        """Every choice's full output; None when the client went away first (aborted)."""
+
+        async def gather() -> list[Choice]:
+            choices: dict[int, Choice] = {}
+            async for output in stream:
+                choices.setdefault(output.index, Choice()).add(output)
+            return [choices[i] for i in sorted(choices)]
+
+        gather_task = asyncio.ensure_future(gather())
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({gather_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not gather_task.done():
+                return None
+            return gather_task.result()
+        except EngineStepError as exc:
+            raise server_error(500, str(exc)) from exc
+        finally:
+            for task in (gather_task, disconnect_task):
+                task.cancel()
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+
+def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:
+    """Usage of a request: each prompt counted once, as are its cached tokens (those of
+    its first choice, which computes the prompt for the others)."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    n = max(1, len(choices) // max(1, len(prompts)))
+    cached_tokens = sum(c.num_cached_tokens for c in choices[::n])
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def json_response(model: pydantic.BaseModel) -> Response:
+    """`model` as JSON; NOTE: pydantic writes a NaN or infinite float as null, where
+    JSONResponse would raise (a 500 after the work was done)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """Characters beyond which a text cannot fit in max_model_len tokens (None: unknown).
+
+    No token decodes to more characters than its vocabulary entry has (byte-level BPE
+    writes each byte as one character, SentencePiece a space as one), so a text longer
+    than max_model_len x the longest entry has more tokens than the context holds.
+    NOTE: a normalizer may shorten the text before it is split (NFC composes up to three
+    characters into one), hence the slack when the tokenizer has one.
+    """
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # no get_vocab (or an unusual one): no limit but the tokens'
+        return None
+    if longest == 0:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 1 if backend is None or backend.normalizer is None else 4
+    return max_model_len * longest * slack
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string anywhere in parsed JSON holds an unpaired surrogate."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client closes the connection (the body was already read)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,118 @@
+"""Server-sent event streams of the generation routes, written once for both.
+
+A stream is a prelude (echoed prompts, or each choice's role), one chunk per engine
+output that carries text, logprobs or a finish reason, an optional usage chunk, and
+`data: [DONE]`, after an error event when a step failed. A chunk without logprobs (the
+common case) is encoded with orjson from a head encoded once per stream; a chunk with
+logprobs goes through the pydantic chunk models. A client that goes away mid-stream
+aborts its request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from typing import Any
+
+import orjson
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.engine import Engine, EngineStepError, RequestOutput, RequestStream
+from server.protocol import ErrorInfo, ErrorResponse
+from server.serving import Choice
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Event = str | bytes
+
+
+def sse_data(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def chunk_head(request_id: str, kind: str, created: int, model: str) -> bytes:
+    """`data: {"id":...,"object":...,"created":...,"model":...,"choices":[` of a stream's
+    chunks, encoded once per stream."""
+    head = orjson.dumps({"id": request_id, "object": kind, "created": created, "model": model})
+    return b"data: " + head[:-1] + b',"choices":['
+
+
+def fast_chunk(head: bytes, output: RequestOutput, content: dict[str, Any]) -> bytes:
+    """The SSE event of a chunk without logprobs, encoded with orjson: the same JSON as
+    the chunk models (CompletionStreamChoice / ChatCompletionStreamChoice) write."""
+    choice: dict[str, Any] = {"index": output.index, **content, "logprobs": None,
+                              "finish_reason": output.finish_reason}
+    if output.finished:
+        choice["num_preemptions"] = output.num_preemptions
+    return head + orjson.dumps(choice) + b"]}\n\n"
+
+
+async def delta_events(
+    stream: RequestStream,
+    choices: dict[int, Choice],
+    head: bytes,
+    logprobs_of: Callable[[RequestOutput, int], Any | None],
+    content_of: Callable[[RequestOutput], dict[str, Any]],
+    chunk_with_logprobs: Callable[[RequestOutput, Any], str],
+) -> AsyncIterator[Event]:
+    """One chunk per output of `stream` worth sending, each output added to its choice.
+
+    `logprobs_of(output, text_offset)` gives an output's logprobs in the route's shape
+    (None when the request asked for none), `content_of(output)` a plain chunk's content
+    fields, `chunk_with_logprobs(output, logprobs)` the whole event of a chunk with them.
+    """
+    async for output in stream:
+        choice = choices[output.index]
+        text_offset = len(choice.text)
+        choice.add(output)
+        logprobs = logprobs_of(output, text_offset) if output.token_ids else None
+        if not output.text and logprobs is None and not output.finished:
+            continue
+        if logprobs is None:
+            yield fast_chunk(head, output, content_of(output))
+        else:
+            yield chunk_with_logprobs(output, logprobs)
+
+
+def event_stream(
+    engine: Engine,
+    stream: RequestStream,
+    prelude: Iterable[Event],
+    deltas: AsyncIterator[Event],
+    usage_event: Callable[[], Event] | None,
+) -> StreamingResponse:
+    """The SSE response: `prelude`, `deltas`, then `usage_event()` when given, and
+    [DONE] (after an error event on failure); aborts the request if the client leaves."""
+
+    async def events() -> AsyncGenerator[Event, None]:
+        try:
+            for event in prelude:
+                yield event
+            async for event in deltas:
+                yield event
+            if usage_event is not None:
+                yield usage_event()
+        except EngineStepError as exc:
+            error = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
+            yield sse_data(error.model_dump_json())
+        finally:
+            if not stream.finished:
+                engine.abort(stream.request_id)
+        yield "data: [DONE]\n\n"
+
+    return _EventStreamResponse(events(), media_type="text/event-stream",
+                                headers=_SSE_HEADERS)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator, so that the generator's
+    `finally` (which aborts the request) runs even when the client went away while a
+    chunk was being sent rather than while the generator was waiting for one."""
+
+    body_iterator: AsyncGenerator[Event, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
