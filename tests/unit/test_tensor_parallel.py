@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import msgspec
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config
@@ -21,8 +22,10 @@ from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
+from model_runner.tp_plan import BlockTables, PlanWriter, StepPlan
 from model_runner.tp_workers import start_tensor_parallel
 from scheduler.config import SchedulerConfig
+from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -82,6 +85,33 @@ def seqs(prompts: list[list[int]], max_tokens: int, tag: str) -> list[Seq]:
     """NOTE: ids unique per test: the engine loop never finishes a request, so the
     workers would still hold the block table of an id used before."""
     return [Seq(f"{tag}-{i}", p, max_tokens) for i, p in enumerate(prompts)]
+
+
+def test_plan_carries_new_tokens_and_blocks_only():
+    """What a step sends: the chunk's tokens and the blocks the workers lack; a freed
+    (finished or preempted) table is dropped and sent whole when the request comes back."""
+    writer, tables = PlanWriter(), BlockTables()
+
+    def step(*requests: tuple[str, list[int], int, list[int]]) -> tuple[StepPlan, list]:
+        scheduled = [ScheduledRequest(i, t, n, b, True, SamplingParams(), list(range(99)), [])
+                     for i, t, n, b in requests]
+        data = writer.plan(scheduled)
+        plan = msgspec.msgpack.decode(data, type=StepPlan)
+        return plan, [(r.request_id, r.token_ids, r.num_computed_tokens, list(r.block_table))
+                      for r in tables.apply(data)]
+
+    plan, seen = step(("a", [5, 6, 7, 8, 9], 0, [3, 4]))
+    assert [r.new_block_ids for r in plan.requests] == [[3, 4]]
+    assert seen == [("a", [5, 6, 7, 8, 9], 0, [3, 4])]
+    plan, seen = step(("a", [10], 5, [3, 4]), ("b", [1, 2], 0, [7]))
+    assert [r.new_block_ids for r in plan.requests] == [[], [7]]
+    plan, seen = step(("a", [11], 6, [3, 4, 9]))
+    assert plan.requests[0].new_block_ids == [9] and seen[0][3] == [3, 4, 9]
+    writer.forget(["a", "unknown"])
+    plan, seen = step(("a", [5, 6, 7, 8, 9, 10, 11, 12], 4, [3, 8, 2]))  # resumed, cached head
+    assert plan.forget_ids == ["a"] and plan.requests[0].new_block_ids == [3, 8, 2]
+    assert seen == [("a", [5, 6, 7, 8, 9, 10, 11, 12], 4, [3, 8, 2])]
+    assert len(tables) == 2
 
 
 def test_rank_0_holds_its_share(models: Models):
