@@ -10,7 +10,8 @@ between the ranks), `B` requests are prefilled to `context` tokens, and `steps` 
 steps of all `B` are timed through `ModelRunner.execute` (after 3 untimed ones). With 2
 ranks, rank 0 also times each all-reduce (the embedding's and two per layer); that time
 includes waiting for the other rank to arrive, so it is an upper bound on the collective's
-own cost.
+own cost. The collective alone is then timed apart: two fresh processes, nothing else to
+do, all-reducing a [batch, hidden] float32 tensor back to back.
 """
 
 from __future__ import annotations
@@ -18,20 +19,31 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
-from model_runner.tensor_parallel import TensorParallel
+from model_runner.tensor_parallel import (
+    HOST,
+    TIMEOUT,
+    TensorParallel,
+    init_tensor_parallel,
+    open_store,
+)
 from model_runner.tp_workers import start_tensor_parallel
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
 NUM_WARMUP_STEPS = 3
+NUM_COLLECTIVES = 200
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -99,6 +111,34 @@ def decode_steps(
     }
 
 
+def all_reduce_ms(rank: int, port: int, world_size: int, shape: tuple[int, int]) -> float:
+    """The median ms of one all-reduce of `shape` among `world_size` idle ranks (every
+    rank calls it; rank 0 opened the store on `port`)."""
+    store = dist.TCPStore(HOST, port, world_size, is_master=False, timeout=TIMEOUT)
+    tp = init_tensor_parallel(rank, world_size, store, torch.device("cpu"))
+    x, times = torch.ones(shape), []
+    for _ in range(NUM_COLLECTIVES):
+        start = time.perf_counter()
+        tp.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    tp.close()
+    return 1000 * statistics.median(times)
+
+
+def collective_alone(world_size: int, shape: tuple[int, int]) -> float:
+    """`all_reduce_ms` with this process as rank 0 and fresh processes as the others."""
+    store = open_store(world_size)
+    others = [subprocess.Popen(
+        [sys.executable, "-c", f"from bench.tp_bench import all_reduce_ms; "
+         f"all_reduce_ms({rank}, {store.port}, {world_size}, {shape})"],
+        cwd=Path(__file__).resolve().parents[1]) for rank in range(1, world_size)]
+    try:
+        return all_reduce_ms(0, store.port, world_size, shape)
+    finally:
+        for process in others:
+            process.wait(60)
+
+
 def run(config: ModelConfig, tp_size: int, batch_sizes: list[int], context: int,
         steps: int) -> list[dict]:
     clock = AllReduceClock()
@@ -119,6 +159,10 @@ def run(config: ModelConfig, tp_size: int, batch_sizes: list[int], context: int,
             runner.workers.close()
             runner.model.tp.close()
         torch.set_num_threads(threads)
+    if tp_size > 1:
+        for row in rows:
+            shape = (row["batch"], runner.model.config.hidden_size)
+            row["alone_ms"] = collective_alone(tp_size, shape)
     return rows
 
 
@@ -144,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, "
           f"context {args.context}, {args.steps} timed decode steps (median)")
     print("| -tp | batch | threads/rank | step ms | tokens/s | all-reduce ms/step "
-          "| all-reduces/step | all-reduce share |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| all-reduces/step | all-reduce share | one all-reduce alone, ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        alone = f"{r['alone_ms']:.3f}" if "alone_ms" in r else "-"
         print(f"| {r['tp']} | {r['batch']} | {r['threads_per_rank']} | {r['step_ms']:.1f} "
               f"| {r['tokens_per_s']:.0f} | {r['all_reduce_ms']:.2f} "
-              f"| {r['all_reduces_per_step']} | {100 * r['all_reduce_share']:.0f}% |")
+              f"| {r['all_reduces_per_step']} | {100 * r['all_reduce_share']:.0f}% | {alone} |")
     return 0
 
 
