@@ -51,10 +51,10 @@ def worker_pid(server: ServerProcess) -> int:
 
 
 def greedy_texts(url: str) -> list[str]:
-    """Every prompt at once (one batch, the long one chunked), greedy, 24 tokens."""
+    """Every prompt at once (one batch, the long one chunked), greedy, 16 tokens."""
 
     async def one(client: httpx.AsyncClient, path: str, body: dict) -> str:
-        response = await client.post(path, json={**body, "max_tokens": 24, "temperature": 0})
+        response = await client.post(path, json={**body, "max_tokens": 16, "temperature": 0})
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         return choice["text"] if "text" in choice else choice["message"]["content"]

@@ -22,10 +22,11 @@ from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
+from model_runner.tensor_parallel import RanksOutOfStep
 from model_runner.tp_plan import BlockTables, PlanWriter, StepPlan
 from model_runner.tp_workers import start_tensor_parallel
 from scheduler.config import SchedulerConfig
-from scheduler.output import ScheduledRequest
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -112,6 +113,46 @@ def test_plan_carries_new_tokens_and_blocks_only():
     assert plan.forget_ids == ["a"] and plan.requests[0].new_block_ids == [3, 8, 2]
     assert seen == [("a", [5, 6, 7, 8, 9, 10, 11, 12], 4, [3, 8, 2])]
     assert len(tables) == 2
+
+
+class RecordingWorkers:
+    """Stands in for the worker processes: records what rank 0 sends them."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        self.steps: list[list[str]] = []
+
+    def forget(self, request_ids) -> None:
+        self.forgotten += request_ids
+
+    def send_step(self, requests) -> None:
+        self.steps.append([r.request_id for r in requests])
+
+    def close(self) -> None:
+        pass
+
+
+def test_rank_0_sends_the_step_in_its_order_and_fails_hard_mid_step(tmp_path, monkeypatch):
+    """The workers get the requests in the runner's order (decodes first) and the freed
+    ids; a failure after the send is RanksOutOfStep, which the engine core does not catch
+    (the workers wait in a collective rank 0 never joins), a failure before it a
+    ValueError as on one rank."""
+    make_model_folder(tmp_path, LlamaConfig(**TINY))
+    config = ModelConfig(model=str(tmp_path), block_size=4, num_kv_blocks=16)
+    workers = RecordingWorkers()
+    runner = ModelRunner(load_model(config), config, workers)
+    prefill = ScheduledRequest("p", [5, 6, 7], 0, [0], True, SamplingParams(), [5, 6, 7], [])
+    decode = ScheduledRequest("d", [8], 4, [1, 2], True, SamplingParams(), [5, 6, 7, 8], [])
+    runner.execute(SchedulerOutput([prefill, decode], preempted_ids=["x"], finished_ids=["y"]))
+    assert workers.steps == [["d", "p"]] and workers.forgotten == ["y", "x"]
+    too_long = ScheduledRequest("t", [1] * 300, 0, list(range(16)), True, SamplingParams(), [], [])
+    with pytest.raises(ValueError):
+        runner.execute(SchedulerOutput([too_long]))
+    assert len(workers.steps) == 1  # not sent
+    monkeypatch.setattr(runner, "_forward", lambda requests: 1 / 0)
+    with pytest.raises(RanksOutOfStep) as failure:
+        runner.execute(SchedulerOutput([decode]))
+    assert not isinstance(failure.value, Exception)
 
 
 def test_rank_0_holds_its_share(models: Models):
