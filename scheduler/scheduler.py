@@ -727,6 +727,7 @@ class Scheduler:
         return {
             "request_id": request.request_id,
             "status": request.status.name,
+            "tenant": request.tenant,
             "priority": request.priority,
             "effective_priority": (
                 request.effective_priority

@@ -23,13 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
+from server.data_parallel import DataParallelEngine
 from server.engine import Engine, EngineDeadError
 from server.errors import install_error_handlers, server_error
 from server.middleware import (
-    ApiKeyMiddleware,
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
     InternalErrorMiddleware,
+    TenantAuthMiddleware,
 )
 from server.openapi import generation_responses, install_openapi, json_request_body
 from server.protocol import (
@@ -43,14 +44,22 @@ from server.protocol import (
     ModelList,
 )
 from server.serving import Serving
+from server.tenants import TenantRegistry
+
+AnyEngine = Engine | DataParallelEngine
 
 # After the grace period the engine aborts what is left; handlers then need a moment to
 # send their last chunk before uvicorn cuts the connections.
 _ABORT_FLUSH_S = 2.0
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving `engine`; its lifespan starts and stops the engine."""
+def build_app(
+    engine: AnyEngine, config: ServerConfig, tenants: TenantRegistry | None = None
+) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and stops the engine.
+
+    `tenants` says who may ask for what (server/tenants.py); by default the one tenant
+    of `config.api_key` (or, without a key, everyone)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -61,8 +70,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
+    app.add_middleware(TenantAuthMiddleware, tenants=tenants)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest])
@@ -88,9 +97,14 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> dict[str, Any]:
+        """200 while the engine serves (with data parallelism: while any core does, and
+        "degraded" naming the dead ones); 503 with the reason otherwise."""
         if not engine.is_alive:
             raise server_error(503, f"The engine is not serving: {engine.unavailable_reason()}.")
+        dead = engine.dead_engines() if isinstance(engine, DataParallelEngine) else {}
+        if dead:
+            return {"status": "degraded", "dead_engines": {str(i): w for i, w in dead.items()}}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -114,7 +128,7 @@ class GracefulServer(uvicorn.Server):
     well-formed end (finish_reason "abort", then `data: [DONE]` on a stream) before
     uvicorn closes the connections, `_ABORT_FLUSH_S` later."""
 
-    def __init__(self, app: FastAPI, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, app: FastAPI, engine: AnyEngine, config: ServerConfig) -> None:
         super().__init__(uvicorn.Config(
             app,
             host=config.host,

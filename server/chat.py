@@ -39,13 +39,13 @@ class ChatCompletions:
     async def __call__(self, raw: Request) -> Response:
         serving = self.serving
         arrival = time.monotonic()
-        body = await serving.parse(raw, ChatCompletionRequest)
+        body, placement = await serving.parse(raw, ChatCompletionRequest, arrival)
         prompt = await serving.in_pool(self._render, body)
         serving.check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
         params = serving.sampling_params(body, max_tokens, body.num_logprobs)
         request_id = random_id("chatcmpl")
-        stream = serving.submit(request_id, [prompt], params, body, arrival)
+        stream = serving.submit(request_id, [prompt], params, body, placement, arrival)
         if body.stream:
             return self._stream(request_id, stream, body, prompt)
         choices = await serving.collect(stream, raw)

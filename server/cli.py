@@ -26,6 +26,7 @@ from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
+from server.tenants import TenantRegistry, TenantsFileError
 
 logger = logging.getLogger("pagedserve")
 
@@ -60,6 +61,7 @@ class ServeConfigs:
     enable_prefix_caching: bool
     simulate_step_ms: float | None = None
     stream_interval: int = 1
+    data_parallel_size: int = 1
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,12 +130,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
 
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                          help="N engine cores (each a whole copy of the model with its own "
+                          "KV cache and its share of the CPU threads) behind one API "
+                          "process; each request goes where it would start soonest")
+
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                       help="require `Authorization: Bearer KEY` (not on /health, /metrics); "
                       f"default: ${API_KEY_ENV}, which keeps the key out of `ps`")
+    http.add_argument("--tenants", default=None, metavar="FILE",
+                      help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
+                      "in-flight caps, token rates, fair-share weights, deadlines; "
+                      "reloaded on SIGHUP (instead of --api-key)")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many requests wait (default: no limit)")
     http.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -187,12 +199,14 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
             if args.long_prefill_token_threshold is None
             else args.long_prefill_token_threshold
         ),
+        fair_share=args.tenants is not None,
     )
     server = ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key,
+        tenants_file=args.tenants,
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
         step_timeout_s=args.step_timeout_s,
@@ -204,10 +218,12 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         raise ValueError("--simulate-step-ms must be >= 0")
     if args.simulate_step_ms is not None and args.tensor_parallel_size > 1:
         raise ValueError("--simulate-step-ms runs no model to shard: drop --tensor-parallel-size")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
-                        args.simulate_step_ms, args.stream_interval)
+                        args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -315,31 +331,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reload_tenants(tenants: TenantRegistry, path: str) -> None:
+    """SIGHUP: the tenants file again; a bad file keeps the tenants as they were."""
+    try:
+        tenants.reload(path)
+    except TenantsFileError as exc:
+        logger.error("tenants not reloaded, the old ones stay: %s", exc)
+        return
+    logger.info("tenants reloaded from %s: %s", path, ", ".join(tenants.names))
+
+
 def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from server.app import GracefulServer, build_app
     from server.core_process import EngineStartError
-    from server.engine import create_engine
+    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
+    from server.engine import Engine, create_engine
 
     logger.info("starting: %s", configs)
+    tenants_file = configs.server.tenants_file
     try:
-        engine = create_engine(
-            configs.model,
-            configs.scheduler,
-            enable_prefix_caching=configs.enable_prefix_caching,
-            served_model_name=configs.server.served_model_name,
-            step_timeout_s=configs.server.step_timeout_s,
-            simulate_step_ms=configs.simulate_step_ms,
-            stream_interval=configs.stream_interval,
-            log_level=configs.server.log_level,
-        )
+        tenants = (TenantRegistry.from_file(tenants_file) if tenants_file is not None
+                   else TenantRegistry.single(configs.server.api_key))
+    except TenantsFileError as exc:
+        logger.error("%s", exc)
+        return 1
+    engine_kwargs = dict(
+        model_config=configs.model,
+        scheduler_config=configs.scheduler,
+        enable_prefix_caching=configs.enable_prefix_caching,
+        served_model_name=configs.server.served_model_name,
+        step_timeout_s=configs.server.step_timeout_s,
+        simulate_step_ms=configs.simulate_step_ms,
+        stream_interval=configs.stream_interval,
+        log_level=configs.server.log_level,
+    )
+    engine: Engine | DataParallelEngine
+    try:
+        if configs.data_parallel_size > 1:
+            engine = create_data_parallel_engine(
+                configs.data_parallel_size, create_engine, **engine_kwargs
+            )
+        else:
+            engine = create_engine(**engine_kwargs)
     except (FileNotFoundError, ValueError, EngineStartError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
     # abort the rest (each client gets finish_reason "abort"), then exit.
-    server = GracefulServer(build_app(engine, configs.server), engine, configs.server)
+    server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
                 configs.server.host, configs.server.port)
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped
@@ -347,6 +388,8 @@ def serve(configs: ServeConfigs) -> int:
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
+    if tenants_file is not None:
+        signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(tenants, tenants_file))
     try:
         server.run()  # the app's lifespan stops the engine core on shutdown
     finally:

@@ -36,7 +36,7 @@ class Completions:
     async def __call__(self, raw: Request) -> Response:
         serving = self.serving
         arrival = time.monotonic()
-        body = await serving.parse(raw, CompletionRequest)
+        body, placement = await serving.parse(raw, CompletionRequest, arrival)
         max_tokens = body.max_tokens or _DEFAULT_MAX_TOKENS
         prompts: list[list[int]] = []
         if isinstance(body.prompts[0], str):
@@ -52,7 +52,7 @@ class Completions:
             texts = await serving.in_pool(self._decode_all, prompts) if body.echo else []
         params = serving.sampling_params(body, max_tokens, body.logprobs)
         request_id = random_id("cmpl")
-        stream = serving.submit(request_id, prompts, params, body, arrival)
+        stream = serving.submit(request_id, prompts, params, body, placement, arrival)
         echo = texts if body.echo else None
         if body.stream:
             return self._stream(request_id, stream, body, prompts, echo)

@@ -19,13 +19,15 @@ class ServerConfig:
     snapshot_timeout_s: GET /scheduler/state answers 503 when the core takes longer.
     body_timeout_s: a request body not fully received by then is a 408.
     limit_concurrency: uvicorn answers 503 beyond this many connections and tasks (None:
-    no limit).
+    no limit). tenants_file: the tenants, their keys and limits (server/tenants.py);
+    exclusive with api_key, reloaded on SIGHUP.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    tenants_file: str | None = None
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
     step_timeout_s: float | None = 300.0
@@ -43,6 +45,8 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None and self.tenants_file is not None:
+            raise ValueError("give either an API key or a tenants file (its tenants have keys)")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
         if self.shutdown_grace_s < 0:

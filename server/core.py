@@ -116,6 +116,8 @@ class EngineCore:
                 new.request_id, new.prompt_token_ids, new.sampling_params,
                 eos_token_ids=self.eos_token_ids, priority=new.priority,
                 arrival_time=new.arrival_time, prompt_leader_id=new.prompt_leader_id,
+                tenant=new.tenant, weight=new.weight, deadline=new.deadline,
+                cache_salt=new.cache_salt,
             )
             self._num_added += 1
             try:

@@ -72,6 +72,8 @@ class CoreConfig:
     served_model_name: str | None = None
     simulate_step_ms: float | None = None
     log_level: str = "info"
+    num_threads: int | None = None  # torch's CPU threads (None: its default)
+    name: str = "core"  # in the core's log lines (data parallelism: core0, core1, ...)
 
 
 class ProcessCoreClient:
@@ -96,7 +98,7 @@ class ProcessCoreClient:
         self._closed = False
         self._receiver: threading.Thread | None = None
         self.process = context.Process(
-            target=core_main, name="pagedserve-core", daemon=True,
+            target=core_main, name=f"pagedserve-{config.name}", daemon=True,
             args=(config, commands_path, outputs_path, self._clock, os.getpid()),
         )
         self.process.start()
@@ -218,8 +220,12 @@ def core_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s [{config.name}]: %(message)s",
     )
+    if config.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(commands_path)

@@ -49,6 +49,7 @@ from server.messages import (
     StepScheduled,
 )
 from server.metrics import ServerMetrics
+from server.tenants import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class _Choice:
     group_id: str
     index: int
     priority: int
+    tenant: str
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer
     arrival_time: float  # time.monotonic() when the HTTP request arrived
@@ -163,6 +165,20 @@ class _Choice:
     first_token_time: float | None = None
     last_token_time: float | None = None
     held: RequestOutput | None = None  # output held back by --stream-interval
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose a request is (server/tenants.py): the tenant and its fair-share weight, the
+    deadline (time.monotonic()) and the prefix-cache salt."""
+
+    tenant: str = DEFAULT_TENANT
+    weight: float = 1.0
+    deadline: float | None = None
+    cache_salt: str | None = None
+
+
+NO_TENANCY = Tenancy()
 
 
 @dataclass
@@ -289,6 +305,7 @@ class Engine:
         self._lock = threading.Lock()  # guards what both the loop and the client touch
         self._choices: dict[str, _Choice] = {}  # by scheduler id
         self._groups: dict[str, set[str]] = {}
+        self._on_done: dict[str, Callable[[], None]] = {}  # by group, see add_request
         self._snapshots: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self._query_ids = itertools.count()
         self._num_pending_adds = 0
@@ -349,6 +366,15 @@ class Engine:
         """Requests waiting for a seat (as of the last step) plus those not yet queued."""
         return self._num_waiting + self._num_pending_adds
 
+    def load(self, priority: int) -> tuple[int, float]:
+        """What a request of `priority` would queue behind here: the waiting requests of
+        equal or better priority (as of the last step, counting those not yet queued as
+        such) and the KV cache's usage (0 to 1)."""
+        with self._lock:
+            by_priority = self._stats.get("num_waiting_by_priority", {})
+            ahead = sum(n for p, n in by_priority.items() if int(p) <= priority)
+            return ahead + self._num_pending_adds, float(self._stats.get("kv_cache_usage", 0.0))
+
     def start(self) -> None:
         """Start taking outputs from the core (idempotent)."""
         if not self._started:
@@ -372,13 +398,16 @@ class Engine:
         stop: Sequence[str] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        tenancy: Tenancy = NO_TENANCY,
+        on_done: Callable[[], None] | None = None,
     ) -> RequestStream:
         """Queue one HTTP request: n choices per prompt, each its own scheduler request.
 
         Choice `p * n + i` (prompt p, sample i) has the scheduler id `<request_id>-<p*n+i>`;
         with a seed, sample i uses seed + i so that the n samples differ; choices i > 0
         name choice p * n as their prompt leader. Must be called from the event loop that
-        will consume the returned stream.
+        will consume the returned stream. `on_done` is called (on the engine's thread, or
+        the caller's) once every choice has ended, however it ended.
         """
         if not self.is_alive:
             raise EngineDeadError(self.unavailable_reason())
@@ -395,16 +424,19 @@ class Engine:
                 new_requests.append(NewRequest(
                     scheduler_id, list(prompt), params, priority, arrival,
                     f"{request_id}-{p * n}" if i > 0 else None,
+                    tenancy.tenant, tenancy.weight, tenancy.deadline, tenancy.cache_salt,
                 ))
                 detokenizer = IncrementalDetokenizer(self._decode_tokenizer, prompt, stop)
                 choices.append(_Choice(scheduler_id, stream, request_id, index, priority,
-                                       len(prompt), detokenizer, arrival))
+                                       tenancy.tenant, len(prompt), detokenizer, arrival))
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError(self.unavailable_reason())
             for choice in choices:
                 self._choices[choice.request_id] = choice
             self._groups[request_id] = {c.request_id for c in choices}
+            if on_done is not None:
+                self._on_done[request_id] = on_done
             self._num_pending_adds += len(choices)
         self._client.send(AddRequests(new_requests))
         return stream
@@ -482,7 +514,8 @@ class Engine:
                     if choice is not None:
                         choice.first_scheduled_time = message.step_start
                         self.metrics.observe_queue_time(
-                            message.step_start - choice.arrival_time, choice.priority
+                            message.step_start - choice.arrival_time, choice.priority,
+                            choice.tenant,
                         )
         elif isinstance(message, SnapshotReply):
             with self._lock:
@@ -500,6 +533,7 @@ class Engine:
         outputs: list[tuple[RequestStream, RequestOutput]] = []
         stopped: list[str] = []
         num_tokens = 0
+        tokens_by_tenant: dict[str, int] = {}
         for delta in message.deltas:
             choice = self._choices.get(delta.request_id)
             if choice is None:
@@ -512,6 +546,9 @@ class Engine:
             new_ids = delta.new_token_ids
             if new_ids:
                 num_tokens += len(new_ids)
+                tokens_by_tenant[choice.tenant] = tokens_by_tenant.get(choice.tenant, 0) + len(
+                    new_ids
+                )
                 self._observe_tokens(choice, len(new_ids), now)
             text_delta = choice.detokenizer.step(new_ids)
             text, finish_reason = text_delta.text, None
@@ -530,7 +567,7 @@ class Engine:
                 outputs.append((choice.stream, output))
             if finish_reason is not None:
                 self._forget(choice, finish_reason, now)
-        self.metrics.inc_generation_tokens(num_tokens)  # once per step, not per request
+        self.metrics.inc_generation_tokens(num_tokens, tokens_by_tenant)  # once per step
         self._record_stats(message.stats)
         return outputs, stopped
 
@@ -562,7 +599,7 @@ class Engine:
         if choice.last_token_time is None:
             choice.first_token_time = now
             self.metrics.observe_ttft(now - choice.arrival_time, choice.priority)
-            self.metrics.inc_prompt_tokens(choice.num_prompt_tokens)
+            self.metrics.inc_prompt_tokens(choice.num_prompt_tokens, choice.tenant)
         else:
             self.metrics.observe_inter_token_latency(now - choice.last_token_time)
         choice.last_token_time = now
@@ -619,8 +656,11 @@ class Engine:
             group.discard(choice.request_id)
             if not group:
                 del self._groups[choice.group_id]
+                on_done = self._on_done.pop(choice.group_id, None)
+                if on_done is not None:
+                    on_done()
         if finish_reason is not None:
-            self.metrics.inc_request_success(finish_reason)
+            self.metrics.inc_request_success(finish_reason, choice.tenant)
             self.metrics.observe_e2e_latency(now - choice.arrival_time)
             first_token, first_scheduled = choice.first_token_time, choice.first_scheduled_time
             self.metrics.observe_request_phases(
@@ -688,6 +728,9 @@ def create_engine(
     stream_interval: int = 1,
     ready_timeout_s: float = 600.0,
     log_level: str = "info",
+    core_name: str = "core",
+    num_threads: int | None = None,
+    metrics_factory: Callable[[str], ServerMetrics] = ServerMetrics,
 ) -> Engine:
     """Start the engine core in its own process (it loads the model, sizes the KV cache
     and builds the matching scheduler; see `build_core_parts`) and return the engine,
@@ -696,14 +739,15 @@ def create_engine(
     The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
     Loading errors are raised here: FileNotFoundError and ValueError as an in-process
     load raises them, EngineStartError when the core crashed or was not ready within
-    `ready_timeout_s`.
+    `ready_timeout_s`. `core_name`, `num_threads` and `metrics_factory` (the metrics for
+    the served model's name) are for data parallelism (server/data_parallel.py).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
     spec = load_model_spec(model_config)
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
-        simulate_step_ms, log_level,
+        simulate_step_ms, log_level, num_threads, core_name,
     ), ready_timeout_s)
     core_info = client.info
     info = EngineInfo(
@@ -715,6 +759,6 @@ def create_engine(
         eos_token_ids=frozenset(core_info.eos_token_ids),
     )
     engine = Engine(client, info, step_timeout_s=step_timeout_s,
-                    stream_interval=stream_interval)
+                    stream_interval=stream_interval, metrics=metrics_factory(info.model_name))
     engine.start()
     return engine

@@ -27,6 +27,10 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     arrival_time: float | None = None  # time.monotonic(), the same clock in both processes
     prompt_leader_id: str | None = None
+    tenant: str | None = None  # fair share inside a priority level, by weight
+    weight: float = 1.0
+    deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
+    cache_salt: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -3,8 +3,10 @@
 prometheus-client appends `_total` to counter names, so counters are declared without
 it. Every series carries `model_name`; TTFT, queue time, the per-priority gauges and the
 per-priority preemption counter also carry `priority`, bounded to the first
-MAX_PRIORITY_LABELS distinct values (later ones are "other").
-Only the engine front end writes (under its lock); /metrics reads through `render()`.
+MAX_PRIORITY_LABELS distinct values (later ones are "other"). The `pagedserve_tenant_*`
+series carry `tenant`, a name from the tenants file (or "default"), so they are bounded.
+The engine front end writes (under its lock), the HTTP handlers count rejections;
+/metrics reads through `render()`.
 """
 
 from __future__ import annotations
@@ -46,13 +48,30 @@ class PriorityLabels:
 
 
 class ServerMetrics:
-    """The server's metrics for one served model."""
+    """The server's metrics for one served model, or for one of its engine cores.
 
-    def __init__(self, model_name: str) -> None:
+    With `engine` (data parallelism) every series also carries `engine`; the metrics of
+    the other cores are views made with `shared=` the first one's, on the same registry.
+    """
+
+    def __init__(
+        self, model_name: str, engine: str | None = None, shared: ServerMetrics | None = None
+    ) -> None:
+        self._base = (model_name,) if engine is None else (model_name, engine)
+        if shared is not None:
+            self.__dict__.update({
+                name: value for name, value in vars(shared).items()
+                if isinstance(value, (Counter, Gauge, Histogram, CollectorRegistry,
+                                      PriorityLabels))
+            })
+        else:
+            self._define(["model_name"] if engine is None else ["model_name", "engine"])
+        self._children()
+
+    def _define(self, m: list[str]) -> None:
         self.registry = CollectorRegistry()
         self.priority_label = PriorityLabels()
-        r, m = self.registry, ["model_name"]
-        self._model_name = model_name
+        r = self.registry
         self.num_preemptions = Counter(
             "pagedserve_num_preemptions", "Preemptions of running requests.", m, registry=r
         )
@@ -128,6 +147,30 @@ class ServerMetrics:
             "pagedserve_iteration_tokens", "Tokens computed per engine step.",
             m, buckets=_ITERATION_TOKEN_BUCKETS, registry=r,
         )
+        t = [*m, "tenant"]
+        self.tenant_requests = Counter(
+            "pagedserve_tenant_requests", "Finished requests by tenant and finish reason.",
+            [*t, "finished_reason"], registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "pagedserve_tenant_prompt_tokens", "Prompt tokens by tenant.", t, registry=r
+        )
+        self.tenant_generation_tokens = Counter(
+            "pagedserve_tenant_generation_tokens", "Generated tokens by tenant.", t, registry=r
+        )
+        self.tenant_rejections = Counter(
+            "pagedserve_tenant_rejections",
+            "Requests refused by a tenant limit, by reason (priority, in_flight, rate).",
+            [*t, "reason"], registry=r,
+        )
+        self.tenant_queue_time = Histogram(
+            "pagedserve_tenant_request_queue_time_seconds", "Arrival to first scheduled.",
+            t, buckets=_REQUEST_BUCKETS, registry=r,
+        )
+
+    def _children(self) -> None:
+        base = self._base
+        self._tenant_children: dict[tuple[Any, ...], Any] = {}
         # Create the label-only series up front so that they are exposed before traffic.
         for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens,
                        self.prefix_cache_queries, self.prefix_cache_hits,
@@ -135,24 +178,24 @@ class ServerMetrics:
                        self.kv_cache_usage_perc, self.inter_token_latency,
                        self.e2e_request_latency, self.request_prefill_time,
                        self.request_decode_time, self.iteration_tokens):
-            metric.labels(model_name)
+            metric.labels(*base)
         for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*base, reason)
         # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
         # token) use these children, looked up once.
-        self._preemptions = self.num_preemptions.labels(model_name)
-        self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._generation_tokens = self.generation_tokens.labels(model_name)
-        self._prefix_cache_queries = self.prefix_cache_queries.labels(model_name)
-        self._prefix_cache_hits = self.prefix_cache_hits.labels(model_name)
-        self._num_requests_running = self.num_requests_running.labels(model_name)
-        self._num_requests_waiting = self.num_requests_waiting.labels(model_name)
-        self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(model_name)
-        self._inter_token_latency = self.inter_token_latency.labels(model_name)
-        self._e2e_request_latency = self.e2e_request_latency.labels(model_name)
-        self._request_prefill_time = self.request_prefill_time.labels(model_name)
-        self._request_decode_time = self.request_decode_time.labels(model_name)
-        self._iteration_tokens = self.iteration_tokens.labels(model_name)
+        self._preemptions = self.num_preemptions.labels(*base)
+        self._prompt_tokens = self.prompt_tokens.labels(*base)
+        self._generation_tokens = self.generation_tokens.labels(*base)
+        self._prefix_cache_queries = self.prefix_cache_queries.labels(*base)
+        self._prefix_cache_hits = self.prefix_cache_hits.labels(*base)
+        self._num_requests_running = self.num_requests_running.labels(*base)
+        self._num_requests_waiting = self.num_requests_waiting.labels(*base)
+        self._kv_cache_usage_perc = self.kv_cache_usage_perc.labels(*base)
+        self._inter_token_latency = self.inter_token_latency.labels(*base)
+        self._e2e_request_latency = self.e2e_request_latency.labels(*base)
+        self._request_prefill_time = self.request_prefill_time.labels(*base)
+        self._request_decode_time = self.request_decode_time.labels(*base)
+        self._iteration_tokens = self.iteration_tokens.labels(*base)
         self._waiting_by_priority: dict[str, Any] = {}  # by priority label, ever seen
         self._running_by_priority: dict[str, Any] = {}
         self._preemptions_by_priority: dict[str, Any] = {}
@@ -164,19 +207,26 @@ class ServerMetrics:
         if n > 0:
             self._preemptions.inc(n)
 
-    def inc_prompt_tokens(self, n: int) -> None:
+    def inc_prompt_tokens(self, n: int, tenant: str) -> None:
         self._prompt_tokens.inc(n)
+        self._tenant(self.tenant_prompt_tokens, tenant).inc(n)
 
-    def inc_generation_tokens(self, n: int) -> None:
+    def inc_generation_tokens(self, n: int, by_tenant: dict[str, int]) -> None:
         if n > 0:
             self._generation_tokens.inc(n)
+        for tenant, tokens in by_tenant.items():
+            self._tenant(self.tenant_generation_tokens, tenant).inc(tokens)
 
-    def inc_request_success(self, finished_reason: str) -> None:
+    def inc_request_success(self, finished_reason: str, tenant: str) -> None:
         child = self._request_success.get(finished_reason)
         if child is None:
-            child = self.request_success.labels(self._model_name, finished_reason)
+            child = self.request_success.labels(*self._base, finished_reason)
             self._request_success[finished_reason] = child
         child.inc()
+        self._tenant(self.tenant_requests, tenant, finished_reason).inc()
+
+    def inc_tenant_rejection(self, tenant: str, reason: str) -> None:
+        self._tenant(self.tenant_rejections, tenant, reason).inc()
 
     def inc_prefix_cache(self, queries: int, hits: int) -> None:
         if queries > 0:
@@ -206,7 +256,7 @@ class ServerMetrics:
                 label = self.priority_label(priority)
                 by_label[label] = by_label.get(label, 0) + n
             for label in by_label.keys() - children.keys():
-                children[label] = gauge.labels(self._model_name, label)
+                children[label] = gauge.labels(*self._base, label)
             for label, child in children.items():
                 child.set(by_label.get(label, 0))
         for priority, n in new_preemptions.items():
@@ -229,8 +279,9 @@ class ServerMetrics:
     def observe_ttft(self, seconds: float, priority: int) -> None:
         self._by_priority(self.time_to_first_token, self._ttft, priority).observe(seconds)
 
-    def observe_queue_time(self, seconds: float, priority: int) -> None:
+    def observe_queue_time(self, seconds: float, priority: int, tenant: str) -> None:
         self._by_priority(self.request_queue_time, self._queue_time, priority).observe(seconds)
+        self._tenant(self.tenant_queue_time, tenant).observe(seconds)
 
     def observe_inter_token_latency(self, seconds: float) -> None:
         self._inter_token_latency.observe(seconds)
@@ -244,7 +295,14 @@ class ServerMetrics:
         label = self.priority_label(priority)
         child = children.get(label)
         if child is None:
-            child = children[label] = metric.labels(self._model_name, label)
+            child = children[label] = metric.labels(*self._base, label)
+        return child
+
+    def _tenant(self, metric: Histogram | Counter, tenant: str, *labels: str) -> Any:
+        key = (metric, tenant, *labels)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = metric.labels(*self._base, tenant, *labels)
         return child
 
     def render(self) -> bytes:

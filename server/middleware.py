@@ -1,5 +1,5 @@
-"""ASGI middleware of the HTTP server: the API key, the body's size and arrival time, and
-the last resort for an unexpected exception.
+"""ASGI middleware of the HTTP server: the tenant behind the API key, the body's size and
+arrival time, and the last resort for an unexpected exception.
 
 Each answers in OpenAI's error shape (server/errors.py) before a route runs.
 """
@@ -7,7 +7,6 @@ Each answers in OpenAI's error shape (server/errors.py) before a route runs.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 
@@ -15,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, server_error
 from server.protocol import random_id
+from server.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -54,33 +54,36 @@ class InternalErrorMiddleware:
                 await error.response()(scope, receive, send)
 
 
-class ApiKeyMiddleware:
-    """401 for every path but /health and /metrics without `Authorization: Bearer <key>`.
+class TenantAuthMiddleware:
+    """Who is asking: the tenant of `Authorization: Bearer <key>` goes into the request's
+    state (`request.state.tenant`); 401 for every path but /health and /metrics without
+    a known key when keys are required (server/tenants.py).
 
-    The key is compared in constant time (hmac.compare_digest) and never logged.
+    A key is looked up by its sha256, never compared or logged as it is.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, tenants: TenantRegistry) -> None:
         self.app = app
-        self._key = api_key.encode()
-
-    def _authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        # NOTE: compare_digest runs whatever the scheme, so that timing tells nothing.
-        key_matches = hmac.compare_digest(token.strip(), self._key)
-        return scheme.lower() == b"bearer" and key_matches
+        self._tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            if not self._authorized(scope):
+            tenant = self._tenants.identify(_bearer_token(scope))
+            if tenant is None:
                 error = APIError(
                     401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
                 )
                 await error.response()(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def _bearer_token(scope: Scope) -> bytes | None:
+    given = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = given.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 class BodyLimitMiddleware:

@@ -44,9 +44,13 @@ def generation_responses(
         },
     }
     for status, why in ((400, "Invalid request"), (401, "Missing or wrong API key"),
-                        (404, "Unknown model"), (413, "Request body too large"),
+                        (403, "A priority more urgent than the tenant may ask for"),
+                        (404, "Unknown model"), (408, "The body did not arrive in time"),
+                        (413, "Request body too large"),
+                        (429, "Over the tenant's in-flight or token-rate limit"),
                         (500, "A step of the engine failed"),
-                        (503, "Engine not running, or too many requests waiting")):
+                        (503, "Engine not running, or too many requests waiting"),
+                        (504, "The request's deadline passed before it was computed")):
         responses[status] = {"model": ErrorResponse, "description": why}
     return responses
 

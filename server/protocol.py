@@ -24,6 +24,8 @@ from pydantic import (
 from scheduler.sampling_params import SamplingParams
 
 MAX_N = 16
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
+MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 128  # prompts x n: each choice is a scheduler request of its own
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
@@ -36,7 +38,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # n > 1 uses seed + i: still a valid seed
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "deadline"]
 
 
 # NOTE: the validators below check these fields by hand (for clearer messages); these JSON
@@ -95,6 +97,8 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)
+    deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
 
     @field_validator("stop")

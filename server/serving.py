@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import copy
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,15 +31,34 @@ from fastapi.responses import Response
 from scheduler.output import SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 from server.config import ServerConfig
-from server.engine import Engine, EngineDeadError, EngineStepError, RequestOutput, RequestStream
+from server.data_parallel import DataParallelEngine
+from server.engine import (
+    Engine,
+    EngineDeadError,
+    EngineStepError,
+    RequestOutput,
+    RequestStream,
+    Tenancy,
+)
 from server.errors import APIError, server_error, validation_error
 from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from server.tenants import Tenant, TenantRefused
 
 # A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
 _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
 _T = TypeVar("_T")
+
+
+@dataclass
+class Placement:
+    """What a request's tenant made of it: its priority, deadline and cache salt."""
+
+    tenant: Tenant
+    priority: int
+    deadline: float | None
+    cache_salt: str | None
 
 
 @dataclass
@@ -67,7 +87,7 @@ class Choice:
 class Serving:
     """Checks, tokenization and engine access of the generation routes (one per app)."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine | DataParallelEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
@@ -88,8 +108,11 @@ class Serving:
 
     # ------------------------------------------------------ validation
 
-    async def parse(self, raw: Request, model: type[_RequestT]) -> _RequestT:
-        """The body as `model`, then the checks that need no tokens (`check_admission`)."""
+    async def parse(
+        self, raw: Request, model: type[_RequestT], arrival: float
+    ) -> tuple[_RequestT, Placement]:
+        """The body as `model` and its placement under the request's tenant (403 for a
+        priority beyond the tenant's bound), after the checks that need no tokens."""
         body = await raw.body()
         try:
             data = json.loads(body)
@@ -111,7 +134,32 @@ class Serving:
         except pydantic.ValidationError as exc:
             raise validation_error(exc.errors(include_url=False)) from exc
         self._check_admission(request)
-        return request
+        return request, self._place(raw.state.tenant, request, arrival)
+
+    def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Placement:
+        requested = body.priority if "priority" in body.model_fields_set else None
+        try:
+            priority = tenant.priority(requested)
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
+        if self.engine.info.policy != "priority":
+            priority = 0  # FCFS orders by arrival alone
+        salt = None
+        if tenant.cache_salt is not None or body.cache_salt is not None:
+            # NOTE: the tenant's part first: no request's own salt can reproduce it.
+            salt = f"{tenant.cache_salt or ''}\x00{body.cache_salt or ''}"
+        return Placement(tenant, priority, tenant.deadline(arrival, body.deadline_ms), salt)
+
+    def _refused(self, tenant: Tenant, refusal: TenantRefused) -> APIError:
+        self.engine.metrics.inc_tenant_rejection(tenant.name, refusal.reason)
+        headers = None
+        if refusal.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))}
+        code = {"priority": "priority_not_allowed", "in_flight": "too_many_requests_in_flight",
+                "rate": "rate_limit_exceeded"}[refusal.reason]
+        param = "priority" if refusal.reason == "priority" else None
+        return APIError(refusal.status_code, str(refusal), param=param, code=code,
+                        headers=headers)
 
     def _check_admission(self, body: SamplingRequest) -> None:
         info = self.engine.info
@@ -205,14 +253,26 @@ class Serving:
         prompts: list[list[int]],
         params: SamplingParams,
         body: SamplingRequest,
+        placement: Placement,
         arrival: float,
     ) -> RequestStream:
+        """Into the engine, once the tenant's in-flight cap and token rate allow it (429
+        otherwise); the tenant's seat is released when the request ends."""
+        tenant = placement.tenant
+        asked = sum(len(p) for p in prompts) + params.max_tokens * len(prompts) * body.n
+        try:
+            release = tenant.admit(asked)
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
+        tenancy = Tenancy(tenant.name, tenant.weight, placement.deadline, placement.cache_salt)
         try:
             return self.engine.add_request(
                 request_id, prompts, params, n=body.n, stop=body.stop_strings,
-                priority=body.priority, arrival_time=arrival,
+                priority=placement.priority, arrival_time=arrival, tenancy=tenancy,
+                on_done=release,
             )
         except EngineDeadError as exc:
+            release()
             raise server_error(503, str(exc)) from exc
 
     async def collect(self, stream: RequestStream, raw: Request) -> list[Choice] | None:
@@ -230,7 +290,7 @@ class Serving:
             await asyncio.wait({gather_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
             if not gather_task.done():
                 return None
-            return gather_task.result()
+            choices = gather_task.result()
         except EngineStepError as exc:
             raise server_error(500, str(exc)) from exc
         finally:
@@ -238,6 +298,10 @@ class Serving:
                 task.cancel()
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+        if all(c.finish_reason == "deadline" and not c.num_output_tokens for c in choices):
+            raise APIError(504, "The request's deadline passed before it was computed.",
+                           type="timeout_error", code="deadline_exceeded")
+        return choices
 
 
 def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:

@@ -17,6 +17,7 @@ import orjson
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.data_parallel import DataParallelEngine
 from server.engine import Engine, EngineStepError, RequestOutput, RequestStream
 from server.protocol import ErrorInfo, ErrorResponse
 from server.serving import Choice
@@ -75,7 +76,7 @@ async def delta_events(
 
 
 def event_stream(
-    engine: Engine,
+    engine: Engine | DataParallelEngine,
     stream: RequestStream,
     prelude: Iterable[Event],
     deltas: AsyncIterator[Event],

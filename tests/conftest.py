@@ -86,10 +86,12 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         start: bool = True,
         runner: object | None = None,
         stream_interval: int = 1,
+        fair_share: bool = False,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=64, max_model_len=max_model_len),
+                            max_num_batched_tokens=64, max_model_len=max_model_len,
+                            fair_share=fair_share),
             CacheConfig(num_blocks=num_blocks, block_size=block_size),
         )
         info = EngineInfo(

@@ -62,7 +62,8 @@ def test_openapi_documents_the_request_and_error_bodies(server) -> None:
         assert "properties" in schema["components"]["schemas"][model]
         responses = operation["responses"]
         assert "422" not in responses
-        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert set(responses) == {"200", "400", "401", "403", "404", "408", "413", "429",
+                                  "500", "503", "504"}
         for status in ("400", "500", "503"):
             error = responses[status]["content"]["application/json"]["schema"]
             assert error == {"$ref": "#/components/schemas/ErrorResponse"}

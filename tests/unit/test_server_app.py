@@ -34,6 +34,11 @@ SPEC_METRICS = {
     "pagedserve_request_prefill_time_seconds": "histogram",
     "pagedserve_request_decode_time_seconds": "histogram",
     "pagedserve_iteration_tokens": "histogram",
+    "pagedserve_tenant_requests_total": "counter",
+    "pagedserve_tenant_prompt_tokens_total": "counter",
+    "pagedserve_tenant_generation_tokens_total": "counter",
+    "pagedserve_tenant_rejections_total": "counter",
+    "pagedserve_tenant_request_queue_time_seconds": "histogram",
 }
 
 

@@ -1,0 +1,99 @@
+"""The replicas recipe of docs/deployment.md on 127.0.0.1: two `pagedserve serve` behind
+vllm-router's cache-aware policy. `priority` reaches the replicas, a repeated long prefix
+sticks to one replica, and a killed replica drops out while the router keeps serving."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.server_process import free_port
+from tests.e2e.conftest import ServerProcess, _require_default_model
+
+SIM_FLAGS = ("--simulate-step-ms", "5", "--scheduling-policy", "priority",
+             "--num-kv-blocks", "256")
+
+
+def router_binary() -> str:
+    found = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    if not Path(found).exists():
+        pytest.skip("vllm-router is not installed (pip install vllm-router)")
+    return found
+
+
+def count(server: ServerProcess, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture
+def replicas_and_router():
+    _require_default_model()
+    binary = router_binary()
+    replicas = [ServerProcess(*SIM_FLAGS) for _ in range(2)]
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)
+    router = subprocess.Popen(
+        [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+         "--worker-urls", *(r.url for r in replicas), "--health-check-endpoint", "/health",
+         "--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert router.poll() is None, Path(log.name).read_text()[-3000:]
+        assert time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+        time.sleep(0.25)
+    yield url, replicas
+    router.terminate()
+    router.wait(10)
+    for replica in replicas:
+        if replica.proc.poll() is None:
+            replica.stop()
+        else:
+            replica.remove_log()
+    Path(log.name).unlink()
+
+
+def test_replicas_behind_vllm_router(replicas_and_router) -> None:
+    url, replicas = replicas_and_router
+
+    def post(prompt: str, **body) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 2, **body})
+
+    assert post("an urgent one", priority=-7).status_code == 200
+    urgent = [count(r, "pagedserve_request_queue_time_seconds_count", priority="-7")
+              for r in replicas]
+    assert sum(urgent) == 1, urgent  # the field reached the replica that ran it
+
+    prefix = " ".join(f"word{i}" for i in range(300))
+    for i in range(6):
+        assert post(f"{prefix} question {i}").status_code == 200
+    served = [count(r, "pagedserve_request_success_total") for r in replicas]
+    sticky = max(range(2), key=lambda i: served[i])
+    assert served[sticky] >= 6, served  # the repeated prefix stayed on one replica
+
+    replicas[sticky].proc.kill()
+    replicas[sticky].proc.wait()
+    time.sleep(3)  # the router's health checks notice
+    results = [post(f"after the kill {i}").status_code for i in range(6)]
+    assert results == [200] * 6, results
+    other = replicas[1 - sticky]
+    assert count(other, "pagedserve_request_success_total") >= served[1 - sticky] + 6
