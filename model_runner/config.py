@@ -40,6 +40,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     seed: int = 0
+    # ranks the model is sharded over (model_runner/tp_workers.py); 1: one process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -62,3 +64,5 @@ class ModelConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")

@@ -4,6 +4,12 @@ Built from a Hugging Face config; reads and writes a paged KV cache through an
 AttentionBackend. Shapes: T = tokens in the step (all sequences flattened), H = hidden
 size, D = head_dim. q/k/v and gate/up projections are fused; `load_weights` maps the
 Hugging Face checkpoint names onto them.
+
+Tensor parallel (a `TensorParallel` given): each rank holds its slice of the attention
+heads (q/k/v column-parallel, o row-parallel), of the MLP's intermediate width (gate/up
+column-parallel, down row-parallel) and of the vocabulary (embedding and LM head); the
+row-parallel outputs and the embedding are summed over the ranks (one all-reduce each),
+the logits gathered on rank 0. `load_weights` reads only this rank's slices.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.cpu_linear import PackedLinear, pack_linear
+from model_runner.tensor_parallel import TensorParallel
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
@@ -123,12 +130,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention with fused q/k/v, RoPE, optional per-head q/k norm (Qwen3), GQA."""
+    """Self-attention with fused q/k/v, RoPE, optional per-head q/k norm (Qwen3), GQA.
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    Under tensor parallelism: this rank's heads `q_heads` and `kv_heads` ([start, stop) of
+    the model's), and the o projection's partial sums all-reduced."""
+
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.tp = tp
+        self.q_heads, self.kv_heads = (
+            ((0, num_heads), (0, num_kv_heads)) if tp is None
+            else tp.heads(num_heads, num_kv_heads)
+        )
+        self.num_heads = self.q_heads[1] - self.q_heads[0]
+        self.num_kv_heads = self.kv_heads[1] - self.kv_heads[0]
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         model_type = config.model_type
@@ -137,7 +156,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        # a row-parallel bias is added once, by rank 0
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and _is_first(tp))
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -172,36 +192,51 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         attn.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attn.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
-        return self.o_proj(o.view(num_tokens, self.q_size))  # [T, H]
+        out = self.o_proj(o.view(num_tokens, self.q_size))  # [T, H]
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with fused gate and up projections."""
+    """SwiGLU feed-forward with fused gate and up projections.
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    Under tensor parallelism: this rank's `rows` ([start, stop) of the intermediate
+    width), and the down projection's partial sums all-reduced."""
+
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        width = config.intermediate_size
+        self.tp = tp
+        self.rows = (0, width) if tp is None else tp.split(width)
+        self.intermediate_size = self.rows[1] - self.rows[0]
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias and _is_first(tp))
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # [T, H]
+            out = self.down_proj(ops.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+            out = self.down_proj(F.silu(gate) * up)  # [T, H]
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def _is_first(tp: TensorParallel | None) -> bool:
+    return tp is None or tp.rank == 0
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, head_dim)
+        self.self_attn = Attention(config, head_dim, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -226,9 +261,11 @@ class LlamaForCausalLM(nn.Module):
     Build it (cheaply under `torch.device("meta")`), move it with `to_empty`, then call
     `load_weights` and `init_rope_cache`. `forward` returns the final-norm hidden states of
     every token; `compute_logits` applies the LM head to the rows that sample.
+    With `tp`, this rank's shard of the model (see the module docstring); `num_kv_heads`
+    is then this rank's.
     """
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -241,18 +278,22 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or (
-            config.num_attention_heads
-        )
+        self.tp = tp
         self.num_layers = config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.head_dim) for _ in range(config.num_hidden_layers)
+        self.vocab_size = config.vocab_size
+        # this rank's [start, stop) of the vocabulary, in `vocab_rows` rows (zero padded)
+        self.vocab_start, self.vocab_stop, vocab_rows = (
+            (0, self.vocab_size, self.vocab_size) if tp is None else tp.vocab(self.vocab_size)
         )
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.head_dim, tp) for _ in range(config.num_hidden_layers)
+        )
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
@@ -276,25 +317,42 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, H]."""
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # [T, D / 2]
-        x = self.embed_tokens(input_ids)  # [T, H]
+        x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv_cache, attn, ops)
         return self.norm(x, ops)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, H] of input_ids [T]; vocab-parallel: each rank looks up the ids
+        it holds (zeros for the others), summed over the ranks."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.vocab_stop - self.vocab_start)  # [T]
+        x = self.embed_tokens(local.masked_fill(elsewhere, 0))
+        return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0.0))
 
     def layer_ops(self, attn: AttentionBackend, dtype: torch.dtype) -> LayerOps | None:
         """The backend's fused layer kernels when they take this model and dtype."""
         ops = attn.layer_ops
         if ops is None or dtype not in ops.dtypes:
             return None
-        widths = (self.config.hidden_size, self.config.intermediate_size, self.head_dim)
+        widths = (self.config.hidden_size, self.layers[0].mlp.intermediate_size, self.head_dim)
         return ops if all(w % ops.widths_multiple_of == 0 for w in widths) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on hidden [N, H]: float32 logits [N, vocab]."""
+        """LM head on hidden [N, H]: float32 logits [N, vocab].
+
+        Vocab-parallel, a collective: every rank calls it; rank 0 gets the whole logits,
+        the others only their slice."""
         if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        return F.linear(hidden, self._lm_head_weight()).float()
+            logits = self.packed_lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self._lm_head_weight())
+        if self.tp is not None:
+            logits = self.tp.gather_last_dim(logits)[:, : self.vocab_size]
+        return logits.float()
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
@@ -309,38 +367,46 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = _dropped(self.lm_head.weight)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face checkpoint tensors (name, tensor) into the fused parameters.
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Copy Hugging Face checkpoint weights (name, tensor or safetensors slice) into the
+        fused parameters, reading only this rank's slice of each under tensor parallelism.
 
         Raises ValueError when a parameter is left without a weight or a shape differs.
         """
         params = dict(self.named_parameters())
-        # HF name piece -> (our name piece, row offset in the fused weight)
-        q_size = self.config.num_attention_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        # HF module name -> (our module name, row offset in the fused weight)
         fused = {
             "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q_size),
-            "v_proj": ("qkv_proj", q_size + kv_size),
+            "k_proj": ("qkv_proj", attn.q_size),
+            "v_proj": ("qkv_proj", attn.q_size + attn.kv_size),
             "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", self.config.intermediate_size),
+            "up_proj": ("gate_up_proj", mlp.intermediate_size),
         }
+        slices = self._checkpoint_slices()
         loaded: set[str] = set()
         fused_rows: dict[str, int] = {}
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
+            module = parts[-2] if len(parts) > 1 else ""
             target, offset = name, None
-            for i, part in enumerate(parts):
-                if part in fused:
-                    ours, offset = fused[part]
-                    target = ".".join([*parts[:i], ours, *parts[i + 1 :]])
-                    break
+            if module in fused:
+                ours, offset = fused[module]
+                target = ".".join([*parts[:-2], ours, parts[-1]])
+            where = slices.get(module)
+            if where is not None and where[0] == 1 and parts[-1] == "bias":
+                if not _is_first(self.tp):
+                    continue  # a row-parallel layer's bias lives on rank 0 only, whole
+                where = None
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} in the checkpoint")
             param = params[target]
+            tensor = _read(hf_name, source, where)
+            if module in ("embed_tokens", "lm_head") and tensor.shape[0] < param.shape[0]:
+                tensor = F.pad(tensor, (0, 0, 0, param.shape[0] - tensor.shape[0]))
             if offset is None:
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(
@@ -362,3 +428,38 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}")
+
+    def _checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
+        """HF module name -> (dim, start, stop, size): this rank reads [start, stop) along
+        `dim` of that module's checkpoint weight, `size` long there. Absent: read whole."""
+        if self.tp is None:
+            return {}
+        attn, mlp, d = self.layers[0].self_attn, self.layers[0].mlp, self.head_dim
+        config = self.config
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        q = (attn.q_heads[0] * d, attn.q_heads[1] * d, config.num_attention_heads * d)
+        kv = (attn.kv_heads[0] * d, attn.kv_heads[1] * d, num_kv_heads * d)
+        rows = (*mlp.rows, config.intermediate_size)
+        vocab = (self.vocab_start, self.vocab_stop, self.vocab_size)
+        return {
+            "q_proj": (0, *q), "k_proj": (0, *kv), "v_proj": (0, *kv), "o_proj": (1, *q),
+            "gate_proj": (0, *rows), "up_proj": (0, *rows), "down_proj": (1, *rows),
+            "embed_tokens": (0, *vocab), "lm_head": (0, *vocab),
+        }
+
+
+# A checkpoint weight: a tensor, or a safetensors slice (read only as far as indexed).
+WeightSource = Any
+
+
+def _read(
+    name: str, source: WeightSource, where: tuple[int, int, int, int] | None
+) -> torch.Tensor:
+    """The whole of `source`, or its [start, stop) along dim (0 or 1) of `where`."""
+    if where is None:
+        return source[:]
+    dim, start, stop, size = where
+    shape = tuple(source.shape if isinstance(source, torch.Tensor) else source.get_shape())
+    if len(shape) <= dim or shape[dim] != size:
+        raise ValueError(f"weight {name!r} has shape {shape}, expected {size} along dim {dim}")
+    return source[start:stop] if dim == 0 else source[:, start:stop]

@@ -37,7 +37,8 @@ from transformers import (
 
 from model_runner.config import ModelConfig
 from model_runner.cpu_linear import can_pack, check_weight_dtype
-from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, WeightSource
+from model_runner.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -124,20 +125,24 @@ def load_model_spec(config: ModelConfig) -> ModelSpec:
     )
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
-    """Load config.model (a Hugging Face folder, a .gguf file, or None for the default).
+def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """Load config.model (a Hugging Face folder, a .gguf file, or None for the default);
+    with `tp`, only this rank's shard of it (read as such: no rank holds the whole), on
+    GPU `tp.rank` on CUDA.
 
     Raises FileNotFoundError for a path that does not exist (hub ids included: nothing is
     downloaded) and ValueError for a path that is not a model or an unsupported one.
     """
     device = resolve_device(config.device)
+    if tp is not None and device.type == "cuda":
+        device = torch.device("cuda", tp.rank)
     dtype = resolve_dtype(config.dtype, device)
     check_weight_dtype(device, dtype, config.weight_dtype)
     spec = load_model_spec(config)
     hf_config, max_model_len = spec.hf_config, spec.max_model_len
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = LlamaForCausalLM(hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(spec.folder))
     model.init_rope_cache(max_model_len)
@@ -274,14 +279,15 @@ def _sliding_window(hf_config: PretrainedConfig) -> int | None:
     return int(window)
 
 
-def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, WeightSource]]:
+    """Every weight as a lazy slice: only the part that is indexed is read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:

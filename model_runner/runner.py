@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,10 +26,21 @@ from model_runner.kv_cache import (
 )
 from model_runner.loader import LoadedModel
 from model_runner.sampler import Sampler
+from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class Workers(Protocol):
+    """Rank 0's handle on the other tensor-parallel ranks (model_runner/tp_workers.py)."""
+
+    def forget(self, request_ids: Sequence[str]) -> None: ...
+
+    def send_step(self, requests: Sequence[ScheduledRequest]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -101,10 +113,17 @@ class ModelRunner:
     `num_kv_blocks` and `block_size` describe the physical cache, which the scheduler's
     block manager must match. `execute` takes a SchedulerOutput and returns the sampled
     tokens of the requests whose chunk reaches the end of their known tokens.
+
+    Tensor parallel (a sharded model): rank 0's runner has the `workers` and sends them
+    each step before its own forward; a worker's runner runs `execute_worker`. The number
+    of KV blocks is the smallest any rank can hold.
     """
 
-    def __init__(self, loaded: LoadedModel, config: ModelConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: ModelConfig, workers: Workers | None = None
+    ) -> None:
         self.model = loaded.model
+        self.workers = workers
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.max_model_len = loaded.max_model_len
@@ -136,6 +155,8 @@ class ModelRunner:
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
         self.sampler.forget(scheduler_output.finished_ids)
+        if self.workers is not None:
+            self.workers.forget([*scheduler_output.finished_ids, *scheduler_output.preempted_ids])
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         # decodes first (stable, so the scheduler's order holds within each group)
@@ -143,11 +164,17 @@ class ModelRunner:
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
-        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
+        if self.workers is None:
+            logits = self._logits(requests)
+        else:
+            self.workers.send_step(requests)
+            try:
+                logits = self._logits(requests)
+            except Exception as exc:  # the workers wait in a collective rank 0 never joins
+                raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
-        if not sampling:
+        if logits is None:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampling, vocab]
         result = self.sampler(logits, sampling, [self._generator(r) for r in sampling])
         output = ModelRunnerOutput()
         for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
@@ -155,6 +182,20 @@ class ModelRunner:
             if logprobs is not None:
                 output.logprobs[r.request_id] = logprobs
         return output
+
+    @torch.inference_mode()
+    def execute_worker(self, requests: list[ScheduledRequest]) -> None:
+        """A worker rank's share of the step rank 0 runs on `requests` (same order): the
+        same forward and LM head, whose collectives meet rank 0's. Nothing is sampled."""
+        self._logits(requests)
+
+    def _logits(self, requests: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The forward, then the LM head on the rows that sample: [num_sampling, vocab]
+        (whole on rank 0 only), or None when none samples."""
+        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
+        if not any(r.sample for r in requests):
+            return None
+        return self.model.compute_logits(hidden[sample_rows])
 
     def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the step and the rows that sample; decode-only steps go
@@ -195,6 +236,8 @@ class ModelRunner:
             )
         else:
             num_blocks = num_blocks_for_memory(config.kv_cache_memory, block_bytes)
+        if self.model.tp is not None:
+            num_blocks = self.model.tp.min(num_blocks)
         return self._new_kv_cache(num_blocks)
 
     def _new_kv_cache(self, num_blocks: int) -> KVCache:

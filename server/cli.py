@@ -93,6 +93,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: no CUDA graphs for decode")
     model.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="shard the model over N ranks of this host: N GPUs on CUDA, N "
+                       "processes sharing the cores on the CPU (default 1)")
     model.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
                        help="benchmarking aid: no model weights; every step sleeps MS ms (as "
                        "a GPU step would, without CPU) and samples random tokens that are "
@@ -183,6 +186,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     scheduler = SchedulerConfig(
         policy=args.scheduling_policy,
@@ -212,6 +216,8 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     )
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
         raise ValueError("--simulate-step-ms must be >= 0")
+    if args.simulate_step_ms is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--simulate-step-ms runs no model to shard: drop --tensor-parallel-size")
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be >= 1")
     if args.stream_interval < 1:

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from model_runner.config import ModelConfig
+from model_runner.tp_workers import WORKER_DIED_EXIT_CODE
 from scheduler.config import SchedulerConfig
 from server.messages import (
     Command,
@@ -198,6 +199,8 @@ class ProcessCoreClient:
 
 
 def _exit_reason(exitcode: int) -> str:
+    if exitcode == WORKER_DIED_EXIT_CODE:
+        return "a tensor-parallel worker process died (the engine core exited)"
     if exitcode < 0:
         return f"the engine core process was killed by {signal.Signals(-exitcode).name}"
     return f"the engine core process exited with code {exitcode}"

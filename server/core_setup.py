@@ -11,6 +11,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import load_model, load_model_spec
 from model_runner.runner import ModelRunner
 from model_runner.simulated_runner import SimulatedRunner
+from model_runner.tp_workers import start_tensor_parallel
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 from server.messages import CoreInfo
@@ -27,7 +28,10 @@ def build_core_parts(
     simulate_step_ms: float | None = None,
 ) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo]:
     """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
-    SimulatedRunner), size the KV cache and build the scheduler that matches it.
+    SimulatedRunner), size the KV cache and build the scheduler that matches it. With
+    model_config.tensor_parallel_size > 1 this process is rank 0 and the other ranks'
+    worker processes start here (model_runner/tp_workers.py); a worker that dies later
+    ends this process.
 
     The context length is the model's (or model_config.max_model_len), capped to what
     the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
@@ -40,8 +44,11 @@ def build_core_parts(
         name = spec.served_model_name
         eos_token_ids = spec.eos_token_ids
     else:
-        loaded = load_model(model_config)
-        runner = ModelRunner(loaded, model_config)
+        if model_config.tensor_parallel_size > 1:
+            loaded, runner = start_tensor_parallel(model_config)
+        else:
+            loaded = load_model(model_config)
+            runner = ModelRunner(loaded, model_config)
         hf_config, model_len = loaded.hf_config, loaded.max_model_len
         name = loaded.served_model_name
         eos_token_ids = loaded.eos_token_ids

@@ -199,19 +199,22 @@ def create_data_parallel_engine(
     """`data_parallel_size` engines from `create` (server.engine.create_engine and its
     `kwargs`), core i named "core<i>", with its share of the CPU's threads and its view of
     one set of metrics labelled `engine="<i>"`; on CUDA core i sees only the i-th visible
-    GPU (CUDA_VISIBLE_DEVICES, inherited by its process). The started ones are shut down
-    if one fails to start."""
+    GPU, or with tensor parallelism the i-th group of tensor_parallel_size GPUs
+    (CUDA_VISIBLE_DEVICES, inherited by its process and its workers). The started ones are
+    shut down if one fails to start."""
     threads = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
     gpus = _visible_gpus(kwargs["model_config"].device)
-    if gpus is not None and len(gpus) < data_parallel_size:
-        raise ValueError(f"--data-parallel-size {data_parallel_size} needs as many GPUs; "
-                         f"{len(gpus)} visible")
+    per_core = kwargs["model_config"].tensor_parallel_size
+    if gpus is not None and len(gpus) < data_parallel_size * per_core:
+        raise ValueError(f"--data-parallel-size {data_parallel_size} x --tensor-parallel-size "
+                         f"{per_core} needs as many GPUs; {len(gpus)} visible")
     engines: list[Engine] = []
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for i in range(data_parallel_size):
             if gpus is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = gpus[i]  # the core's, at its spawn
+                # the core's, at its spawn
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per_core:(i + 1) * per_core])
             shared = engines[0].metrics if engines else None
             engines.append(create(
                 **kwargs, core_name=f"core{i}", num_threads=threads,

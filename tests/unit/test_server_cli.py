@@ -91,6 +91,12 @@ def test_scheduler_budget_flags_reach_the_scheduler() -> None:
     assert uncapped.long_prefill_token_threshold == 0
 
 
+def test_tensor_parallel_size_flag() -> None:
+    assert configs().model.tensor_parallel_size == 1
+    assert configs("-tp", "2").model.tensor_parallel_size == 2
+    assert configs("--tensor-parallel-size", "4").model.tensor_parallel_size == 4
+
+
 def test_scheduling_policy_long_name() -> None:
     assert configs("--scheduling-policy", "priority").scheduler.policy == "priority"
 
@@ -107,7 +113,8 @@ def test_bad_flags_exit_2(flags: list[str]) -> None:
 
 
 @pytest.mark.parametrize("flags", [["--max-num-seqs", "-1"], ["--port", "70000"],
-                                   ["--max-waiting", "0"], ["--num-kv-blocks", "0"]])
+                                   ["--max-waiting", "0"], ["--num-kv-blocks", "0"],
+                                   ["-tp", "0"], ["-tp", "2", "--simulate-step-ms", "5"]])
 def test_invalid_values_raise_value_error(flags: list[str]) -> None:
     with pytest.raises(ValueError):
         configs(*flags)

@@ -1,0 +1,85 @@
+"""What rank 0 tells the tensor-parallel workers each step, and their copy of the block tables.
+
+Only rank 0 runs the scheduler and samples; the workers run the same forward on their
+shards. Per step rank 0 sends them a `StepPlan`: for each scheduled request (in the
+runner's order) its new tokens (a decode's one, a prefill chunk's), its computed count,
+whether it samples (the LM head's gather runs then) and the blocks added to its table since
+the workers last saw it; and the requests to forget (finished or preempted, whose tables
+were freed). Never a whole history: a table reaches the workers once, then grows by its new
+blocks, which is how the scheduler grows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from scheduler.output import ScheduledRequest
+from scheduler.sampling_params import SamplingParams
+
+
+class PlannedRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    new_block_ids: list[int]
+    sample: bool
+
+
+class StepPlan(msgspec.Struct, array_like=True):
+    forget_ids: list[str]
+    requests: list[PlannedRequest]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StepPlan)
+_NOT_SAMPLED = SamplingParams()  # the workers never sample
+
+
+class PlanWriter:
+    """Rank 0's side: what the workers know of each request's block table."""
+
+    def __init__(self) -> None:
+        self._num_known: dict[str, int] = {}  # request id -> blocks the workers hold of it
+        self._forget: list[str] = []
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Requests whose tables were freed; the workers drop theirs with the next plan."""
+        for request_id in request_ids:
+            if self._num_known.pop(request_id, None) is not None:
+                self._forget.append(request_id)
+
+    def plan(self, requests: Sequence[ScheduledRequest]) -> bytes:
+        """The encoded plan of a step that runs `requests` in this order."""
+        planned = []
+        for r in requests:
+            num_known = self._num_known.get(r.request_id, 0)
+            planned.append(PlannedRequest(r.request_id, r.token_ids, r.num_computed_tokens,
+                                          r.block_table[num_known:], r.sample))
+            self._num_known[r.request_id] = len(r.block_table)
+        plan, self._forget = StepPlan(self._forget, planned), []
+        return _encoder.encode(plan)
+
+
+class BlockTables:
+    """A worker's side: every live request's block table, as rank 0's scheduler has it."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def apply(self, data: bytes) -> list[ScheduledRequest]:
+        """Apply an encoded plan; the step's requests, for `ModelRunner.execute_worker`."""
+        plan = _decoder.decode(data)
+        for request_id in plan.forget_ids:
+            self._tables.pop(request_id, None)
+        requests = []
+        for r in plan.requests:
+            table = self._tables.setdefault(r.request_id, [])
+            table.extend(r.new_block_ids)
+            requests.append(ScheduledRequest(r.request_id, r.token_ids, r.num_computed_tokens,
+                                             table, r.sample, _NOT_SAMPLED, [], []))
+        return requests
+
+    def __len__(self) -> int:
+        return len(self._tables)
