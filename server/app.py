@@ -43,6 +43,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.output import SampleLogprobs
 from scheduler.sampling_params import SamplingParams
+from server.chat_output import (
+    ChatOutputParser,
+    chat_output_parser,
+    forced_tool_grammar,
+    tool_parser_for,
+)
 from server.config import ServerConfig
 from server.engine import Engine, EngineDeadError, EngineStepError, RequestOutput, RequestStream
 from server.protocol import (
@@ -71,6 +77,8 @@ from server.protocol import (
     UsageInfo,
     random_id,
 )
+from server.structured_output import GrammarError, request_grammar
+from server.tool_parsers import ToolParser
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -437,6 +445,7 @@ class _OpenAIServing:
         # tokenizer, as a fast tokenizer is not thread-safe.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._pool_tokenizer = copy.deepcopy(self.tokenizer)
+        self.model_names = (engine.info.model_name, *config.model_aliases)
 
     async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -460,7 +469,8 @@ class _OpenAIServing:
             for prompt in prompts:
                 self._check_prompt(prompt, max_tokens)
             texts = await self._in_pool(self._decode_all, prompts) if body.echo else []
-        params = self._sampling_params(body, max_tokens, body.logprobs)
+        grammar = await self._grammar(body)
+        params = self._sampling_params(body, max_tokens, body.logprobs, grammar)
         request_id = random_id("cmpl")
         stream = self._submit(request_id, prompts, params, body, arrival)
         echo = texts if body.echo else None
@@ -483,14 +493,16 @@ class _OpenAIServing:
         arrival = time.monotonic()
         body = await self._parse(raw, ChatCompletionRequest)
         self._check_admission(body)
+        tool_parser = self._tool_parser(body)
         prompt = await self._in_pool(self._render_chat, body)
         self._check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or self.engine.info.max_model_len - len(prompt)
-        params = self._sampling_params(body, max_tokens, body.num_logprobs)
+        grammar = await self._grammar(body, forced_tool_grammar(body, tool_parser))
+        params = self._sampling_params(body, max_tokens, body.num_logprobs, grammar)
         request_id = random_id("chatcmpl")
         stream = self._submit(request_id, [prompt], params, body, arrival)
         if body.stream:
-            return self._sse(self._chat_events(request_id, stream, body, prompt))
+            return self._sse(self._chat_events(request_id, stream, body, prompt, tool_parser))
         choices = await self._collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
@@ -498,19 +510,50 @@ class _OpenAIServing:
             id=request_id,
             model=self.engine.info.model_name,
             choices=[
-                ChatCompletionChoice(
-                    index=i,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=(
-                        self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None
-                    ),
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    num_preemptions=c.num_preemptions,
-                )
+                self._chat_choice(i, c, body, self._output_parser(body, tool_parser))
                 for i, c in enumerate(choices)
             ],
             usage=_usage([prompt], choices),
         ))
+
+    def _chat_choice(
+        self, index: int, c: _Choice, body: ChatCompletionRequest,
+        parser: ChatOutputParser | None,
+    ) -> ChatCompletionChoice:
+        message = ChatResponseMessage(content=c.text)
+        finish_reason = c.finish_reason
+        if parser is not None:
+            parsed = parser.parse(c.text)
+            message = ChatResponseMessage(content=parsed.content,
+                                          reasoning_content=parsed.reasoning,
+                                          tool_calls=parsed.tool_calls or None)
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return ChatCompletionChoice(
+            index=index,
+            message=message,
+            logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            num_preemptions=c.num_preemptions,
+        )
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        try:
+            return tool_parser_for(body, self.config.tool_call_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from exc
+
+    def _output_parser(
+        self, body: ChatCompletionRequest, tool_parser: ToolParser | None
+    ) -> ChatOutputParser | None:
+        return chat_output_parser(body, tool_parser, self.config.reasoning_parser)
+
+    async def _grammar(self, body: SamplingRequest, tool_grammar: str | None = None) -> str | None:
+        """The request's output grammar, built and checked on the tokenizer thread."""
+        try:
+            return await self._in_pool(request_grammar, body, tool_grammar)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
 
     # ------------------------------------------------------ validation
 
@@ -538,7 +581,7 @@ class _OpenAIServing:
 
     def _check_admission(self, body: SamplingRequest) -> None:
         info = self.engine.info
-        if body.model is not None and body.model != info.model_name:
+        if body.model is not None and body.model not in self.model_names:
             raise APIError(
                 404, f"The model `{body.model}` does not exist; this server serves "
                 f"`{info.model_name}`.", param="model", code="model_not_found",
@@ -552,11 +595,12 @@ class _OpenAIServing:
             raise APIError(503, f"The engine is not serving: {self.engine.unavailable_reason()}.",
                            type="server_error")
         vocab_size = info.vocab_size
-        bad_stop = [t for t in body.stop_token_ids or () if t >= vocab_size]
-        if bad_stop:
+        bad_ids = [t for t in body.token_ids_to_check if t >= vocab_size]
+        if bad_ids:
             raise APIError(
-                400, f"stop_token_ids: token id {bad_stop[0]} is out of range: the vocabulary "
-                f"has {vocab_size} tokens.", param="stop_token_ids",
+                400, f"token id {bad_ids[0]} (in stop_token_ids, logit_bias or "
+                f"allowed_token_ids) is out of range: the vocabulary has {vocab_size} tokens.",
+                param="stop_token_ids" if bad_ids[0] in (body.stop_token_ids or ()) else None,
             )
         limit = self.config.max_waiting
         if limit is not None and self.engine.num_waiting >= limit:
@@ -604,10 +648,10 @@ class _OpenAIServing:
             )
 
     def _sampling_params(
-        self, body: SamplingRequest, max_tokens: int, logprobs: int | None
+        self, body: SamplingRequest, max_tokens: int, logprobs: int | None, grammar: str | None
     ) -> SamplingParams:
         try:
-            return body.to_sampling_params(max_tokens, logprobs)
+            return body.to_sampling_params(max_tokens, logprobs, grammar)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -622,9 +666,14 @@ class _OpenAIServing:
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         """On the tokenizer thread."""
         messages = [m.to_template_dict() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.effective_tool_choice != "none" and body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        if self.config.chat_template is not None:
+            kwargs["chat_template"] = self.config.chat_template
         try:
             text = self._pool_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except Exception as exc:  # jinja errors: the messages do not fit the template
             raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
@@ -645,6 +694,8 @@ class _OpenAIServing:
             return self.engine.add_request(
                 request_id, prompts, params, n=body.n, stop=body.stop_strings,
                 priority=body.priority, arrival_time=arrival,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
             )
         except EngineDeadError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
@@ -763,9 +814,11 @@ class _OpenAIServing:
         stream: RequestStream,
         body: ChatCompletionRequest,
         prompt: list[int],
+        tool_parser: ToolParser | None = None,
     ) -> AsyncGenerator[str | bytes, None]:
         created = int(time.time())
         model = self.engine.info.model_name
+        parsers = {i: self._output_parser(body, tool_parser) for i in range(body.n)}
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
@@ -785,15 +838,25 @@ class _OpenAIServing:
                     logprobs = self._chat_logprobs(output.token_ids, output.logprobs or [])
                 if not output.text and logprobs is None and not output.finished:
                     continue
-                if logprobs is None:
+                parser = parsers[output.index]
+                if logprobs is None and parser is None:
                     delta = {"content": output.text} if output.text else {}
                     yield _fast_chunk(head, output, {"delta": delta})
                     continue
+                finish_reason = output.finish_reason
+                if parser is None:
+                    message = DeltaMessage(content=output.text or None)
+                else:
+                    message = parser.feed(output.text, output.finished)
+                    if finish_reason == "stop" and parser.called_tools:
+                        finish_reason = "tool_calls"
+                    if message == DeltaMessage() and logprobs is None and not output.finished:
+                        continue
                 yield chunk(ChatCompletionStreamChoice(
                     index=output.index,
-                    delta=DeltaMessage(content=output.text or None),
+                    delta=message,
                     logprobs=logprobs,
-                    finish_reason=output.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=finish_reason,  # type: ignore[arg-type]
                     num_preemptions=output.num_preemptions if output.finished else None,
                 ))
             if body.include_usage_in_stream:

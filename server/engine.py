@@ -373,6 +373,8 @@ class Engine:
         stop: Sequence[str] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> RequestStream:
         """Queue one HTTP request: n choices per prompt, each its own scheduler request.
 
@@ -397,7 +399,10 @@ class Engine:
                     scheduler_id, list(prompt), params, priority, arrival,
                     f"{request_id}-{p * n}" if i > 0 else None,
                 ))
-                detokenizer = IncrementalDetokenizer(self._decode_tokenizer, prompt, stop)
+                detokenizer = IncrementalDetokenizer(
+                    self._decode_tokenizer, prompt, stop, skip_special_tokens,
+                    include_stop_str_in_output,
+                )
                 choices.append(_Choice(scheduler_id, stream, request_id, index, priority,
                                        len(prompt), detokenizer, arrival))
         with self._lock:
