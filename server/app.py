@@ -1,7 +1,8 @@
 """The HTTP front end: OpenAI-compatible routes over an Engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE streams ending in
-`data: [DONE]`), GET /v1/models, /health, /metrics, /scheduler/state. Every error has
+`data: [DONE]`), GET /v1/models, /health, /metrics, /scheduler/state, and the utility
+routes of server/utility_routes.py (/tokenize, /detokenize, /version). Every error has
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; invalid requests (bad
 JSON and schema errors included) are 400, never 422. Bodies are parsed here rather than
 by FastAPI so that a missing or wrong Content-Type is no error and the checks run in a
@@ -79,6 +80,7 @@ from server.protocol import (
 )
 from server.structured_output import GrammarError, request_grammar
 from server.tool_parsers import ToolParser
+from server.utility_routes import RequestIdMiddleware, install_utility_routes
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -243,6 +245,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(_BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     if config.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
     _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
     api = _OpenAIServing(engine, config)
@@ -261,8 +264,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        info = engine.info
-        return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.info.max_model_len)
+                               for name in api.model_names])
+
+    install_utility_routes(app, api)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -663,7 +668,9 @@ class _OpenAIServing:
         """On the tokenizer thread."""
         return [str(self._pool_tokenizer.decode(p)) for p in prompts]
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def _render_chat(
+        self, body: ChatCompletionRequest, add_generation_prompt: bool = True
+    ) -> list[int]:
         """On the tokenizer thread."""
         messages = [m.to_template_dict() for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
@@ -673,7 +680,7 @@ class _OpenAIServing:
             kwargs["chat_template"] = self.config.chat_template
         try:
             text = self._pool_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as exc:  # jinja errors: the messages do not fit the template
             raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc

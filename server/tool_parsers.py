@@ -6,7 +6,8 @@ so that the content of a prefix is always a prefix of the final content (streams
 the difference). Output that does not parse as a call (bad JSON, an unknown shape) is
 plain content, never an error. `forced_grammar` is what tool_choice "required" or a
 named function constrains the output to: the parser's own format with arguments valid
-against the function's parameters, so the call always parses.
+against the function's parameters (closed: no undeclared keys), at most
+MAX_PARALLEL_TOOL_CALLS calls, so the call always parses.
 
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
   (Qwen2/Qwen3, Hermes), content around them.
@@ -24,6 +25,10 @@ from typing import Any, ClassVar
 
 from server.protocol import FunctionDefinition
 from structured.grammars import lark_grammar, lark_json, lark_literal
+
+# NOTE: a bound, so that a model sampling at a high temperature cannot call tools until
+# max_tokens (a cut-off call would not parse).
+MAX_PARALLEL_TOOL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,8 @@ class HermesToolParser(ToolParser):
     def forced_grammar(self, tools: list[FunctionDefinition], parallel: bool) -> str:
         schema = lark_json(_tools_schema(tools, "arguments"))
         call = f"{lark_literal(self.START + chr(10))} {schema} {lark_literal(chr(10) + self.END)}"
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        more = MAX_PARALLEL_TOOL_CALLS - 1
+        start = f'start: call ("\\n" call)~0..{more}' if parallel else "start: call"
         return lark_grammar(f"{start}\ncall: {call}\n")
 
 
@@ -177,7 +183,8 @@ class Llama3JsonToolParser(ToolParser):
 
     def forced_grammar(self, tools: list[FunctionDefinition], parallel: bool) -> str:
         call = lark_json(_tools_schema(tools, "parameters"))
-        start = 'start: call ("; " call)*' if parallel else "start: call"
+        more = MAX_PARALLEL_TOOL_CALLS - 1
+        start = f'start: call ("; " call)~0..{more}' if parallel else "start: call"
         return lark_grammar(f"{start}\ncall: {call}\n")
 
 
