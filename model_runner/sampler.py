@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
@@ -274,9 +275,6 @@ class Sampler:
         return out
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask(
     logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask: GrammarBitmask
 ) -> None:
@@ -285,9 +283,13 @@ def apply_bitmask(
     if not rows:
         return
     order = [bitmask.rows[requests[i].request_id] for i in rows]
-    words = torch.from_numpy(bitmask.bitmask[order])  # [n, vocab / 32] int32
     vocab = logits.shape[1]
-    allowed = ((words.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(len(rows), -1)[:, :vocab]
+    # NOTE: unpacked on the host in one numpy pass (bit t of a row is token t)
+    words = np.ascontiguousarray(bitmask.bitmask[order])  # [n, vocab / 32] int32
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    forbidden = torch.from_numpy(allowed).to(logits.device, non_blocking=True) == 0
+    if len(rows) == len(requests):  # every row constrained: in place, no gather
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
-    forbidden = allowed.to(logits.device, non_blocking=True) == 0
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))

@@ -38,7 +38,8 @@ class ByteTokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+        **template_kwargs: object,
     ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")

@@ -3,8 +3,8 @@
 
 One server for the module: priority scheduling on a small KV pool (24 blocks of 8), so
 that the random-schema runs (mixed priorities, 16 in flight) are a preemption storm,
-with --tool-call-parser hermes,
---reasoning-parser qwen3, a --chat-template file and two model aliases.
+with --tool-call-parser hermes, --reasoning-parser qwen3, a --chat-template file and two
+model aliases.
 """
 
 from __future__ import annotations
