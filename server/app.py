@@ -556,9 +556,13 @@ class _OpenAIServing:
     async def _grammar(self, body: SamplingRequest, tool_grammar: str | None = None) -> str | None:
         """The request's output grammar, built and checked on the tokenizer thread."""
         try:
-            return await self._in_pool(request_grammar, body, tool_grammar)
+            grammar = await self._in_pool(request_grammar, body, tool_grammar)
         except GrammarError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
+        if grammar is not None and not self.engine.info.structured_outputs:
+            raise APIError(400, "Structured outputs and forced tool calls are not available "
+                           "on this server (its tokenizer is not one llguidance reads).")
+        return grammar
 
     # ------------------------------------------------------ validation
 

@@ -73,7 +73,9 @@ def build_core_parts(
         policy=scheduler_config.policy,
         eos_token_ids=sorted(eos_token_ids),
     )
-    return scheduler, runner, info, _structured_outputs(tokenizer, info)
+    structured = _structured_outputs(tokenizer, info)
+    info.structured_outputs = structured is not None
+    return scheduler, runner, info, structured
 
 
 def _structured_outputs(tokenizer: Any, info: CoreInfo) -> StructuredOutputs | None:

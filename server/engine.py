@@ -49,6 +49,7 @@ from server.messages import (
     StepScheduled,
 )
 from server.metrics import ServerMetrics
+from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ class EngineInfo:
     policy: str
     tokenizer: Any = field(repr=False)
     eos_token_ids: frozenset[int] = frozenset()
+    structured_outputs: bool = False  # the core can enforce grammars
 
 
 class CoreClient(Protocol):
@@ -308,9 +310,10 @@ class Engine:
         metrics: ServerMetrics | None = None,
         step_timeout_s: float | None = None,
         stream_interval: int = 1,
+        structured: StructuredOutputs | None = None,
     ) -> Engine:
         """An engine whose core runs on a thread of this process (not started)."""
-        core = EngineCore(scheduler, runner, info.eos_token_ids)
+        core = EngineCore(scheduler, runner, info.eos_token_ids, structured=structured)
         return cls(InProcessCoreClient(core), info, metrics, step_timeout_s, stream_interval)
 
     @property
@@ -720,6 +723,7 @@ def create_engine(
         policy=core_info.policy,
         tokenizer=spec.tokenizer,
         eos_token_ids=frozenset(core_info.eos_token_ids),
+        structured_outputs=core_info.structured_outputs,
     )
     engine = Engine(client, info, step_timeout_s=step_timeout_s,
                     stream_interval=stream_interval)

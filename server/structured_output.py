@@ -74,13 +74,13 @@ def _structured_outputs_grammar(params: StructuredOutputsParams) -> str:
 def _schema_grammar(param: str, schema: dict[str, object] | bool) -> str:
     try:
         return json_schema_grammar(schema)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # NOTE: whatever the engine raises on odd input is a 400
         raise GrammarError(param, f"invalid JSON schema: {exc}") from exc
 
 
 def _checked(param: str, grammar: str) -> str:
     try:
         check_grammar(grammar)
-    except ValueError as exc:
+    except Exception as exc:  # ValueError, or anything the engine raises on odd input
         raise GrammarError(param, f"the engine cannot compile it: {exc}") from exc
     return grammar

@@ -87,6 +87,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         start: bool = True,
         runner: object | None = None,
         stream_interval: int = 1,
+        structured: object | None = None,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
@@ -100,9 +101,11 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             policy=policy,
             tokenizer=ByteTokenizer(),
             eos_token_ids=frozenset({BYTE_EOS}),
+            structured_outputs=structured is not None,
         )
         engine = Engine.in_process(scheduler, runner or ScriptedRunner(script), info,
-                                   stream_interval=stream_interval)
+                                   stream_interval=stream_interval,
+                                   structured=structured)  # type: ignore[arg-type]
         if start:
             engine.start()
         engines.append(engine)

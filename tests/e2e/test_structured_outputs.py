@@ -67,14 +67,14 @@ def scheduler_state(server: ServerProcess) -> dict:
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
-    """An object schema of 1-3 properties: strings with a pattern or a length limit,
+    """An object schema of 1-2 properties: strings with a pattern or a length limit,
     bounded integers, booleans, enums, short arrays and (once) a nested object. Values
     are kept short: on two shared cores every output token counts."""
     kinds = ["pattern", "string", "integer", "boolean", "enum", "array"]
     if depth == 0:
         kinds.append("object")
     properties = {}
-    for name in "abc"[: rng.randint(1, 3 if depth == 0 else 2)]:
+    for name in "ab"[: rng.randint(1, 2 if depth == 0 else 1)]:
         kind = rng.choice(kinds)
         if kind == "pattern":
             schema = {"type": "string",
@@ -89,7 +89,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
         elif kind == "enum":
             schema = {"enum": rng.sample(["red", "green", "blue", 1, 2, None], 3)}
         elif kind == "array":
-            schema = {"type": "array", "maxItems": 2,
+            schema = {"type": "array", "maxItems": rng.randint(1, 2),
                       "items": rng.choice([{"type": "integer", "minimum": 0, "maximum": 9},
                                            {"enum": ["x", "y"]}])}
         else:

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from server.app import build_app
 from server.config import ServerConfig
+from tests.structured_helpers import MaskedRandomRunner, make_structured
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}}}}]
@@ -22,8 +23,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
 def serve(make_fake_engine) -> Iterator:
     clients = []
 
-    def make(script: str = "Hello.", **config) -> TestClient:
-        engine = make_fake_engine(script=script, start=False)
+    def make(script: str = "Hello.", structured: bool = False, **config) -> TestClient:
+        if structured:
+            engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
+                                      start=False)
+        else:
+            engine = make_fake_engine(script=script, start=False)
         client = TestClient(build_app(engine, ServerConfig(**config)))
         client.__enter__()
         clients.append(client)
@@ -125,3 +130,28 @@ def test_small_routes_aliases_and_request_id(serve) -> None:
     assert response.status_code == 200 and response.headers["x-request-id"] == "abc-123"
     assert response.json()["model"] == "fake-model"
     assert client.get("/health").headers["x-request-id"]
+
+
+def test_constrained_requests_over_http_validate(serve) -> None:
+    import jsonschema
+
+    client = serve(structured=True, tool_call_parser="hermes")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}, "s": {"enum": ["x", "y"]}}, "required": ["n", "s"],
+              "additionalProperties": False}
+    response = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 60, "n": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), schema)
+    body = {**CHAT, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_constraints_are_400_when_the_engine_has_no_grammar_support(serve) -> None:
+    response = serve().post("/v1/completions", json={
+        "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
+    assert response.status_code == 400 and "not available" in response.text
