@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -138,11 +139,12 @@ def main() -> None:
     assert structured is not None
     core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids), structured=structured)
     grammar = json_schema_grammar(SCHEMA)
-    run_pass(core, 0.125, grammar)  # warm up: compile, kernels
+    run_pass(core, 0.0625, grammar)  # warm up: compile, kernels
     results: dict[str, list[dict[str, float]]] = {"plain": [], "json_schema": []}
     for _ in range(args.rounds):
-        results["plain"].append(run_pass(core, args.scale, None))
-        results["json_schema"].append(run_pass(core, args.scale, grammar))
+        for name, pass_grammar in (("plain", None), ("json_schema", grammar)):
+            results[name].append(run_pass(core, args.scale, pass_grammar))
+            print(name, json.dumps(results[name][-1]), file=sys.stderr, flush=True)
     from model_runner.loader import load_model_spec
 
     tokenizer = load_model_spec(model_config).tokenizer

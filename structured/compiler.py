@@ -78,6 +78,3 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
         return matcher
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -49,8 +49,7 @@ class StructuredOutputs:
         self._mask_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="grammar-mask"
         )
-        self.mask_seconds = 0.0  # time spent filling masks, for benchmarks
-        self.num_masked_rows = 0
+        self.mask_seconds = 0.0  # time spent filling masks (bench/structured_bench.py)
 
     @property
     def num_compiling(self) -> int:
@@ -123,7 +122,6 @@ class StructuredOutputs:
             matchers, bitmask.ctypes.data, words * 4, len(rows)
         )
         self.mask_seconds += time.perf_counter() - start
-        self.num_masked_rows += len(rows)
         return GrammarBitmask(rows, bitmask)
 
     def accept(self, request: Request) -> GrammarState:
@@ -139,7 +137,3 @@ class StructuredOutputs:
                            request.request_id, matcher.get_error())
             return GrammarState.VIOLATED
         return GrammarState.ENDED if matcher.is_stopped() else GrammarState.OPEN
-
-    def shutdown(self) -> None:
-        self._mask_thread.shutdown(wait=False, cancel_futures=True)
-        self.compiler.shutdown()
