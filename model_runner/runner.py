@@ -175,7 +175,10 @@ class ModelRunner:
         sampling = [r for r in requests if r.sample]
         if logits is None:
             return ModelRunnerOutput()
-        result = self.sampler(logits, sampling, [self._generator(r) for r in sampling])
+        bitmask = None
+        if scheduler_output.grammar_bitmask is not None:
+            bitmask = scheduler_output.grammar_bitmask.result()  # filled during the forward
+        result = self.sampler(logits, sampling, [self._generator(r) for r in sampling], bitmask)
         output = ModelRunnerOutput()
         for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
             output.sampled_token_ids[r.request_id] = token_id

@@ -1,6 +1,7 @@
 """Turn the logits of the sampling rows into tokens (and logprobs).
 
-Per row, in order: min_tokens (stop tokens masked until the output is long enough),
+Per row, in order: the grammar's token mask and allowed_token_ids (what is not allowed
+is -inf), logit_bias, min_tokens (stop tokens masked until the output is long enough),
 repetition penalty (Hugging Face: over prompt and output), frequency and presence
 penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
 Everything stays on the device until the final `.tolist()`. The penalties read per-request
@@ -12,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from scheduler.output import SampleLogprobs, ScheduledRequest
+from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
 from scheduler.sampling_params import SamplingParams
 
 
@@ -141,10 +143,16 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[ScheduledRequest],
         generators: Sequence[torch.Generator | None],
+        bitmask: GrammarBitmask | None = None,
     ) -> SamplerOutput:
         """logits: [N, vocab] float32 (modified in place), one row per request in order;
-        generators: the request's own generator, or None for the global one."""
+        generators: the request's own generator, or None for the global one; bitmask:
+        the allowed tokens of the rows constrained by a grammar."""
         params = [r.sampling_params for r in requests]
+        if bitmask is not None:
+            apply_bitmask(logits, requests, bitmask)
+        if any(p.has_token_mask for p in params):
+            self._apply_token_masks(logits, requests)
         self._mask_stop_tokens(logits, requests)
         self._apply_penalties(logits, requests)
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -170,6 +178,21 @@ class Sampler:
         if logprobs is None:
             return SamplerOutput(token_ids, [None] * len(params))
         return SamplerOutput(token_ids, self._logprobs(logprobs, sampled, params))
+
+    @staticmethod
+    def _apply_token_masks(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+        """allowed_token_ids, then logit_bias (OpenAI: added to the logits)."""
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.allowed_token_ids is not None:
+                keep = torch.tensor(p.allowed_token_ids, device=logits.device)
+                kept = logits[i, keep]
+                logits[i].fill_(float("-inf"))
+                logits[i, keep] = kept
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+                logits[i].index_add_(0, ids, bias.to(logits.dtype))
 
     def _mask_stop_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
         for i, r in enumerate(requests):
@@ -250,3 +273,23 @@ class Sampler:
                 pairs = zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs], strict=True)
                 out.append(SampleLogprobs(chosen[i], list(pairs)))
         return out
+
+
+def apply_bitmask(
+    logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask: GrammarBitmask
+) -> None:
+    """-inf for the tokens a row's grammar forbids (only the rows `bitmask` names)."""
+    rows = [i for i, r in enumerate(requests) if r.request_id in bitmask.rows]
+    if not rows:
+        return
+    order = [bitmask.rows[requests[i].request_id] for i in rows]
+    vocab = logits.shape[1]
+    # NOTE: unpacked on the host in one numpy pass (bit t of a row is token t)
+    words = np.ascontiguousarray(bitmask.bitmask[order])  # [n, vocab / 32] int32
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    forbidden = torch.from_numpy(allowed).to(logits.device, non_blocking=True) == 0
+    if len(rows) == len(requests):  # every row constrained: in place, no gather
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))

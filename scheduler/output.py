@@ -7,7 +7,9 @@ them by hand without a model.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from scheduler.sampling_params import SamplingParams
 
@@ -50,11 +52,15 @@ class SchedulerOutput:
     `scheduled` is ordered: decodes and prefill chunks in any mix. `preempted_ids` and
     `finished_ids` name requests whose runner-side state (e.g. seeded generators) ends or
     pauses; a preempted request keeps its generator and resumes it later.
+    `grammar_bitmask` is set by the engine core when sampling rows are constrained by a
+    grammar: it is filled while the forward runs, and the runner waits for it before
+    sampling.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Future[GrammarBitmask] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -63,6 +69,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class GrammarBitmask:
+    """Token masks of a step's constrained rows: `rows` maps a request id to its row of
+    `bitmask`, an int32 array [len(rows), ceil(vocab / 32)] (numpy) in which bit t of a
+    row allows token t."""
+
+    rows: dict[str, int]
+    bitmask: Any
 
 
 @dataclass

@@ -13,6 +13,9 @@ class SamplingParams:
     ignore_eos); the model runner reads the sampling fields. Stop *strings* are text and
     are applied by the server's detokenizer, which then finishes the request.
     temperature == 0 means greedy. top_k <= 0 means no top-k filtering.
+    `grammar` constrains the output: an llguidance grammar (structured/grammars.py) that the
+    engine core compiles and enforces with a token mask. `logit_bias` adds a bias to
+    token ids' logits; `allowed_token_ids` (when set) masks every other token.
     """
 
     temperature: float = 1.0
@@ -28,6 +31,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; None for none
+    grammar: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -44,10 +50,17 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

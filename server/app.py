@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions (server/completions.py), POST /v1/chat/completions
 (server/chat.py), JSON or SSE streams ending in `data: [DONE]` (server/streaming.py);
-GET /v1/models, /health, /metrics, /scheduler/state. Every error has OpenAI's shape
+GET /v1/models, /health, /metrics, /scheduler/state, and the utility routes of
+server/utility_routes.py (/tokenize, /detokenize, /version). Every error has OpenAI's shape
 (server/errors.py); invalid requests (bad JSON and schema errors included) are 400, never
 422. The middleware (server/middleware.py) checks the key and the body's size and arrival
 before a route runs; the shared checks are in server/serving.py.
@@ -45,6 +46,7 @@ from server.protocol import (
 )
 from server.serving import Serving
 from server.tenants import TenantRegistry
+from server.utility_routes import RequestIdMiddleware, install_utility_routes
 
 AnyEngine = Engine | DataParallelEngine
 
@@ -72,6 +74,7 @@ def build_app(
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
     app.add_middleware(TenantAuthMiddleware, tenants=tenants)
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest])
@@ -93,8 +96,10 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        info = engine.info
-        return ModelList(data=[ModelCard(id=info.model_name, max_model_len=info.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.info.max_model_len)
+                               for name in serving.model_names])
+
+    install_utility_routes(app, serving)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, answered
-as JSON or as an SSE stream of deltas; chat-shaped logprobs, `n` choices."""
+"""POST /v1/chat/completions: messages (and tools) rendered with the model's chat
+template, answered as JSON or as an SSE stream of deltas; chat-shaped logprobs, `n`
+choices; tool calls and reasoning parsed out of the text (server/chat_output.py), a forced
+tool call constrained by its grammar."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from scheduler.output import SampleLogprobs
+from server.chat_output import (
+    ChatOutputParser,
+    chat_output_parser,
+    forced_tool_grammar,
+    tool_parser_for,
+)
 from server.engine import RequestOutput, RequestStream
 from server.errors import APIError
 from server.protocol import (
@@ -34,6 +42,7 @@ from server.streaming import (
     fast_chunk,
     sse_data,
 )
+from server.tool_parsers import ToolParser
 
 
 class ChatCompletions:
@@ -46,45 +55,58 @@ class ChatCompletions:
         serving = self.serving
         arrival = time.monotonic()
         body, placement = await serving.parse(raw, ChatCompletionRequest, arrival)
-        prompt = await serving.in_pool(self._render, body)
+        tool_parser = self._tool_parser(body)
+        prompt = await serving.in_pool(serving.render_chat, body)
         serving.check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
-        params = serving.sampling_params(body, max_tokens, body.num_logprobs)
+        grammar = await serving.grammar(body, forced_tool_grammar(body, tool_parser))
+        params = serving.sampling_params(body, max_tokens, body.num_logprobs, grammar)
         request_id = random_id("chatcmpl")
         stream = serving.submit(request_id, [prompt], params, body, placement, arrival)
         if body.stream:
-            return self._stream(request_id, stream, body, prompt)
+            return self._stream(request_id, stream, body, prompt, tool_parser)
         choices = await serving.collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
         return json_response(ChatCompletionResponse(
             id=request_id,
             model=serving.model_name,
-            choices=[
-                ChatCompletionChoice(
-                    index=i,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=self._logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    num_preemptions=c.num_preemptions,
-                )
-                for i, c in enumerate(choices)
-            ],
+            choices=[self._choice(i, c, body, self._output_parser(body, tool_parser))
+                     for i, c in enumerate(choices)],
             usage=usage([prompt], choices),
         ))
 
-    def _render(self, body: ChatCompletionRequest) -> list[int]:
-        """On the tokenizer thread."""
-        serving = self.serving
-        messages = [m.to_template_dict() for m in body.messages]
+    def _choice(
+        self, index: int, choice: Choice, body: ChatCompletionRequest,
+        parser: ChatOutputParser | None,
+    ) -> ChatCompletionChoice:
+        message = ChatResponseMessage(content=choice.text)
+        finish_reason = choice.finish_reason
+        if parser is not None:
+            parsed = parser.parse(choice.text)
+            message = ChatResponseMessage(content=parsed.content,
+                                          reasoning_content=parsed.reasoning,
+                                          tool_calls=parsed.tool_calls or None)
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return ChatCompletionChoice(
+            index=index,
+            message=message,
+            logprobs=self._logprobs(choice.token_ids, choice.logprobs) if body.logprobs else None,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            num_preemptions=choice.num_preemptions,
+        )
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
         try:
-            text = serving.pool_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as exc:  # jinja errors: the messages do not fit the template
-            raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
-        serving.check_prompt_chars(text, "rendered chat", "messages")
-        return serving.encode(text, add_special_tokens=False)
+            return tool_parser_for(body, self.serving.config.tool_call_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from exc
+
+    def _output_parser(
+        self, body: ChatCompletionRequest, tool_parser: ToolParser | None
+    ) -> ChatOutputParser | None:
+        return chat_output_parser(body, tool_parser, self.serving.config.reasoning_parser)
 
     def _stream(
         self,
@@ -92,10 +114,12 @@ class ChatCompletions:
         stream: RequestStream,
         body: ChatCompletionRequest,
         prompt: list[int],
+        tool_parser: ToolParser | None,
     ) -> Response:
         created = int(time.time())
         model = self.serving.model_name
         choices = {i: Choice() for i in range(body.n)}
+        parsers = {i: self._output_parser(body, tool_parser) for i in choices}
         head = chunk_head(request_id, "chat.completion.chunk", created, model)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
@@ -113,15 +137,25 @@ class ChatCompletions:
                 return None
             return self._logprobs(output.token_ids, output.logprobs or [])
 
-        def event_of(output: RequestOutput, logprobs: ChatChoiceLogprobs | None) -> Event:
-            if logprobs is None:
+        def event_of(output: RequestOutput, logprobs: ChatChoiceLogprobs | None) -> Event | None:
+            parser = parsers[output.index]
+            if logprobs is None and parser is None:
                 return fast_chunk(head, output,
                                   {"delta": {"content": output.text} if output.text else {}})
+            finish_reason = output.finish_reason
+            if parser is None:
+                message = DeltaMessage(content=output.text or None)
+            else:
+                message = parser.feed(output.text, output.finished)
+                if finish_reason == "stop" and parser.called_tools:
+                    finish_reason = "tool_calls"
+                if message == DeltaMessage() and logprobs is None and not output.finished:
+                    return None  # the parser holds the text back (a tool call in the making)
             return chunk(ChatCompletionStreamChoice(
                 index=output.index,
-                delta=DeltaMessage(content=output.text or None),
+                delta=message,
                 logprobs=logprobs,
-                finish_reason=output.finish_reason,  # type: ignore[arg-type]
+                finish_reason=finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
             ))
 

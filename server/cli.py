@@ -17,6 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from loadgen import client as bench_client
@@ -26,7 +27,9 @@ from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 from server.tenants import TenantRegistry, TenantsFileError
+from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
 
@@ -69,8 +72,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", default=None,
-                       help="name clients send as `model` (default: from the model path)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names clients may send as `model`, the first one reported "
+                       "(default: from the model path)")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file instead of the tokenizer's")
+    model.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how tool calls are read from the output (needed for "
+                       'tool_choice "auto")')
+    model.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split <think> text into reasoning_content")
     model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="auto: float32 on the CPU, bfloat16 on CUDA")
@@ -201,10 +212,15 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         ),
         fair_share=args.tenants is not None,
     )
+    names = args.served_model_name or [None]
     server = ServerConfig(
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=names[0],
+        model_aliases=tuple(names[1:]),
+        chat_template=_read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         api_key=args.api_key,
         tenants_file=args.tenants,
         max_waiting=args.max_waiting,
@@ -224,6 +240,15 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
                         args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read --chat-template {path}: {exc}") from exc
 
 
 def parse_length_range(text: str) -> tuple[int, int]:

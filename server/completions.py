@@ -55,8 +55,9 @@ class Completions:
             prompts = [list(p) for p in body.prompts]
             for prompt in prompts:
                 serving.check_prompt(prompt, max_tokens)
-            texts = await serving.in_pool(self._decode_all, prompts) if body.echo else []
-        params = serving.sampling_params(body, max_tokens, body.logprobs)
+            texts = await serving.in_pool(serving.decode_all, prompts) if body.echo else []
+        grammar = await serving.grammar(body)
+        params = serving.sampling_params(body, max_tokens, body.logprobs, grammar)
         request_id = random_id("cmpl")
         stream = serving.submit(request_id, prompts, params, body, placement, arrival)
         echo = texts if body.echo else None
@@ -74,10 +75,6 @@ class Completions:
             ],
             usage=usage(prompts, choices),
         ))
-
-    def _decode_all(self, prompts: list[list[int]]) -> list[str]:
-        """On the tokenizer thread."""
-        return [str(self.serving.pool_tokenizer.decode(p)) for p in prompts]
 
     def _stream(
         self,

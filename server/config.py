@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 class ServerConfig:
     """Where to listen and what the HTTP front end accepts.
 
-    served_model_name: the name clients must send as `model` (None: the loaded model's
-    name). api_key: when set, every route but /health and /metrics needs
+    served_model_name: the name clients send as `model` and responses report (None: the
+    loaded model's name); model_aliases: more names clients may send. chat_template: a
+    Jinja template's text instead of the tokenizer's. tool_call_parser, reasoning_parser:
+    names from server/tool_parsers.py and server/reasoning.py (None: off).
+    api_key: when set, every route but /health and /metrics needs
     `Authorization: Bearer <key>`; it is left out of repr so it never reaches a log.
     max_waiting: new requests get 503 while this many requests wait (None: no limit).
     shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
@@ -26,6 +29,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    chat_template: str | None = field(default=None, repr=False)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     api_key: str | None = field(default=None, repr=False)
     tenants_file: str | None = None
     max_waiting: int | None = None

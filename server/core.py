@@ -11,6 +11,10 @@ thread of the API process (tests) or as the main loop of the core process
 
 A step that raises fails the requests it scheduled (an `error` delta) and aborts them,
 freeing their blocks; the loop goes on. Any other exception ends the loop.
+
+Requests with a grammar go through `StructuredOutputs` (structured/matchers.py): they
+reach the scheduler once their grammar is compiled, each step's plan carries the masks of
+their sampling rows, and a request whose grammar is complete stops there.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from server.messages import (
     StepOutputs,
     StepScheduled,
 )
+from structured.matchers import GrammarState, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +80,10 @@ class EngineCore:
         runner: Runner,
         eos_token_ids: frozenset[int],
         step_clock: StepClock | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.structured = structured
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
@@ -91,7 +98,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        compiling = self.structured is not None and self.structured.num_compiling > 0
+        return compiling or self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------ commands
 
@@ -120,12 +128,41 @@ class EngineCore:
                 cache_salt=new.cache_salt,
             )
             self._num_added += 1
-            try:
-                self.scheduler.add_request(request)
-            except ValueError as exc:  # the HTTP checks should have caught it
-                self._pending.append(RequestDelta(new.request_id, [], error=str(exc)))
-                continue
-            self._num_sent[new.request_id] = 0
+            if new.sampling_params.grammar is not None:
+                try:
+                    if not self._constrain(request):
+                        self._num_sent[new.request_id] = 0
+                        continue  # scheduled once its grammar is compiled
+                except ValueError as exc:
+                    self._pending.append(RequestDelta(new.request_id, [], error=str(exc)))
+                    continue
+            self._schedule_new(request)
+
+    def _schedule_new(self, request: Request) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:  # the HTTP checks should have caught it
+            self._pending.append(RequestDelta(request.request_id, [], error=str(exc)))
+            self._forget(request.request_id)
+            return
+        self._num_sent[request.request_id] = 0
+
+    def _constrain(self, request: Request) -> bool:
+        """Give `request` its grammar: True when it can be scheduled now."""
+        if self.structured is None:
+            raise ValueError("structured outputs are not available in this engine")
+        return self.structured.add(request)
+
+    def _schedule_compiled(self) -> None:
+        """Hand the requests whose grammar is now compiled to the scheduler."""
+        if self.structured is None or not self.structured.num_compiling:
+            return
+        ready, failed = self.structured.take_compiled()
+        for request in ready:
+            self._schedule_new(request)
+        for request, error in failed:
+            self._pending.append(RequestDelta(request.request_id, [], error=error))
+            self._forget(request.request_id)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -154,10 +191,13 @@ class EngineCore:
         start = time.monotonic()
         self.step_clock.value = start
         plan: SchedulerOutput | None = None
+        self._schedule_compiled()
         deltas, first = self._pending, []
         self._pending = []
         try:
             plan = self.scheduler.schedule()
+            if self.structured is not None:
+                plan.grammar_bitmask = self.structured.bitmask(plan)
             for scheduled in plan.scheduled:
                 if scheduled.request_id not in self._scheduled_once:
                     self._scheduled_once.add(scheduled.request_id)
@@ -170,6 +210,8 @@ class EngineCore:
                 self.fault_hook(plan)
             runner_output = self.runner.execute(plan)
             updated = self.scheduler.update(plan, runner_output)
+            if self.structured is not None:
+                self._advance_grammars(self.structured, updated)
             deltas.extend(self._delta(request) for request in updated)
         except Exception:
             error_id = f"err-{uuid.uuid4().hex}"
@@ -184,6 +226,17 @@ class EngineCore:
             self.step_clock.value = 0.0
         self.stuck = plan is not None and plan.is_empty
         return self._message(deltas)
+
+    def _advance_grammars(self, structured: StructuredOutputs, updated: list[Request]) -> None:
+        """Feed the new tokens to the matchers; stop the requests whose grammar ended (or
+        was left: a runner that ignores masks)."""
+        done = []
+        for request in updated:
+            if structured.is_constrained(request.request_id) and not request.is_finished:
+                if structured.accept(request) is not GrammarState.OPEN:
+                    done.append(request.request_id)
+        if done:
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
 
     def idle_message(self) -> StepOutputs | None:
         """Between steps: the errors and stats that commands produced, if any."""
@@ -215,6 +268,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self._num_sent.pop(request_id, None)
         self._scheduled_once.discard(request_id)
+        if self.structured is not None:
+            self.structured.free(request_id)
 
     def _message(self, deltas: list[RequestDelta]) -> StepOutputs:
         num_added, self._num_added, self._dirty = self._num_added, 0, False

@@ -239,7 +239,7 @@ def core_main(
     from server.core_setup import build_core_parts
 
     try:
-        scheduler, runner, info = build_core_parts(
+        scheduler, runner, info, structured = build_core_parts(
             config.model, config.scheduler, enable_prefix_caching=config.enable_prefix_caching,
             served_model_name=config.served_model_name,
             simulate_step_ms=config.simulate_step_ms,
@@ -249,7 +249,7 @@ def core_main(
         outputs.close(linger=5000)
         sys.exit(1)
     send(Ready(info))
-    core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids), clock)
+    core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids), clock, structured)
 
     def receive(timeout_s: float | None) -> list[Command]:
         while timeout_s is None and not commands.poll(_PARENT_CHECK_MS):

@@ -1,10 +1,12 @@
-"""Build what the engine core runs: the model runner (or the simulated one) and the
-scheduler that matches the KV cache the runner allocated."""
+"""Build what the engine core runs: the model runner (or the simulated one), the
+scheduler that matches the KV cache the runner allocated, and the grammar state of
+structured outputs (on the model's tokenizer)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Any
 
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
@@ -15,6 +17,8 @@ from model_runner.tp_workers import start_tensor_parallel
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 from server.messages import CoreInfo
+from structured.compiler import GrammarCompiler, build_ll_tokenizer
+from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ def build_core_parts(
     enable_prefix_caching: bool = True,
     served_model_name: str | None = None,
     simulate_step_ms: float | None = None,
-) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo]:
+) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo, StructuredOutputs | None]:
     """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
     SimulatedRunner), size the KV cache and build the scheduler that matches it. With
     model_config.tensor_parallel_size > 1 this process is rank 0 and the other ranks'
@@ -43,6 +47,7 @@ def build_core_parts(
         hf_config, model_len = spec.hf_config, spec.max_model_len
         name = spec.served_model_name
         eos_token_ids = spec.eos_token_ids
+        tokenizer = spec.tokenizer
     else:
         if model_config.tensor_parallel_size > 1:
             loaded, runner = start_tensor_parallel(model_config)
@@ -52,6 +57,7 @@ def build_core_parts(
         hf_config, model_len = loaded.hf_config, loaded.max_model_len
         name = loaded.served_model_name
         eos_token_ids = loaded.eos_token_ids
+        tokenizer = loaded.tokenizer
     cache_config = CacheConfig(
         num_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
@@ -74,4 +80,17 @@ def build_core_parts(
         policy=scheduler_config.policy,
         eos_token_ids=sorted(eos_token_ids),
     )
-    return scheduler, runner, info
+    structured = _structured_outputs(tokenizer, info)
+    info.structured_outputs = structured is not None
+    return scheduler, runner, info, structured
+
+
+def _structured_outputs(tokenizer: Any, info: CoreInfo) -> StructuredOutputs | None:
+    """Grammar state on the model's tokenizer; None (constrained requests then fail)
+    when llguidance cannot read the tokenizer (it needs a fast one)."""
+    try:
+        ll_tokenizer = build_ll_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
+    except ValueError as exc:
+        logger.warning("structured outputs are off: %s", exc)
+        return None
+    return StructuredOutputs(GrammarCompiler(ll_tokenizer))

@@ -132,6 +132,8 @@ class DataParallelEngine:
         stop: Sequence[str] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
         tenancy: Tenancy = NO_TENANCY,
         on_done: Callable[[], None] | None = None,
     ) -> RequestStream:
@@ -149,7 +151,9 @@ class DataParallelEngine:
         try:
             return self.engines[core].add_request(
                 request_id, prompts, sampling_params, n=n, stop=stop, priority=priority,
-                arrival_time=arrival_time, tenancy=tenancy, on_done=done,
+                arrival_time=arrival_time, skip_special_tokens=skip_special_tokens,
+                include_stop_str_in_output=include_stop_str_in_output, tenancy=tenancy,
+                on_done=done,
             )
         except BaseException:
             self._owner.pop(request_id, None)

@@ -7,7 +7,8 @@ drop a leading space when decoding a lone token still get it right) and emits on
 new text. Text is held back while:
 - it ends in U+FFFD: a multi-byte character split across tokens is not complete yet;
 - its tail could be the start of a stop string: it is sent once that is ruled out.
-A matched stop string and everything after it are never sent.
+A matched stop string and everything after it are never sent (with
+`include_stop_str_in_output`, the stop string itself is).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._include_stop = include_stop_str_in_output
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -109,14 +112,14 @@ class IncrementalDetokenizer:
 
     def _match_stop(self, text_start: int) -> bool:
         """Cut `_text` at the earliest stop string ending in the text added at text_start."""
-        best = -1
+        best, best_end = -1, -1
         for stop in self._stop:
             i = self._text.find(stop, max(0, text_start - len(stop) + 1))
             if i != -1 and (best == -1 or i < best):
-                best = i
+                best, best_end = i, i + len(stop)
         if best == -1:
             return False
-        self._text = self._text[:best]
+        self._text = self._text[: best_end if self._include_stop else best]
         return True
 
     def _held_back(self) -> int:

@@ -50,6 +50,7 @@ from server.messages import (
 )
 from server.metrics import ServerMetrics
 from server.tenants import DEFAULT_TENANT
+from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,7 @@ class EngineInfo:
     policy: str
     tokenizer: Any = field(repr=False)
     eos_token_ids: frozenset[int] = frozenset()
+    structured_outputs: bool = False  # the core can enforce grammars
 
 
 class CoreClient(Protocol):
@@ -324,9 +326,10 @@ class Engine:
         metrics: ServerMetrics | None = None,
         step_timeout_s: float | None = None,
         stream_interval: int = 1,
+        structured: StructuredOutputs | None = None,
     ) -> Engine:
         """An engine whose core runs on a thread of this process (not started)."""
-        core = EngineCore(scheduler, runner, info.eos_token_ids)
+        core = EngineCore(scheduler, runner, info.eos_token_ids, structured=structured)
         return cls(InProcessCoreClient(core), info, metrics, step_timeout_s, stream_interval)
 
     @property
@@ -398,6 +401,8 @@ class Engine:
         stop: Sequence[str] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
         tenancy: Tenancy = NO_TENANCY,
         on_done: Callable[[], None] | None = None,
     ) -> RequestStream:
@@ -426,7 +431,10 @@ class Engine:
                     f"{request_id}-{p * n}" if i > 0 else None,
                     tenancy.tenant, tenancy.weight, tenancy.deadline, tenancy.cache_salt,
                 ))
-                detokenizer = IncrementalDetokenizer(self._decode_tokenizer, prompt, stop)
+                detokenizer = IncrementalDetokenizer(
+                    self._decode_tokenizer, prompt, stop, skip_special_tokens,
+                    include_stop_str_in_output,
+                )
                 choices.append(_Choice(scheduler_id, stream, request_id, index, priority,
                                        tenancy.tenant, len(prompt), detokenizer, arrival))
         with self._lock:
@@ -757,6 +765,7 @@ def create_engine(
         policy=core_info.policy,
         tokenizer=spec.tokenizer,
         eos_token_ids=frozenset(core_info.eos_token_ids),
+        structured_outputs=core_info.structured_outputs,
     )
     engine = Engine(client, info, step_timeout_s=step_timeout_s,
                     stream_interval=stream_interval, metrics=metrics_factory(info.model_name))

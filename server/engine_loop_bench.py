@@ -41,7 +41,7 @@ def run_engine_loop(config: BenchConfig, step_ms: float) -> dict[str, Any]:
     scheduler_config = SchedulerConfig(
         max_num_seqs=concurrency, max_num_batched_tokens=_MAX_NUM_BATCHED_TOKENS
     )
-    scheduler, runner, info = build_core_parts(
+    scheduler, runner, info, _ = build_core_parts(
         model_config, scheduler_config, simulate_step_ms=step_ms
     )
     core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))

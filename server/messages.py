@@ -65,6 +65,7 @@ class CoreInfo(msgspec.Struct, array_like=True):
     vocab_size: int
     policy: str
     eos_token_ids: list[int]
+    structured_outputs: bool = False  # grammars can be compiled (structured/)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

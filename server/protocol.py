@@ -3,11 +3,15 @@
 Requests ignore unknown fields and bound every numeric field and every list, so that no
 single request can make the server do unbounded work; a validation error becomes an HTTP
 400 in `server/app.py` whose message names the field and its limit. `num_preemptions` is
-our per-choice extension.
+our per-choice extension. Structured outputs (`response_format`, vLLM's
+`structured_outputs`), tools and vLLM's extra sampling fields (`logit_bias`,
+`allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`) are here too;
+server/structured_output.py turns the constraints into grammars.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -32,13 +36,17 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 2**17
+MAX_CHOICE_STRINGS = 1024
+MAX_TOOLS = 128
 MIN_REPETITION_PENALTY = 0.01
 # NOTE: a temperature this small is greedy: dividing float32 logits by it gives inf/NaN.
 GREEDY_TEMPERATURE_EPS = 1e-5
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # n > 1 uses seed + i: still a valid seed
 
-FinishReason = Literal["stop", "length", "abort", "deadline"]
+FinishReason = Literal["stop", "length", "abort", "deadline", "tool_calls"]
 
 
 # NOTE: the validators below check these fields by hand (for clearer messages); these JSON
@@ -74,6 +82,52 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: OpenAI's named schema (`strict` is always honoured)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema")
+        return self
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs`: exactly one of json (a schema, or its JSON text),
+    regex, choice, grammar (Lark) or json_object."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICE_STRINGS)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check_one(self) -> StructuredOutputsParams:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar or json_object"
+            )
+        return self
+
+
 class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -100,6 +154,37 @@ class SamplingRequest(_Request):
     deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[int] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, not {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError("values must be in [-100, 100]")
+        return bias
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @property
+    def token_ids_to_check(self) -> list[int]:
+        """Token ids in the sampling fields (each must be in the vocabulary)."""
+        bias = [int(k) for k in self.logit_bias or {}]
+        return [*(self.stop_token_ids or ()), *bias, *(self.allowed_token_ids or ())]
 
     @field_validator("stop")
     @classmethod
@@ -126,6 +211,10 @@ class SamplingRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be <= max_tokens")
+        if self.structured_outputs is not None and self.response_format is not None and (
+            self.response_format.type != "text"
+        ):
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
 
     @property
@@ -136,8 +225,11 @@ class SamplingRequest(_Request):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The scheduler/runner view of this request (stop strings stay in the server)."""
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, grammar: str | None = None
+    ) -> SamplingParams:
+        """The scheduler/runner view of this request (stop strings stay in the server);
+        `grammar` constrains the output (server/structured_output.py)."""
         top_k = self.top_k if self.top_k is not None else 0
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < GREEDY_TEMPERATURE_EPS:
@@ -158,6 +250,11 @@ class SamplingRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            grammar=grammar,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            allowed_token_ids=(
+                tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+            ),
         )
 
 
@@ -235,7 +332,44 @@ class ChatMessage(BaseModel):
             message["content"] = "\n".join(part.text for part in self.content)
         elif self.content is None:
             message["content"] = ""
+        tool_calls = message.get("tool_calls")
+        if isinstance(tool_calls, list):  # templates read the arguments as a mapping
+            message["tool_calls"] = [_template_tool_call(c) for c in tool_calls]
         return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -245,12 +379,45 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
+                                 f"in tools ({', '.join(names)})")
+        if self.forces_tool_call and (
+            self.structured_outputs is not None
+            or (self.response_format is not None and self.response_format.type != "text")
+        ):
+            raise ValueError("a forced tool call cannot be combined with a response format")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """"none" without tools; OpenAI's default with tools is "auto"."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the grammar makes the call."""
+        return self.effective_tool_choice not in ("none", "auto")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -330,9 +497,22 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -352,9 +532,25 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    arguments: str | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index`: the first one has id, type and name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionStreamChoice(BaseModel):

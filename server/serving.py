@@ -41,13 +41,20 @@ from server.engine import (
     Tenancy,
 )
 from server.errors import APIError, server_error, validation_error
-from server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from server.protocol import (
+    ChatCompletionRequest,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
+from server.structured_output import GrammarError, request_grammar
 from server.tenants import Tenant, TenantRefused
 
 # A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
 _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
+_ModelT = TypeVar("_ModelT", bound=pydantic.BaseModel)
 _T = TypeVar("_T")
 
 
@@ -97,6 +104,7 @@ class Serving:
         # tokenizer, as a fast tokenizer is not thread-safe.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool_tokenizer = copy.deepcopy(self.tokenizer)
+        self.model_names = (engine.info.model_name, *config.model_aliases)
 
     @property
     def model_name(self) -> str:
@@ -108,11 +116,8 @@ class Serving:
 
     # ------------------------------------------------------ validation
 
-    async def parse(
-        self, raw: Request, model: type[_RequestT], arrival: float
-    ) -> tuple[_RequestT, Placement]:
-        """The body as `model` and its placement under the request's tenant (403 for a
-        priority beyond the tenant's bound), after the checks that need no tokens."""
+    async def parse_json(self, raw: Request, model: type[_ModelT]) -> _ModelT:
+        """The body as `model` (any pydantic model): a 400 for bad JSON or fields."""
         body = await raw.body()
         try:
             data = json.loads(body)
@@ -130,11 +135,27 @@ class Serving:
                 "surrogate (\\ud800-\\udfff), which is no Unicode character."
             )
         try:
-            request = model.model_validate(data)
+            return model.model_validate(data)
         except pydantic.ValidationError as exc:
             raise validation_error(exc.errors(include_url=False)) from exc
+
+    async def parse(
+        self, raw: Request, model: type[_RequestT], arrival: float
+    ) -> tuple[_RequestT, Placement]:
+        """A generation request's body as `model` and its placement under the request's
+        tenant (403 for a priority beyond the tenant's bound), after the checks that need
+        no tokens."""
+        request = await self.parse_json(raw, model)
         self._check_admission(request)
         return request, self._place(raw.state.tenant, request, arrival)
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is None or a name this server serves."""
+        if model is not None and model not in self.model_names:
+            raise APIError(
+                404, f"The model `{model}` does not exist; this server serves "
+                f"`{self.model_name}`.", param="model", code="model_not_found",
+            )
 
     def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Placement:
         requested = body.priority if "priority" in body.model_fields_set else None
@@ -163,11 +184,7 @@ class Serving:
 
     def _check_admission(self, body: SamplingRequest) -> None:
         info = self.engine.info
-        if body.model is not None and body.model != info.model_name:
-            raise APIError(
-                404, f"The model `{body.model}` does not exist; this server serves "
-                f"`{info.model_name}`.", param="model", code="model_not_found",
-            )
+        self.check_model(body.model)
         if body.priority != 0 and info.policy != "priority":
             raise APIError(
                 400, f"priority is not supported under the {info.policy} scheduling policy: "
@@ -178,11 +195,12 @@ class Serving:
                 503, f"The engine is not serving: {self.engine.unavailable_reason()}."
             )
         vocab_size = info.vocab_size
-        bad_stop = [t for t in body.stop_token_ids or () if t >= vocab_size]
-        if bad_stop:
+        bad_ids = [t for t in body.token_ids_to_check if t >= vocab_size]
+        if bad_ids:
             raise APIError(
-                400, f"stop_token_ids: token id {bad_stop[0]} is out of range: the vocabulary "
-                f"has {vocab_size} tokens.", param="stop_token_ids",
+                400, f"token id {bad_ids[0]} (in stop_token_ids, logit_bias or "
+                f"allowed_token_ids) is out of range: the vocabulary has {vocab_size} tokens.",
+                param="stop_token_ids" if bad_ids[0] in (body.stop_token_ids or ()) else None,
             )
         limit = self.config.max_waiting
         if limit is not None and self.engine.num_waiting >= limit:
@@ -230,16 +248,52 @@ class Serving:
 
     @staticmethod
     def sampling_params(
-        body: SamplingRequest, max_tokens: int, logprobs: int | None
+        body: SamplingRequest, max_tokens: int, logprobs: int | None, grammar: str | None
     ) -> SamplingParams:
         try:
-            return body.to_sampling_params(max_tokens, logprobs)
+            return body.to_sampling_params(max_tokens, logprobs, grammar)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+
+    async def grammar(self, body: SamplingRequest, tool_grammar: str | None = None) -> str | None:
+        """The request's output grammar (server/structured_output.py), built and checked
+        on the tokenizer thread; a 400 naming why it cannot be."""
+        try:
+            grammar = await self.in_pool(request_grammar, body, tool_grammar)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        if grammar is not None and not self.engine.info.structured_outputs:
+            raise APIError(400, "Structured outputs and forced tool calls are not available "
+                           "on this server (its tokenizer is not one llguidance reads).")
+        return grammar
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """On the tokenizer thread."""
         return list(self.pool_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_all(self, prompts: list[list[int]]) -> list[str]:
+        """On the tokenizer thread."""
+        return [str(self.pool_tokenizer.decode(p)) for p in prompts]
+
+    def render_chat(
+        self, body: ChatCompletionRequest, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The messages (and tools) through the chat template, as tokens; on the tokenizer
+        thread. A 400 when the template rejects them or the text is surely too long."""
+        messages = [m.to_template_dict() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.effective_tool_choice != "none" and body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        if self.config.chat_template is not None:
+            kwargs["chat_template"] = self.config.chat_template
+        try:
+            text = self.pool_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # jinja errors: the messages do not fit the template
+            raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
+        self.check_prompt_chars(text, "rendered chat", "messages")
+        return self.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (on the event loop)."""
@@ -268,8 +322,10 @@ class Serving:
         try:
             return self.engine.add_request(
                 request_id, prompts, params, n=body.n, stop=body.stop_strings,
-                priority=placement.priority, arrival_time=arrival, tenancy=tenancy,
-                on_done=release,
+                priority=placement.priority, arrival_time=arrival,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                tenancy=tenancy, on_done=release,
             )
         except EngineDeadError as exc:
             release()

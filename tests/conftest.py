@@ -38,7 +38,8 @@ class ByteTokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+        **template_kwargs: object,
     ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
@@ -87,6 +88,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         runner: object | None = None,
         stream_interval: int = 1,
         fair_share: bool = False,
+        structured: object | None = None,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
@@ -101,9 +103,11 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             policy=policy,
             tokenizer=ByteTokenizer(),
             eos_token_ids=frozenset({BYTE_EOS}),
+            structured_outputs=structured is not None,
         )
         engine = Engine.in_process(scheduler, runner or ScriptedRunner(script), info,
-                                   stream_interval=stream_interval)
+                                   stream_interval=stream_interval,
+                                   structured=structured)  # type: ignore[arg-type]
         if start:
             engine.start()
         engines.append(engine)

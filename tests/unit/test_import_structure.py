@@ -1,7 +1,8 @@
 """The house's one-way arrows (docs/structure.md), read from the imports of every shipped
 module, module-level and lazy alike:
 
-    server -> scheduler -> kvcache;  server -> model_runner;  server -> loadgen
+    server -> scheduler -> kvcache;  server -> model_runner;  server -> loadgen;
+    server -> structured -> scheduler
     model_runner reads only the scheduler's contract (scheduler/output.py,
     scheduler/sampling_params.py); scheduler and kvcache import no torch;
     the engine core (server/core.py) knows no HTTP; no import loop among our modules.
@@ -15,14 +16,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("server", "scheduler", "kvcache", "model_runner", "loadgen")
+PACKAGES = ("server", "scheduler", "kvcache", "model_runner", "loadgen", "structured")
 # Which of our packages each package may import (itself always).
 ALLOWED = {
     "kvcache": set(),
     "scheduler": {"kvcache"},
     "model_runner": {"scheduler"},
     "loadgen": set(),
-    "server": {"scheduler", "kvcache", "model_runner", "loadgen"},
+    "structured": {"scheduler"},
+    "server": {"scheduler", "kvcache", "model_runner", "loadgen", "structured"},
 }
 SCHEDULER_CONTRACT = {"scheduler.output", "scheduler.sampling_params"}
 HTTP_MODULES = {"fastapi", "starlette", "uvicorn", "httpx"}

@@ -1,0 +1,200 @@
+"""Tool-call and reasoning parsers: complete and streamed output, malformed output as
+plain content, and the forced-call grammars (every output they allow parses)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from llguidance import LLMatcher
+
+from server.chat_output import ChatOutputParser, chat_output_parser, tool_parser_for
+from server.protocol import ChatCompletionRequest, DeltaMessage, FunctionDefinition
+from server.reasoning import Qwen3ReasoningParser
+from server.tool_parsers import HermesToolParser, Llama3JsonToolParser, closed_schema
+from tests.structured_helpers import allowed_tokens, byte_ll_tokenizer
+
+WEATHER = FunctionDefinition(name="get_weather", parameters={
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+})
+ADD = FunctionDefinition(name="add", parameters={
+    "type": "object",
+    "properties": {"a": {"type": "integer", "maximum": 99, "minimum": 0},
+                   "b": {"type": "integer", "maximum": 99, "minimum": 0}},
+    "required": ["a", "b"],
+})
+
+
+def _hermes_block(name: str, arguments: dict) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+# ------------------------------------------------------------------ complete output
+
+
+def test_hermes_parses_calls_and_keeps_content() -> None:
+    text = "Let me check.\n" + _hermes_block("get_weather", {"city": "Paris", "unit": "c"}) \
+        + "\n" + _hermes_block("add", {"a": 1, "b": 2})
+    content, calls = HermesToolParser().parse(text)
+    assert content == "Let me check.\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>{not json}</tool_call>",
+    '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    '<tool_call>["a list"]</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}',  # cut off
+    "plain text, no call at all",
+    "",
+])
+def test_hermes_malformed_output_is_plain_content(text: str) -> None:
+    content, calls = HermesToolParser().parse(text)
+    assert calls == [] and content == text
+
+
+def test_llama3_json_parses_one_or_several_calls() -> None:
+    parser = Llama3JsonToolParser()
+    content, calls = parser.parse('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert content == "" and calls[0].name == "add"
+    content, calls = parser.parse(
+        '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", '
+        '"parameters": {"city": "Oslo", "unit": "c"}}')
+    assert [c.name for c in calls] == ["add", "get_weather"]
+
+
+@pytest.mark.parametrize("text", ['{"name": "add"}', "{broken", "Hello there", '{"a": 1} and'])
+def test_llama3_json_malformed_output_is_plain_content(text: str) -> None:
+    assert Llama3JsonToolParser().parse(text) == (text, [])
+
+
+def test_qwen3_reasoning_split() -> None:
+    parser = Qwen3ReasoningParser()
+    assert parser.split("<think>\nhmm, 2+2\n</think>\n\nIt is 4.") == ("\nhmm, 2+2\n", "It is 4.")
+    assert parser.split("No thinking here.") == ("", "No thinking here.")
+    assert parser.split("<think>cut off") == ("cut off", "")
+
+
+# ------------------------------------------------------------------ streams
+
+
+def _stream(parser: ChatOutputParser, text: str, rng: random.Random) -> list[DeltaMessage]:
+    deltas, position = [], 0
+    while position < len(text):
+        step = rng.randint(1, 6)
+        piece, position = text[position : position + step], position + step
+        deltas.append(parser.feed(piece, finished=position >= len(text)))
+    if not text:
+        deltas.append(parser.feed("", finished=True))
+    return deltas
+
+
+def _reassemble(deltas: list[DeltaMessage]) -> tuple[str, str, list[tuple[str, str]]]:
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for call in d.tool_calls or ():
+            entry = calls.setdefault(call.index, ["", ""])
+            entry[0] += call.function.name or ""
+            entry[1] += call.function.arguments or ""
+    return reasoning, content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+STREAM_CASES = [
+    ("hermes", None, "Sure.\n" + _hermes_block("add", {"a": 1, "b": 2}) + "\nDone."),
+    ("hermes", None, _hermes_block("add", {"a": 1, "b": 2}) + "\n"
+     + _hermes_block("get_weather", {"city": "Rome", "unit": "f"})),
+    ("hermes", None, "a < b but <tool_call>{oops}</tool_call> and <tool_"),
+    ("hermes", "qwen3", "<think>plan: call add</think>\n" + _hermes_block("add", {"a": 5, "b": 6})),
+    ("llama3_json", None, '{"name": "add", "parameters": {"a": 1, "b": 2}}'),
+    ("llama3_json", None, "{not a call"),
+    ("llama3_json", None, "Just words."),
+    (None, "qwen3", "<think>deep thought</think>\n\n42"),
+    (None, "qwen3", "<thi"),
+    ("hermes", None, ""),
+]
+
+
+@pytest.mark.parametrize("tool_name, reasoning_name, text", STREAM_CASES)
+@pytest.mark.parametrize("seed", range(5))
+def test_streamed_deltas_reassemble_to_the_complete_parse(
+    tool_name: str | None, reasoning_name: str | None, text: str, seed: int
+) -> None:
+    def make() -> ChatOutputParser:
+        tools = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+        return ChatOutputParser(
+            Qwen3ReasoningParser() if reasoning_name else None,
+            tools[tool_name]() if tool_name else None,
+        )
+
+    parsed = make().parse(text)
+    reasoning, content, calls = _reassemble(_stream(make(), text, random.Random(seed)))
+    assert reasoning == (parsed.reasoning or "")
+    assert content == (parsed.content or "")
+    assert calls == [(c.function.name, c.function.arguments) for c in parsed.tool_calls]
+
+
+# ------------------------------------------------------------------ forced calls
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": f.model_dump()} for f in (WEATHER, ADD)]
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": tools, **fields})
+
+
+def test_auto_needs_a_configured_parser_but_forced_calls_do_not() -> None:
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        tool_parser_for(_chat(), None)
+    assert isinstance(tool_parser_for(_chat(tool_choice="required"), None), HermesToolParser)
+    assert tool_parser_for(_chat(tool_choice="none"), None) is None
+    assert chat_output_parser(_chat(tool_choice="none"), None, None) is None
+
+
+def test_named_tool_choice_must_be_declared() -> None:
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="not in tools"):
+        _chat(tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_closed_schema_closes_every_object() -> None:
+    closed = closed_schema({"type": "object", "properties": {
+        "inner": {"type": "object", "properties": {"x": {"type": "integer"}}}}})
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_grammars_only_allow_calls_that_parse(parser, parallel: bool) -> None:
+    tokenizer = byte_ll_tokenizer()
+    grammar = parser.forced_grammar([WEATHER, ADD], parallel)
+    assert LLMatcher.validate_grammar(grammar) == ""
+    import numpy as np
+
+    rng = random.Random(1)
+    for _ in range(5):
+        matcher = LLMatcher(tokenizer, grammar)
+        out = bytearray()
+        bitmask = np.zeros((1, 9), dtype=np.int32)
+        while not matcher.is_stopped() and len(out) < 400:
+            matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+            allowed = allowed_tokens(bitmask, 0)
+            # NOTE: prefer ending when allowed, so that random walks stay short
+            token = 256 if 256 in allowed and rng.random() < 0.5 else rng.choice(allowed)
+            assert matcher.consume_token(token)
+            if token < 256:
+                out.append(token)
+        content, calls = parser.parse(out.decode())
+        assert calls and not content.strip(), out.decode()
+        for call in calls:
+            assert call.name in ("get_weather", "add")
+            arguments = json.loads(call.arguments)
+            assert set(arguments) == ({"city", "unit"} if call.name == "get_weather"
+                                      else {"a", "b"})

@@ -1,0 +1,157 @@
+"""The HTTP app's tools, reasoning, structured-output errors and small routes, over the
+scripted runner (its script plays the model's output)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import build_app
+from server.config import ServerConfig
+from tests.structured_helpers import MaskedRandomRunner, make_structured
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+
+
+@pytest.fixture
+def serve(make_fake_engine) -> Iterator:
+    clients = []
+
+    def make(script: str = "Hello.", structured: bool = False, **config) -> TestClient:
+        if structured:
+            engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
+                                      start=False)
+        else:
+            engine = make_fake_engine(script=script, start=False)
+        client = TestClient(build_app(engine, ServerConfig(**config)))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def stream_deltas(client: TestClient, body: dict) -> list[dict]:
+    deltas = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                deltas += [(c["delta"], c["finish_reason"]) for c in choices]
+    return deltas
+
+
+def test_auto_tool_call_is_parsed_whole_and_streamed(serve) -> None:
+    client = serve(script="Sure. " + CALL, tool_call_parser="hermes")
+    body = {**CHAT, "tools": TOOLS}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Sure. "
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'} and call["id"]
+    deltas = stream_deltas(client, body)
+    content = "".join(d.get("content") or "" for d, _ in deltas)
+    calls = [c for d, _ in deltas for c in d.get("tool_calls") or ()]
+    assert content == "Sure. " and deltas[-1][1] == "tool_calls"
+    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
+
+
+def test_malformed_tool_call_output_is_plain_content(serve) -> None:
+    text = "<tool_call>{oops</tool_call>"
+    client = serve(script=text, tool_call_parser="hermes")
+    choice = client.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS}).json()
+    assert choice["choices"][0]["message"]["content"] == text
+    assert choice["choices"][0]["finish_reason"] == "stop"
+    deltas = stream_deltas(client, {**CHAT, "tools": TOOLS})
+    assert "".join(d.get("content") or "" for d, _ in deltas) == text
+
+
+def test_tool_choice_errors_are_400(serve) -> None:
+    client = serve()
+    response = client.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS})
+    assert response.status_code == 400 and "--tool-call-parser" in response.text
+    named = {"type": "function", "function": {"name": "nope"}}
+    response = client.post("/v1/chat/completions",
+                           json={**CHAT, "tools": TOOLS, "tool_choice": named})
+    assert response.status_code == 400 and "not in tools" in response.text
+    response = client.post("/v1/chat/completions", json={**CHAT, "tool_choice": "required"})
+    assert response.status_code == 400
+
+
+def test_reasoning_content_whole_and_streamed(serve) -> None:
+    client = serve(script="<think>hmm</think>\nHi!", reasoning_parser="qwen3")
+    message = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("hmm", "Hi!")
+    deltas = stream_deltas(client, CHAT)
+    assert "".join(d.get("reasoning_content") or "" for d, _ in deltas) == "hmm"
+    assert "".join(d.get("content") or "" for d, _ in deltas) == "Hi!"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+     "Invalid type"),
+    ({"structured_outputs": {"regex": "("}}, "regex"),
+    ({"structured_outputs": {"json": "[1, 2"}}, "not valid JSON"),
+    ({"logit_bias": {"999999": 1}}, "out of range"),
+    ({"logit_bias": {"abc": 1}}, "token ids"),
+    ({"logit_bias": {"5": 101}}, "[-100, 100]"),
+    ({"allowed_token_ids": [9999]}, "out of range"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+])
+def test_bad_structured_and_sampling_fields_are_400(serve, body, needle) -> None:
+    response = serve().post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+def test_small_routes_aliases_and_request_id(serve) -> None:
+    client = serve(served_model_name="fake-model", model_aliases=("other-name",))
+    tokens = client.post("/tokenize", json={"prompt": "hé"}).json()
+    assert tokens["tokens"] == list("hé".encode()) and tokens["count"] == 3
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {
+        "prompt": "hé"}
+    chat = client.post("/tokenize", json={"messages": CHAT["messages"]}).json()
+    assert bytes(chat["tokens"]).decode() == "<user>hi\n<assistant>"
+    assert client.post("/tokenize", json={}).status_code == 400
+    assert client.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert client.get("/version").json()["version"]
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["fake-model", "other-name"]
+    response = client.post("/v1/completions", json={"prompt": "x", "model": "other-name"},
+                           headers={"X-Request-Id": "abc-123"})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "abc-123"
+    assert response.json()["model"] == "fake-model"
+    assert client.get("/health").headers["x-request-id"]
+
+
+def test_constrained_requests_over_http_validate(serve) -> None:
+    import jsonschema
+
+    client = serve(structured=True, tool_call_parser="hermes")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}, "s": {"enum": ["x", "y"]}}, "required": ["n", "s"],
+              "additionalProperties": False}
+    response = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 60, "n": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["text"]), schema)
+    body = {**CHAT, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_constraints_are_400_when_the_engine_has_no_grammar_support(serve) -> None:
+    response = serve().post("/v1/completions", json={
+        "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
+    assert response.status_code == 400 and "not available" in response.text
