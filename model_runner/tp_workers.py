@@ -15,7 +15,6 @@ engine core that exits the process, which the API process reports as a dead core
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from model_runner.config import ModelConfig
 from model_runner.llama import LlamaForCausalLM
 from model_runner.loader import LoadedModel, load_model, load_model_spec, resolve_device
+from model_runner.process_lifetime import die_with_parent
 from model_runner.runner import ModelRunner
 from model_runner.tensor_parallel import (
     HOST,
@@ -46,7 +46,6 @@ from scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _CLOSE_TIMEOUT_S = 10.0
 WORKER_DIED_EXIT_CODE = 3  # the engine core's exit status after a worker died
 
@@ -170,7 +169,7 @@ def worker_main(fd: int) -> None:
     socket closes."""
     conn = Connection(fd)
     setup: WorkerSetup = conn.recv()
-    _die_with_parent(setup.parent_pid)
+    die_with_parent(setup.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
     logging.basicConfig(
         level=setup.log_level,
@@ -190,12 +189,3 @@ def worker_main(fd: int) -> None:
             break
         runner.execute_worker(tables.apply(data))
     tp.close()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when rank 0's dies (Linux); exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        sys.exit(1)

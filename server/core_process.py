@@ -16,7 +16,6 @@ loading thread had opened OpenMP parallel regions, a CPU decode step was ~40% sl
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -33,6 +32,7 @@ from typing import Any
 import zmq
 
 from model_runner.config import ModelConfig
+from model_runner.process_lifetime import die_with_parent
 from model_runner.tp_workers import WORKER_DIED_EXIT_CODE
 from scheduler.config import SchedulerConfig
 from server.messages import (
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # the receiver notices a dead core within this
 _PARENT_CHECK_MS = 1000  # an idle core checks its parent this often
-_PR_SET_PDEATHSIG = 1
 _LOAD_ERRORS: dict[str, type[Exception]] = {
     "FileNotFoundError": FileNotFoundError, "ValueError": ValueError,
 }
@@ -213,7 +212,7 @@ def core_main(
     config: CoreConfig, commands_path: str, outputs_path: str, clock: Any, parent_pid: int
 ) -> None:
     """The core process's entry point (see the module docstring)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # NOTE: Ctrl-C reaches the whole process group; the API process drains, then stops
     # the core. SIGTERM keeps its default: multiprocessing's exit handler terminates
     # (SIGTERM) then joins a child left over, which must not hang.
@@ -273,12 +272,3 @@ def core_main(
     outputs.close(linger=5000)
     commands.close(linger=0)
     context.term()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the API process dies (Linux); exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        sys.exit(1)

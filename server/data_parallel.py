@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler.sampling_params import SamplingParams
-from server.engine import NO_TENANCY, Engine, EngineDeadError, RequestStream, Tenancy
+from server.engine import Engine, EngineDeadError, RequestStream
 from server.metrics import ServerMetrics
 
 AFFINITY_CHUNK_TOKENS = 16
@@ -128,17 +128,13 @@ class DataParallelEngine:
         prompts: Sequence[list[int]],
         sampling_params: SamplingParams,
         *,
-        n: int = 1,
-        stop: Sequence[str] = (),
         priority: int = 0,
-        arrival_time: float | None = None,
-        skip_special_tokens: bool = True,
-        include_stop_str_in_output: bool = False,
-        tenancy: Tenancy = NO_TENANCY,
         on_done: Callable[[], None] | None = None,
+        **kwargs: Any,
     ) -> RequestStream:
-        """`Engine.add_request` on the core `pick` chooses (all of a request's choices on
-        one core, so that n > 1 shares its prompt)."""
+        """`Engine.add_request` (the other keywords go to it as they are) on the core
+        `pick` chooses: all of a request's choices on one core, so that n > 1 shares its
+        prompt."""
         core = self.pick(prompts[0], priority)
         self.affinity.record(prompts[0], core)
 
@@ -150,10 +146,7 @@ class DataParallelEngine:
         self._owner[request_id] = core
         try:
             return self.engines[core].add_request(
-                request_id, prompts, sampling_params, n=n, stop=stop, priority=priority,
-                arrival_time=arrival_time, skip_special_tokens=skip_special_tokens,
-                include_stop_str_in_output=include_stop_str_in_output, tenancy=tenancy,
-                on_done=done,
+                request_id, prompts, sampling_params, priority=priority, on_done=done, **kwargs
             )
         except BaseException:
             self._owner.pop(request_id, None)

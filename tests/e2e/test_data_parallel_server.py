@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.e2e.conftest import ServerProcess, _require_default_model, metric
 from tests.reliability_helpers import assert_sse_body, wait_idle
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
@@ -33,14 +33,6 @@ def greedy_texts(server: ServerProcess) -> list[str]:
     return asyncio.run(run())
 
 
-def sample(server: ServerProcess, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_two_cores_give_the_greedy_text_of_one() -> None:
     _require_default_model()
     one = ServerProcess(*FLAGS)
@@ -51,7 +43,7 @@ def test_two_cores_give_the_greedy_text_of_one() -> None:
     two = ServerProcess(*FLAGS, "-dp", "2")
     try:
         assert greedy_texts(two) == expected
-        served = [sample(two, "pagedserve_generation_tokens_total", engine=str(i))
+        served = [metric(two, "pagedserve_generation_tokens_total", engine=str(i))
                   for i in (0, 1)]
         assert all(served), served  # both cores took requests
     finally:
@@ -107,13 +99,13 @@ def test_an_urgent_request_starts_within_idle_plus_two_steps(sim_dp) -> None:
 
 def test_a_shared_prefix_lands_on_one_core(sim_dp) -> None:
     prefix = " ".join(f"word{i}" for i in range(250))  # ~500 tokens
-    hits_before = [sample(sim_dp, "pagedserve_prefix_cache_hits_total", engine=str(i))
+    hits_before = [metric(sim_dp, "pagedserve_prefix_cache_hits_total", engine=str(i))
                    for i in (0, 1)]
     for i in range(8):
         response = httpx.post(f"{sim_dp.url}/v1/completions", timeout=60, json={
             "prompt": f"{prefix} question {i}", "max_tokens": 2})
         assert response.status_code == 200
-    hits = [sample(sim_dp, "pagedserve_prefix_cache_hits_total", engine=str(i)) - before
+    hits = [metric(sim_dp, "pagedserve_prefix_cache_hits_total", engine=str(i)) - before
             for i, before in zip((0, 1), hits_before, strict=True)]
     assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 7 * 480, hits
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from bench.server_process import free_port
-from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.e2e.conftest import ServerProcess, _require_default_model, metric
 
 SIM_FLAGS = ("--simulate-step-ms", "5", "--scheduling-policy", "priority",
              "--num-kv-blocks", "256")
@@ -26,14 +26,6 @@ def router_binary() -> str:
     if not Path(found).exists():
         pytest.skip("vllm-router is not installed (pip install vllm-router)")
     return found
-
-
-def count(server: ServerProcess, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture
@@ -79,14 +71,14 @@ def test_replicas_behind_vllm_router(replicas_and_router) -> None:
             "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 2, **body})
 
     assert post("an urgent one", priority=-7).status_code == 200
-    urgent = [count(r, "pagedserve_request_queue_time_seconds_count", priority="-7")
+    urgent = [metric(r, "pagedserve_request_queue_time_seconds_count", priority="-7")
               for r in replicas]
     assert sum(urgent) == 1, urgent  # the field reached the replica that ran it
 
     prefix = " ".join(f"word{i}" for i in range(300))
     for i in range(6):
         assert post(f"{prefix} question {i}").status_code == 200
-    served = [count(r, "pagedserve_request_success_total") for r in replicas]
+    served = [metric(r, "pagedserve_request_success_total") for r in replicas]
     sticky = max(range(2), key=lambda i: served[i])
     assert served[sticky] >= 6, served  # the repeated prefix stayed on one replica
 
@@ -96,4 +88,4 @@ def test_replicas_behind_vllm_router(replicas_and_router) -> None:
     results = [post(f"after the kill {i}").status_code for i in range(6)]
     assert results == [200] * 6, results
     other = replicas[1 - sticky]
-    assert count(other, "pagedserve_request_success_total") >= served[1 - sticky] + 6
+    assert metric(other, "pagedserve_request_success_total") >= served[1 - sticky] + 6

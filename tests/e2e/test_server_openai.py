@@ -3,7 +3,6 @@ every error path (each followed by a working request), disconnects, metrics, SIG
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -11,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ServerProcess
+from tests.e2e.conftest import ServerProcess, metric
 
 pytestmark = pytest.mark.e2e
 
@@ -40,16 +39,6 @@ def complete(client, model, **kw):
 def assert_works(client, model) -> None:
     response = complete(client, model, max_tokens=2, temperature=0)
     assert response.choices[0].text and response.usage.completion_tokens == 2
-
-
-def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def wait_idle(server: ServerProcess, timeout_s: float = 5.0) -> dict:
