@@ -33,12 +33,18 @@ from scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# How long a failed collective waits for a worker's death to show (see check_deaths).
+_WORKER_DEATH_WAIT_S = 1.0
+
+
 class Workers(Protocol):
     """Rank 0's handle on the other tensor-parallel ranks (model_runner/tp_workers.py)."""
 
     def forget(self, request_ids: Sequence[str]) -> None: ...
 
     def send_step(self, requests: Sequence[ScheduledRequest]) -> None: ...
+
+    def check_deaths(self, wait_s: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -171,6 +177,7 @@ class ModelRunner:
             try:
                 logits = self._logits(requests)
             except Exception as exc:  # the workers wait in a collective rank 0 never joins
+                self.workers.check_deaths(_WORKER_DEATH_WAIT_S)  # a dead worker is the cause
                 raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
         if logits is None:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -77,6 +78,7 @@ class Workers:
     ) -> None:
         self._plans = PlanWriter()
         self._closing = False
+        self._on_death = on_death
         self.processes: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         for rank in range(1, config.tensor_parallel_size):
@@ -90,7 +92,7 @@ class Workers:
                                   num_threads, os.getpid(), logging.getLogger().level))
             self.processes.append(process)
             self._conns.append(conn)
-            threading.Thread(target=self._watch, args=(rank, process, on_death),
+            threading.Thread(target=self._watch, args=(rank, process),
                              name=f"tp-watch-{rank}", daemon=True).start()
 
     def forget(self, request_ids: Sequence[str]) -> None:
@@ -114,13 +116,27 @@ class Workers:
                 process.kill()
                 process.wait()
 
-    def _watch(
-        self, rank: int, process: subprocess.Popen[bytes], on_death: Callable[[str], None]
-    ) -> None:
-        code = process.wait()
+    def check_deaths(self, wait_s: float) -> None:
+        """After rank 0's collective failed: if a worker is dead, or dies within wait_s
+        (its socket can close before it is reaped), that is the cause: `on_death` now,
+        rather than after the caller has ended the core for another reason."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None:
+                    self._died(rank, process.returncode)
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def _watch(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+        self._died(rank, process.wait())
+
+    def _died(self, rank: int, code: int) -> None:
         if not self._closing:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            on_death(f"tensor-parallel worker rank {rank} died ({how})")
+            self._on_death(f"tensor-parallel worker rank {rank} died ({how})")
 
 
 def exit_on_worker_death(reason: str) -> None:

@@ -128,6 +128,9 @@ class RecordingWorkers:
     def send_step(self, requests) -> None:
         self.steps.append([r.request_id for r in requests])
 
+    def check_deaths(self, wait_s: float) -> None:
+        pass  # every stand-in worker lives
+
     def close(self) -> None:
         pass
 
