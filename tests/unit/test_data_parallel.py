@@ -125,7 +125,7 @@ def test_a_shared_prefix_sticks_to_one_core(dp) -> None:
 
 
 def test_a_dead_core_fails_its_own_requests_and_the_other_serves(dp) -> None:
-    engine = dp(step_s=0.005)
+    engine = dp(step_s=0.005, max_num_seqs=1)  # one seat: the later arrivals wait, and count
     server = LiveServer(engine)
     try:
         body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
@@ -142,6 +142,8 @@ def test_a_dead_core_fails_its_own_requests_and_the_other_serves(dp) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         doomed = engine.engines[1]
+        on_doomed = sum(core == 1 for core in engine._owner.values())
+        assert 0 < on_doomed < 6  # both cores took requests (arrivals race the stats)
 
         class _Fatal(BaseException):
             pass
@@ -153,7 +155,7 @@ def test_a_dead_core_fails_its_own_requests_and_the_other_serves(dp) -> None:
         for thread in threads:
             thread.join()
         statuses = sorted(r.status_code for r in results.values())
-        assert statuses == [200, 200, 200, 500, 500, 500], statuses
+        assert statuses == [200] * (6 - on_doomed) + [500] * on_doomed, statuses
         health = httpx.get(f"{server.url}/health").json()
         assert health["status"] == "degraded" and list(health["dead_engines"]) == ["1"]
         for _ in range(3):  # new requests go to the live core
