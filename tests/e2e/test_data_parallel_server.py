@@ -127,14 +127,19 @@ def test_a_killed_core_fails_its_requests_and_the_other_finishes() -> None:
         threads = [threading.Thread(target=stream) for _ in range(8)]
         for thread in threads:
             thread.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while (metric(server, "pagedserve_num_requests_running") < 8
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        on_doomed = int(metric(server, "pagedserve_num_requests_running", engine="1"))
+        assert 0 < on_doomed < 8, on_doomed  # both cores took requests (arrivals race the stats)
         os.kill(cores[1], signal.SIGKILL)
         for thread in threads:
             thread.join(30)
         failed = [r for r in results if "error" in r[-1]]
         finished = [r for r in results if r[-1].get("choices", [{}])[0].get("finish_reason")
                     == "length"]
-        assert len(failed) == 4 and len(finished) == 4, [r[-1] for r in results]
+        assert (len(failed), len(finished)) == (on_doomed, 8 - on_doomed), [r[-1] for r in results]
         health = httpx.get(f"{server.url}/health").json()
         assert health["status"] == "degraded" and len(health["dead_engines"]) == 1, health
         response = httpx.post(f"{server.url}/v1/completions", timeout=30,
