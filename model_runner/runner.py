@@ -25,9 +25,15 @@ from model_runner.kv_cache import (
     profile_cuda_num_blocks,
 )
 from model_runner.loader import LoadedModel
+from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
 from model_runner.tensor_parallel import RanksOutOfStep
-from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from scheduler.output import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -171,22 +177,22 @@ class ModelRunner:
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
         if self.workers is None:
-            logits = self._logits(requests)
+            logits, prompt_logprobs = self._logits(requests)
         else:
             self.workers.send_step(requests)
             try:
-                logits = self._logits(requests)
+                logits, prompt_logprobs = self._logits(requests)
             except Exception as exc:  # the workers wait in a collective rank 0 never joins
                 self.workers.check_deaths(_WORKER_DEATH_WAIT_S)  # a dead worker is the cause
                 raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         if logits is None:
-            return ModelRunnerOutput()
+            return output
         bitmask = None
         if scheduler_output.grammar_bitmask is not None:
             bitmask = scheduler_output.grammar_bitmask.result()  # filled during the forward
         result = self.sampler(logits, sampling, [self._generator(r) for r in sampling], bitmask)
-        output = ModelRunnerOutput()
         for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
             output.sampled_token_ids[r.request_id] = token_id
             if logprobs is not None:
@@ -197,15 +203,22 @@ class ModelRunner:
     def execute_worker(self, requests: list[ScheduledRequest]) -> None:
         """A worker rank's share of the step rank 0 runs on `requests` (same order): the
         same forward and LM head, whose collectives meet rank 0's. Nothing is sampled."""
-        self._logits(requests)
+        self._logits(requests, keep_prompt_logprobs=False)
 
-    def _logits(self, requests: list[ScheduledRequest]) -> torch.Tensor | None:
+    def _logits(
+        self, requests: list[ScheduledRequest], keep_prompt_logprobs: bool = True
+    ) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
         """The forward, then the LM head on the rows that sample: [num_sampling, vocab]
-        (whole on rank 0 only), or None when none samples."""
+        (whole on rank 0 only), or None when none samples; then on the prompt rows of
+        the chunks that want prompt logprobs."""
         hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
-        if not any(r.sample for r in requests):
-            return None
-        return self.model.compute_logits(hidden[sample_rows])
+        logits = None
+        if any(r.sample for r in requests):
+            logits = self.model.compute_logits(hidden[sample_rows])
+        prompt_logprobs = compute_prompt_logprobs(
+            hidden, requests, self.model.compute_logits, keep_prompt_logprobs
+        )
+        return logits, prompt_logprobs
 
     def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the step and the rows that sample; decode-only steps go
