@@ -9,7 +9,7 @@ import pytest
 
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
-from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
 from scheduler.scheduler import Scheduler
 from server.engine import Engine, EngineInfo
 
@@ -47,7 +47,8 @@ class ByteTokenizer:
 
 class ScriptedRunner:
     """Samples the bytes of `script` in order (the k-th output token is script byte k),
-    then EOS; with logprobs, every token has logprob -0.5 and is its own top-1."""
+    then EOS; with logprobs, every token has logprob -0.5 and is its own top-1; prompt
+    token i's logprob is -i / 10 at rank 2, behind byte "~" (the top-1 of every position)."""
 
     def __init__(self, script: str = "Hello, wörld! Bye.") -> None:
         self.tokens = [*script.encode(), BYTE_EOS]
@@ -57,6 +58,12 @@ class ScriptedRunner:
         self.num_steps += 1
         out = ModelRunnerOutput()
         for scheduled in plan.scheduled:
+            lo, hi = scheduled.prompt_logprob_rows
+            if hi > lo:
+                out.prompt_logprobs[scheduled.request_id] = scripted_prompt_logprobs(
+                    scheduled.num_computed_tokens + lo + 1, hi - lo,
+                    scheduled.sampling_params.prompt_logprobs or 0,
+                )
             if not scheduled.sample:
                 continue
             k = len(scheduled.output_token_ids)
@@ -65,6 +72,13 @@ class ScriptedRunner:
             if scheduled.sampling_params.logprobs is not None:
                 out.logprobs[scheduled.request_id] = SampleLogprobs(-0.5, [(token, -0.5)])
         return out
+
+
+def scripted_prompt_logprobs(first: int, num: int, num_top: int) -> PromptLogprobs:
+    """ScriptedRunner's prompt logprobs of prompt tokens first .. first + num - 1."""
+    indices = range(first, first + num)
+    top = [[(ord("~"), -0.01)][:num_top] for _ in indices]
+    return PromptLogprobs(first, [-i / 10 for i in indices], [2] * num, top)
 
 
 MakeEngine = Callable[..., Engine]
