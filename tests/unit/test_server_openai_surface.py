@@ -60,9 +60,12 @@ def test_auto_tool_call_is_parsed_whole_and_streamed(serve) -> None:
     assert call["function"] == {"name": "add", "arguments": '{"a": 1}'} and call["id"]
     deltas = stream_deltas(client, body)
     content = "".join(d.get("content") or "" for d, _ in deltas)
-    calls = [c for d, _ in deltas for c in d.get("tool_calls") or ()]
+    first, *rest = [c for d, _ in deltas for c in d.get("tool_calls") or ()]
     assert content == "Sure. " and deltas[-1][1] == "tool_calls"
-    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
+    assert first["index"] == 0 and first["id"] and first["type"] == "function"
+    assert first["function"] == {"name": "add", "arguments": ""}
+    assert all(c["index"] == 0 and set(c) == {"index", "function"} for c in rest)
+    assert "".join(c["function"]["arguments"] for c in rest) == call["function"]["arguments"]
 
 
 def test_malformed_tool_call_output_is_plain_content(serve) -> None:
