@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runner.attention import torch_backend
+from model_runner.block_tables import BlockTables
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.llama import LlamaForCausalLM
 from model_runner.loader import LoadedModel
@@ -87,7 +88,7 @@ def prefill(model: LlamaForCausalLM, token_ids: torch.Tensor) -> torch.Tensor:
         )
         for i, ids in enumerate(token_ids.tolist())
     ]
-    inputs = prepare_inputs(requests, BLOCK_SIZE, device)
+    inputs = prepare_inputs(requests, BlockTables(BLOCK_SIZE), device)
     kv_cache = allocate_kv_cache(
         model.num_layers, num_seqs * blocks_per_seq, BLOCK_SIZE,
         model.num_kv_heads, model.head_dim, model.embed_tokens.weight.dtype, device,

@@ -197,8 +197,9 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of `request_id` (a copy; empty when it holds no blocks)."""
-        return list(self._req_block_ids.get(request_id, ()))
+        """The block table of `request_id`: the manager's own list, which only grows at its
+        end while the request holds blocks (read, do not mutate); empty when it holds none."""
+        return self._req_block_ids.get(request_id, [])
 
     def get_leading_blocks(self, request_id: str, num_blocks: int) -> list[KVCacheBlock]:
         """The first `num_blocks` blocks `request_id` holds (fewer if it holds fewer), to

@@ -4,13 +4,10 @@ dtype or (CPU, float32 model) a 2-byte one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-
-from scheduler.output import ScheduledRequest
 
 
 @dataclass
@@ -101,22 +98,3 @@ def profile_cuda_num_blocks(
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
     return num_blocks_for_memory(budget, block_bytes)
-
-
-def fill_block_tables(
-    requests: Sequence[ScheduledRequest], context_lens: np.ndarray, block_size: int,
-    out: np.ndarray,
-) -> None:
-    """Row i of `out` gets the block ids covering the context_lens[i] tokens of requests[i].
-
-    Raises ValueError when a request holds fewer blocks than its context needs.
-    """
-    for i, r in enumerate(requests):
-        context_len = int(context_lens[i])
-        n = -(-context_len // block_size)
-        if len(r.block_table) < n:
-            raise ValueError(
-                f"request {r.request_id}: {len(r.block_table)} blocks cannot hold "
-                f"{context_len} tokens"
-            )
-        out[i, :n] = r.block_table[:n]

@@ -13,13 +13,13 @@ import torch
 
 from model_runner.attention.selection import select_attention_backend
 from model_runner.attention_metadata import AttentionMetadata
+from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import create_decode_graph_runner, host_to_device
 from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
-    fill_block_tables,
     kv_cache_dtype,
     num_blocks_for_memory,
     profile_cuda_num_blocks,
@@ -66,14 +66,16 @@ class ModelInputs:
 
 
 def prepare_inputs(
-    requests: Sequence[ScheduledRequest], block_size: int, device: torch.device
+    requests: Sequence[ScheduledRequest], block_tables: BlockTables, device: torch.device
 ) -> ModelInputs:
-    """Lay `requests` out flat, in the given order.
+    """Lay `requests` out flat, in the given order, their block tables from `block_tables`
+    (brought up to date with what the requests' tables gained).
 
     The leading requests with one new token are the decode sequences of the metadata;
     callers put all of them first. Raises ValueError when a block table is too short for
     the request's context.
     """
+    block_size = block_tables.block_size
     num_seqs = len(requests)
     query_lens = np.fromiter((len(r.token_ids) for r in requests), np.int64, num_seqs)
     num_computed = np.fromiter((r.num_computed_tokens for r in requests), np.int64, num_seqs)
@@ -88,11 +90,11 @@ def prepare_inputs(
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)  # [T]
     positions = np.arange(num_tokens) - query_start_loc[seq_of_token] + num_computed[seq_of_token]
 
-    num_blocks = -(-context_lens // block_size)  # [num_seqs], blocks each context covers
-    block_tables = np.zeros((num_seqs, int(num_blocks.max())), dtype=np.int64)
-    fill_block_tables(requests, context_lens, block_size, block_tables)
+    rows = block_tables.rows(requests, context_lens)
+    width = int((-(-context_lens // block_size)).max())  # blocks the longest context covers
+    tables = block_tables.gather(rows, width)
     slot_mapping = (
-        block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     )
 
     sample_mask = np.fromiter((r.sample for r in requests), bool, num_seqs)
@@ -106,7 +108,7 @@ def prepare_inputs(
         slot_mapping=to_device(slot_mapping, torch.int64),
         query_start_loc=to_device(query_start_loc, torch.int32),
         context_lens=to_device(context_lens, torch.int32),
-        block_tables=to_device(block_tables, torch.int32),
+        block_tables=to_device(tables, torch.int32),
         max_query_len=int(query_lens.max()),
         max_context_len=int(context_lens.max()),
         num_decode_seqs=num_decode_seqs,
@@ -145,6 +147,9 @@ class ModelRunner:
             config.attention_backend, self.device, self.model.head_dim
         )
         self.sampler = Sampler(self.device, loaded.eos_token_ids, config.seed)
+        self.block_tables = BlockTables(
+            self.block_size, config.max_num_seqs, -(-self.max_model_len // self.block_size)
+        )
         self._generators: dict[str, torch.Generator] = {}
         # CUDA graphs for decode-only steps (None: every step runs eagerly)
         self.decode_graphs = create_decode_graph_runner(
@@ -167,8 +172,10 @@ class ModelRunner:
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
         self.sampler.forget(scheduler_output.finished_ids)
+        freed = [*scheduler_output.finished_ids, *scheduler_output.preempted_ids]
+        self.block_tables.forget(freed)
         if self.workers is not None:
-            self.workers.forget([*scheduler_output.finished_ids, *scheduler_output.preempted_ids])
+            self.workers.forget(freed)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         # decodes first (stable, so the scheduler's order holds within each group)
@@ -200,9 +207,11 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def execute_worker(self, requests: list[ScheduledRequest]) -> None:
+    def execute_worker(self, requests: list[ScheduledRequest], freed_ids: list[str]) -> None:
         """A worker rank's share of the step rank 0 runs on `requests` (same order): the
-        same forward and LM head, whose collectives meet rank 0's. Nothing is sampled."""
+        same forward and LM head, whose collectives meet rank 0's. Nothing is sampled.
+        `freed_ids`: requests whose block tables rank 0's scheduler freed."""
+        self.block_tables.forget(freed_ids)
         self._logits(requests, keep_prompt_logprobs=False)
 
     def _logits(
@@ -225,8 +234,8 @@ class ModelRunner:
         through the graph runner when there is one."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(requests):
-            return graphs.forward(requests, self.kv_cache.layers)
-        inputs = prepare_inputs(requests, self.block_size, self.device)
+            return graphs.forward(requests, self.block_tables, self.kv_cache.layers)
+        inputs = prepare_inputs(requests, self.block_tables, self.device)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache.layers, self.attn
         )
@@ -289,7 +298,7 @@ class ModelRunner:
                 ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, True, SamplingParams(), [], [])
             )
         cache = self._new_kv_cache(next_block)
-        inputs = prepare_inputs(requests, self.block_size, self.device)
+        inputs = prepare_inputs(requests, BlockTables(self.block_size), self.device)
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, cache.layers, self.attn
         )

@@ -71,8 +71,9 @@ class BlockTables:
     def __init__(self) -> None:
         self._tables: dict[str, list[int]] = {}
 
-    def apply(self, data: bytes) -> list[ScheduledRequest]:
-        """Apply an encoded plan; the step's requests, for `ModelRunner.execute_worker`."""
+    def apply(self, data: bytes) -> tuple[list[ScheduledRequest], list[str]]:
+        """Apply an encoded plan: the step's requests and the ids it forgets, for
+        `ModelRunner.execute_worker`."""
         plan = _decoder.decode(data)
         for request_id in plan.forget_ids:
             self._tables.pop(request_id, None)
@@ -83,7 +84,7 @@ class BlockTables:
             requests.append(ScheduledRequest(r.request_id, r.token_ids, r.num_computed_tokens,
                                              table, r.sample, _NOT_SAMPLED, [], [],
                                              r.prompt_logprob_rows))
-        return requests
+        return requests, plan.forget_ids
 
     def __len__(self) -> int:
         return len(self._tables)

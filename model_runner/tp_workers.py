@@ -203,5 +203,5 @@ def worker_main(fd: int) -> None:
             data = conn.recv_bytes()
         except EOFError:  # rank 0 closed it, or is gone
             break
-        runner.execute_worker(tables.apply(data))
+        runner.execute_worker(*tables.apply(data))
     tp.close()

@@ -47,9 +47,9 @@ class CountingGraphRunner(DecodeGraphRunner):
         super().__init__(*args, **kwargs)
         self.buckets: list[int] = []
 
-    def forward(self, requests, kv_caches):
+    def forward(self, requests, block_tables, kv_caches):
         self.buckets.append(self.bucket(len(requests)))
-        return super().forward(requests, kv_caches)
+        return super().forward(requests, block_tables, kv_caches)
 
 
 def attach_graphs(
@@ -233,7 +233,7 @@ def test_short_block_table_is_an_error(llama: TinyModel):
     short = ScheduledRequest("short", [5], 4, [1], True, GREEDY, [1, 2, 3, 4], [])
     assert graphs.can_run([ok, short])
     with pytest.raises(ValueError, match="short: 1 blocks cannot hold 5 tokens"):
-        graphs.forward([ok, short], runner.kv_cache.layers)
+        graphs.forward([ok, short], runner.block_tables, runner.kv_cache.layers)
 
 
 # --- Triton kernels under the graph runner ---------------------------------------------------

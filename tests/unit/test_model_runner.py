@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
 from model_runner.llama import rope_inv_freq
@@ -55,7 +56,7 @@ def test_logits_match_hf_forward(tiny: TinyModel):
     runner = tiny.runner(block_size=4)
     p0, p1 = prompts([13, 21])
     first = [ScheduledRequest("b", p1[:8], 0, list(range(10, 16)), False, GREEDY, p1, [])]
-    inputs = prepare_inputs(first, 4, runner.device)
+    inputs = prepare_inputs(first, BlockTables(4), runner.device)
     tiny.loaded.model(
         inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
     )
@@ -63,7 +64,7 @@ def test_logits_match_hf_forward(tiny: TinyModel):
         ScheduledRequest("a", p0, 0, list(range(4)), True, GREEDY, p0, []),
         ScheduledRequest("b", p1[8:], 8, list(range(10, 16)), True, GREEDY, p1, []),
     ]
-    inputs = prepare_inputs(step, 4, runner.device)
+    inputs = prepare_inputs(step, BlockTables(4), runner.device)
     hidden = tiny.loaded.model(
         inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
     )

@@ -99,7 +99,7 @@ def test_plan_carries_new_tokens_and_blocks_only():
         data = writer.plan(scheduled)
         plan = msgspec.msgpack.decode(data, type=StepPlan)
         return plan, [(r.request_id, r.token_ids, r.num_computed_tokens, list(r.block_table))
-                      for r in tables.apply(data)]
+                      for r in tables.apply(data)[0]]
 
     plan, seen = step(("a", [5, 6, 7, 8, 9], 0, [3, 4]))
     assert [r.new_block_ids for r in plan.requests] == [[3, 4]]

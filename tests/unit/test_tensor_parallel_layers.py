@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, LlamaConfig
 
 from model_runner.attention.selection import select_attention_backend
+from model_runner.block_tables import BlockTables
 from model_runner.cpu_linear import Int8Linear
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.llama import LlamaForCausalLM
@@ -106,7 +107,7 @@ def forward(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 def _prefill(model: LlamaForCausalLM):
     request = ScheduledRequest("r", [0] * NUM_TOKENS, 0, [0, 1], True, SamplingParams(), [], [])
-    inputs = prepare_inputs([request], 4, torch.device("cpu"))
+    inputs = prepare_inputs([request], BlockTables(4), torch.device("cpu"))
     cache = allocate_kv_cache(model.num_layers, 2, 4, model.num_kv_heads, model.head_dim,
                               torch.float32, torch.device("cpu"))
     attn = select_attention_backend("torch", torch.device("cpu"), model.head_dim)
