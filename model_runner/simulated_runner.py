@@ -21,13 +21,21 @@ from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 
 
 class SimulatedRunner:
-    """`execute(plan)` sleeps `step_ms` and samples one random non-special token per
-    request that samples; logprobs, when asked for, are 0 for the sampled token."""
+    """`launch(plan)` puts one step of `step_ms` on a simulated device (after the steps
+    already there) and samples one random non-special token per request that samples;
+    `result()` sleeps until the device has run it. logprobs, when asked for, are 0 for
+    the sampled token. `host_ms` (benchmarks) is CPU work spent in each launch, as the
+    real runner's input preparation is."""
 
-    def __init__(self, spec: ModelSpec, config: ModelConfig, step_ms: float) -> None:
+    def __init__(
+        self, spec: ModelSpec, config: ModelConfig, step_ms: float, host_ms: float = 0.0
+    ) -> None:
         if step_ms < 0:
             raise ValueError("simulate_step_ms must be >= 0")
+        if host_ms < 0:
+            raise ValueError("host_ms must be >= 0")
         self.step_s = step_ms / 1000
+        self.host_s = host_ms / 1000
         self.block_size = config.block_size
         hf = spec.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -42,9 +50,17 @@ class SimulatedRunner:
         vocab_size = int(hf.vocab_size)
         self.token_ids = [t for t in range(vocab_size) if t not in special]
         self._rng = random.Random(config.seed)
+        self._device_free_at = 0.0  # monotonic time the simulated device is idle again
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        time.sleep(self.step_s)
+        """Run one step and wait for it: `launch(plan).result()`."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: SchedulerOutput) -> SimulatedStep:
+        if self.host_s:
+            _spin(self.host_s)
+        start = max(time.monotonic(), self._device_free_at)
+        self._device_free_at = start + self.step_s
         out = ModelRunnerOutput()
         choice = self._rng.choice
         for scheduled in plan.scheduled:
@@ -54,4 +70,25 @@ class SimulatedRunner:
             out.sampled_token_ids[scheduled.request_id] = token
             if scheduled.sampling_params.logprobs is not None:
                 out.logprobs[scheduled.request_id] = SampleLogprobs(0.0, [(token, 0.0)])
-        return out
+        return SimulatedStep(self._device_free_at, out)
+
+
+class SimulatedStep:
+    """A step on the simulated device: done at `done_at` (time.monotonic)."""
+
+    def __init__(self, done_at: float, output: ModelRunnerOutput) -> None:
+        self.done_at = done_at
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        wait = self.done_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        return self._output
+
+
+def _spin(seconds: float) -> None:
+    """Busy CPU for `seconds` (host work, unlike the device's sleep)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
