@@ -7,9 +7,9 @@ is read, so the host work of one overlaps the device work of the other (see `ste
 Once scheduled, a step is announced by a small `StepScheduled` message, and what it did
 leaves as one `StepOutputs` message: the new token ids of every request that got one,
 finish reasons, preemption counts, logprobs and the scheduler's stats. It knows no text,
-no HTTP and no transport: `run_core_loop` drives it between a command source and a message sink, on a
-thread of the API process (tests) or as the main loop of the core process
-(server/core_process.py).
+no HTTP and no transport: `run_core_loop` drives it between a command source and a
+message sink, on a thread of the API process (tests) or as the main loop of the core
+process (server/core_process.py).
 
 A step that raises fails the requests it scheduled (an `error` delta) and aborts them,
 freeing their blocks; the loop goes on. Any other exception ends the loop.
