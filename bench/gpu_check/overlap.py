@@ -92,7 +92,8 @@ def check_async_scheduling(dry_run: bool) -> PartResult:
                              max_num_batched_tokens=1024,
                              attention_backend="torch" if dry_run else "triton")
         runner = make_runner(config, dry_run)
-        for scenario, num_blocks in (("roomy pool", roomy), ("tight pool", max(roomy // 3, -(-longest // block_size) + 1))):
+        tight = max(roomy // 3, -(-longest // block_size) + 1)  # still fits the longest
+        for scenario, num_blocks in (("roomy pool", roomy), ("tight pool", tight)):
             results = {}
             for overlapped in (False, True):
                 tag = f"{scenario.split()[0]}-{overlapped}"
