@@ -178,16 +178,23 @@ class DecodeGraphRunner:
         )
 
     def forward(
-        self, requests: Sequence[ScheduledRequest], block_tables: BlockTables, kv_caches: KVCaches
+        self,
+        requests: Sequence[ScheduledRequest],
+        block_tables: BlockTables,
+        kv_caches: KVCaches,
+        placeholders: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a decode-only step: hidden states [num_seqs, H] (a view of the static
         output, valid until the next call) and the rows that sample [num_sampling].
+        `placeholders`: rows whose input id is a token still on the device, and it.
 
         Raises ValueError when a block table is too short for its request's context.
         """
         num_seqs = len(requests)
         batch_size = self.bucket(num_seqs)
         self._stage(requests, block_tables, batch_size)
+        if placeholders is not None:
+            self.input_ids[placeholders[0]] = placeholders[1]
         if self.use_cuda_graphs:
             if kv_caches is not self._captured_kv:
                 raise ValueError("the decode graphs were captured over another KV cache")

@@ -3,7 +3,8 @@ prompt token's logprob, rank and top-k.
 
 Only the rows a chunk's `prompt_logprob_rows` name go through the LM head, a slice at a
 time, so a step without flagged chunks costs nothing and a long prompt never holds more
-than [_MAX_ROWS, vocab] logits at once.
+than [_MAX_ROWS, vocab] logits at once. NOTE: the values come to the host at launch (a
+sync that only steps with flagged rows make; an overlapped step waits for it).
 """
 
 from __future__ import annotations

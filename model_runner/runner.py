@@ -29,8 +29,10 @@ from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
 from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     PromptLogprobs,
+    SampleLogprobs,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -121,6 +123,50 @@ def prepare_inputs(
     )
 
 
+# Flat positions of placeholder input ids [P] and the tokens that go there [P], on the device.
+Placeholders = tuple[torch.Tensor, torch.Tensor]
+
+
+class LaunchedStep:
+    """A launched step: its sampled ids on the device, in row order of `rows` (request id
+    -> row), read on the host by `result()` (on CUDA through a pinned copy started at
+    launch, so the read waits only for this step's kernels); and the step's prompt
+    logprobs, already on the host."""
+
+    def __init__(self, rows: dict[str, int], sampled: torch.Tensor | None,
+                 logprobs: dict[str, SampleLogprobs],
+                 prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> None:
+        self.rows = rows
+        self.sampled = sampled
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs or {}
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if sampled is not None and sampled.device.type == "cuda":
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    @classmethod
+    def nothing(cls) -> LaunchedStep:
+        """A step that sampled nothing."""
+        return cls({}, None, {})
+
+    def result(self) -> ModelRunnerOutput:
+        """The sampled tokens (waiting for the device when they are not there yet)."""
+        output = ModelRunnerOutput(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        if self.sampled is None:
+            return output
+        if self._copied is not None and self._host is not None:
+            self._copied.synchronize()
+            token_ids = self._host.tolist()
+        else:
+            token_ids = self.sampled.tolist()
+        output.sampled_token_ids = dict(zip(self.rows, token_ids, strict=True))
+        return output
+
+
 class ModelRunner:
     """Owns the model, its paged KV cache and the sampler; computes one step at a time.
 
@@ -151,6 +197,7 @@ class ModelRunner:
             self.block_size, config.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
         self._generators: dict[str, torch.Generator] = {}
+        self._previous: LaunchedStep | None = None  # the last step that sampled
         # CUDA graphs for decode-only steps (None: every step runs eagerly)
         self.decode_graphs = create_decode_graph_runner(
             self.model, self.attn, config, self.max_model_len, self.device
@@ -166,9 +213,16 @@ class ModelRunner:
             self.attn.name,
         )
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: forward over every scheduled token, sample where `sample` is set."""
+        """Run one step and wait for its tokens: `launch(...).result()`."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Start one step: forward over every scheduled token, sample where `sample` is
+        set. The sampled ids stay on the device (a later step's placeholders read them
+        there) until the returned step's `result()`; on CUDA their copy to the host is
+        already under way."""
         for request_id in scheduler_output.finished_ids:
             self._generators.pop(request_id, None)
         self.sampler.forget(scheduler_output.finished_ids)
@@ -177,34 +231,63 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.forget(freed)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
+            return LaunchedStep.nothing()
         # decodes first (stable, so the scheduler's order holds within each group)
         requests = sorted(scheduler_output.scheduled, key=lambda r: r.num_new_tokens != 1)
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
+        placeholders = self._placeholders(requests)
         if self.workers is None:
-            logits, prompt_logprobs = self._logits(requests)
+            logits, prompt_logprobs = self._logits(requests, placeholders)
         else:
+            if placeholders is not None:
+                raise ValueError("overlapped steps do not run with tensor parallelism")
             self.workers.send_step(requests)
             try:
-                logits, prompt_logprobs = self._logits(requests)
+                logits, prompt_logprobs = self._logits(requests, None)
             except Exception as exc:  # the workers wait in a collective rank 0 never joins
                 self.workers.check_deaths(_WORKER_DEATH_WAIT_S)  # a dead worker is the cause
                 raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
-        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         if logits is None:
-            return output
+            return LaunchedStep({}, None, {}, prompt_logprobs)
         bitmask = None
         if scheduler_output.grammar_bitmask is not None:
             bitmask = scheduler_output.grammar_bitmask.result()  # filled during the forward
         result = self.sampler(logits, sampling, [self._generator(r) for r in sampling], bitmask)
-        for r, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True):
-            output.sampled_token_ids[r.request_id] = token_id
-            if logprobs is not None:
-                output.logprobs[r.request_id] = logprobs
-        return output
+        logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True)
+                    if lp is not None}
+        step = LaunchedStep({r.request_id: i for i, r in enumerate(sampling)}, result.sampled,
+                            logprobs, prompt_logprobs)
+        self._previous = step
+        return step
+
+    def _placeholders(
+        self, requests: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the step's flat input ids hold PLACEHOLDER_TOKEN_ID, and the tokens the
+        previous step sampled for them there (on the device); None when there are none."""
+        positions: list[int] = []
+        sources: list[int] = []
+        offset = 0
+        for r in requests:
+            offset += len(r.token_ids)
+            if r.token_ids[-1] != PLACEHOLDER_TOKEN_ID:
+                continue
+            previous = self._previous
+            row = None if previous is None else previous.rows.get(r.request_id)
+            if previous is None or previous.sampled is None or row is None:
+                raise ValueError(f"request {r.request_id}: a placeholder token that the "
+                                 "previous step did not sample")
+            positions.append(offset - 1)
+            sources.append(row)
+        if not positions:
+            return None
+        assert self._previous is not None and self._previous.sampled is not None
+        index = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor(sources, dtype=torch.int64).to(self.device, non_blocking=True)
+        return index, self._previous.sampled[rows]
 
     @torch.inference_mode()
     def execute_worker(self, requests: list[ScheduledRequest], freed_ids: list[str]) -> None:
@@ -212,15 +295,18 @@ class ModelRunner:
         same forward and LM head, whose collectives meet rank 0's. Nothing is sampled.
         `freed_ids`: requests whose block tables rank 0's scheduler freed."""
         self.block_tables.forget(freed_ids)
-        self._logits(requests, keep_prompt_logprobs=False)
+        self._logits(requests, None, keep_prompt_logprobs=False)
 
     def _logits(
-        self, requests: list[ScheduledRequest], keep_prompt_logprobs: bool = True
+        self,
+        requests: list[ScheduledRequest],
+        placeholders: Placeholders | None,
+        keep_prompt_logprobs: bool = True,
     ) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
         """The forward, then the LM head on the rows that sample: [num_sampling, vocab]
         (whole on rank 0 only), or None when none samples; then on the prompt rows of
         the chunks that want prompt logprobs."""
-        hidden, sample_rows = self._forward(requests)  # [T, H], [num_sampling]
+        hidden, sample_rows = self._forward(requests, placeholders)  # [T, H], [num_sampling]
         logits = None
         if any(r.sample for r in requests):
             logits = self.model.compute_logits(hidden[sample_rows])
@@ -229,13 +315,19 @@ class ModelRunner:
         )
         return logits, prompt_logprobs
 
-    def _forward(self, requests: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, requests: list[ScheduledRequest], placeholders: Placeholders | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the step and the rows that sample; decode-only steps go
-        through the graph runner when there is one."""
+        through the graph runner when there is one. `placeholders`: flat positions of
+        the input ids to overwrite, and their tokens."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(requests):
-            return graphs.forward(requests, self.block_tables, self.kv_cache.layers)
+            return graphs.forward(requests, self.block_tables, self.kv_cache.layers,
+                                  placeholders)
         inputs = prepare_inputs(requests, self.block_tables, self.device)
+        if placeholders is not None:
+            inputs.input_ids[placeholders[0]] = placeholders[1]
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache.layers, self.attn
         )

@@ -4,7 +4,8 @@ Per row, in order: the grammar's token mask and allowed_token_ids (what is not a
 is -inf), logit_bias, min_tokens (stop tokens masked until the output is long enough),
 repetition penalty (Hugging Face: over prompt and output), frequency and presence
 penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
-Everything stays on the device until the final `.tolist()`. The penalties read per-request
+Everything stays on the device (the sampled ids too, until read; logprobs are read at
+once). The penalties read per-request
 token counts kept on the device between steps (`TokenCounts`), not the whole history.
 """
 
@@ -22,10 +23,16 @@ from scheduler.sampling_params import SamplingParams
 
 @dataclass
 class SamplerOutput:
-    """One sampled token per row, and its logprobs where the row asked for them."""
+    """One sampled token per row, on the device (`sampled`, [N] int64) and as a list once
+    read (`token_ids`, which waits for the device), and its logprobs where the row asked
+    for them."""
 
-    token_ids: list[int]
+    sampled: torch.Tensor
     logprobs: list[SampleLogprobs | None]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sampled.tolist()
 
 
 class TokenCounts:
@@ -157,7 +164,7 @@ class Sampler:
         self._apply_penalties(logits, requests)
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(p.greedy for p in params) and not want_logprobs:
-            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(params))
+            return SamplerOutput(logits.argmax(-1), [None] * len(params))
 
         temperatures = torch.tensor(
             [1.0 if p.greedy else p.temperature for p in params], device=logits.device
@@ -174,10 +181,9 @@ class Sampler:
             sampled = self._draw(probs, generators)
             is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             sampled = torch.where(is_greedy, greedy_ids, sampled)
-        token_ids = sampled.tolist()
         if logprobs is None:
-            return SamplerOutput(token_ids, [None] * len(params))
-        return SamplerOutput(token_ids, self._logprobs(logprobs, sampled, params))
+            return SamplerOutput(sampled, [None] * len(params))
+        return SamplerOutput(sampled, self._logprobs(logprobs, sampled, params))
 
     @staticmethod
     def _apply_token_masks(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:

@@ -27,14 +27,22 @@ from scheduler.output import (
 
 
 class SimulatedRunner:
-    """`execute(plan)` sleeps `step_ms` and samples one random non-special token per
-    request that samples; logprobs, when asked for, are 0 for the sampled token, and
-    prompt logprobs 0 (rank 1) for each prompt token, its top-k alternatives below it."""
+    """`launch(plan)` puts one step of `step_ms` on a simulated device (after the steps
+    already there) and samples one random non-special token per request that samples;
+    `result()` sleeps until the device has run it. logprobs, when asked for, are 0 for
+    the sampled token, and prompt logprobs 0 (rank 1) for each prompt token, its top-k
+    alternatives below it. `host_ms` (benchmarks) is CPU work spent in each launch, as
+    the real runner's input preparation is."""
 
-    def __init__(self, spec: ModelSpec, config: ModelConfig, step_ms: float) -> None:
+    def __init__(
+        self, spec: ModelSpec, config: ModelConfig, step_ms: float, host_ms: float = 0.0
+    ) -> None:
         if step_ms < 0:
             raise ValueError("simulate_step_ms must be >= 0")
+        if host_ms < 0:
+            raise ValueError("host_ms must be >= 0")
         self.step_s = step_ms / 1000
+        self.host_s = host_ms / 1000
         self.block_size = config.block_size
         hf = spec.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -49,9 +57,17 @@ class SimulatedRunner:
         vocab_size = int(hf.vocab_size)
         self.token_ids = [t for t in range(vocab_size) if t not in special]
         self._rng = random.Random(config.seed)
+        self._device_free_at = 0.0  # monotonic time the simulated device is idle again
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        time.sleep(self.step_s)
+        """Run one step and wait for it: `launch(plan).result()`."""
+        return self.launch(plan).result()
+
+    def launch(self, plan: SchedulerOutput) -> SimulatedStep:
+        if self.host_s:
+            _spin(self.host_s)
+        start = max(time.monotonic(), self._device_free_at)
+        self._device_free_at = start + self.step_s
         out = ModelRunnerOutput()
         choice = self._rng.choice
         for scheduled in plan.scheduled:
@@ -64,7 +80,7 @@ class SimulatedRunner:
             out.sampled_token_ids[scheduled.request_id] = token
             if scheduled.sampling_params.logprobs is not None:
                 out.logprobs[scheduled.request_id] = SampleLogprobs(0.0, [(token, 0.0)])
-        return out
+        return SimulatedStep(self._device_free_at, out)
 
     def _prompt_logprobs(self, scheduled: ScheduledRequest) -> PromptLogprobs:
         lo, hi = scheduled.prompt_logprob_rows
@@ -77,3 +93,24 @@ class SimulatedRunner:
             row = [(token, 0.0), *((t, -1.0 - j) for j, t in enumerate(others))]
             top.append(row[:num_top])
         return PromptLogprobs(first, [0.0] * len(targets), [1] * len(targets), top)
+
+
+class SimulatedStep:
+    """A step on the simulated device: done at `done_at` (time.monotonic)."""
+
+    def __init__(self, done_at: float, output: ModelRunnerOutput) -> None:
+        self.done_at = done_at
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        wait = self.done_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        return self._output
+
+
+def _spin(seconds: float) -> None:
+    """Busy CPU for `seconds` (host work, unlike the device's sleep)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

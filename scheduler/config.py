@@ -18,6 +18,8 @@ class SchedulerConfig:
     carries decodes (0: no cap beyond the budget), so a long prompt cannot turn everyone's
     next token into a long step. fair_share: under priority, order each priority level
     by weighted fair share among tenants (scheduler/fair_share.py) instead of by arrival.
+    async_scheduling: the engine core schedules step n+1 while step n runs on the device
+    (overlapped steps; see server/core.py).
     """
 
     policy: str = "fcfs"
@@ -28,6 +30,7 @@ class SchedulerConfig:
     watermark: float = 0.0
     long_prefill_token_threshold: int = 0
     fair_share: bool = False
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

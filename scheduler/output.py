@@ -13,12 +13,17 @@ from typing import Any
 
 from scheduler.sampling_params import SamplingParams
 
+# The input id of a token that an earlier step samples and that is not known yet when
+# this step is scheduled (overlapped steps); the runner puts the sampled token there.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class ScheduledRequest:
     """One request's share of a step.
 
-    Positions of `token_ids` are num_computed_tokens .. num_computed_tokens + len - 1.
+    Positions of `token_ids` are num_computed_tokens .. num_computed_tokens + len - 1;
+    the last may be PLACEHOLDER_TOKEN_ID (the token the previous step samples).
     `block_table` lists every KV block the request holds (it covers all those
     positions). `sample` is True when this chunk reaches the end of the request's known
     tokens (prompt plus outputs so far), so the runner samples one new token for it.

@@ -44,9 +44,10 @@ _FINISH_REASONS = {
 class Request:
     """Prompt, generated tokens and scheduling state of one sequence.
 
-    `num_computed_tokens` is the one progress counter: tokens whose KV is in the cache.
-    Prefill, chunked prefill, decode and recompute after preemption all follow from
-    comparing it with `num_tokens`. `arrival_time` and `deadline` are on the
+    `num_computed_tokens` is the one progress counter: tokens whose KV is in the cache or
+    being computed by a scheduled step (it advances when a step is scheduled). Prefill,
+    chunked prefill, decode and recompute after preemption all follow from comparing it
+    with `num_tokens` plus `num_output_placeholders`. `arrival_time` and `deadline` are on the
     time.monotonic() clock.
 
     `tenant` and `weight` place the request in its priority level's fair share (tenants
@@ -86,6 +87,9 @@ class Request:
             PromptLogprobs(1) if sampling_params.prompt_logprobs is not None else None
         )
         self.num_computed_tokens = 0
+        # Tokens being sampled by a step that is scheduled but not yet updated (0 or 1):
+        # with overlapped steps the next step is scheduled before they are known.
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         # Prompt tokens found in the prefix cache (or shared with the prompt leader) when
         # the request was first admitted: OpenAI's usage.prompt_tokens_details.cached_tokens.

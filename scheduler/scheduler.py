@@ -3,6 +3,13 @@
 One engine step is `out = schedule()`, the runner computes `out`, then `update(out, ...)`.
 There are no prefill or decode phases: each request compares `num_computed_tokens` with
 `num_tokens`, and one token budget per step covers decodes and (chunked) prefills alike.
+schedule() advances `num_computed_tokens` by what it schedules, and a chunk that samples
+leaves an output placeholder until update() appends the token. So the next step may be
+scheduled before this one's update (overlapped steps, `--async-scheduling`): a request
+whose token is still a placeholder decodes it (`PLACEHOLDER_TOKEN_ID` in its token_ids;
+the runner takes the token from the previous step's samples on the device), and one
+whose pending token ends it (max_tokens, max length) is not scheduled again. update()
+still appends the token of a request preempted since it was scheduled.
 
 schedule() spends the budget in one order:
   1. decodes: every running request with one token left, in `running` order (priority
@@ -45,7 +52,12 @@ from kvcache.config import CacheConfig
 from kvcache.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
-from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
 
@@ -279,36 +291,47 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Apply a computed step: advance progress, append sampled tokens, stop, cache.
+        """Apply a computed step: append the sampled tokens, stop, key full blocks.
 
         Returns the requests whose deadline passed in schedule(), then those that got a
         token this step (finished ones included), in batch order. Requests finished or
-        aborted since schedule() are skipped. ValueError if the runner returned no token
-        for a request that sampled.
+        aborted since schedule() are skipped; one preempted since gets its token (it was
+        sampled from the right context). ValueError if the runner returned no token for a
+        request that sampled.
         """
         outputs, self._expired = self._expired, []
         any_finished = False
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None:
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            running = request.status is RequestStatus.RUNNING
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(prompt_logprobs)
-            if request.request_id in self.held and self._has_computed_prompt(request):
-                self._release_held(request)
+            if scheduled.sample:
+                token_id = runner_output.sampled_token_ids.get(request.request_id)
+                if token_id is None:
+                    raise ValueError(f"the runner sampled no token for {request.request_id}")
+                request.num_output_placeholders -= 1
+                request.append_output_token(
+                    token_id, runner_output.logprobs.get(request.request_id)
+                )
+            if running:
+                # NOTE: blocks whose KV a later scheduled step computes may be keyed now:
+                # every step that could read them runs after that one.
+                num_known = min(request.num_computed_tokens, request.num_tokens)
+                self.kv_cache.cache_blocks(request, num_known)
+                if request.request_id in self.held and self._has_computed_prompt(request):
+                    self._release_held(request)
             if not scheduled.sample:
                 continue
-            token_id = runner_output.sampled_token_ids.get(request.request_id)
-            if token_id is None:
-                raise ValueError(f"the runner sampled no token for {request.request_id}")
-            request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
             status = check_stop(request, self.max_request_len)
             if status is not None:
+                if not running:
+                    self._unqueue(request)
                 self._release(request, status)
-                any_finished = True
+                any_finished = running or any_finished
             outputs.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
@@ -433,9 +456,19 @@ class Scheduler:
         for request in list(self.running):
             if step.budget == 0:
                 return
-            if request.status is RequestStatus.RUNNING and _num_left(request) == 1:
-                self._allocate_or_preempt(request, 1, step)
-                step.num_decodes += 1
+            if request.status is not RequestStatus.RUNNING or _num_left(request) != 1:
+                continue
+            if request.num_output_placeholders and self._pending_token_ends(request):
+                continue
+            self._allocate_or_preempt(request, 1, step)
+            step.num_decodes += 1
+
+    def _pending_token_ends(self, request: Request) -> bool:
+        """Whether the token `request` is being sampled reaches max_tokens or the length
+        cap (then it finishes with that token, whatever it is)."""
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (num_outputs >= request.sampling_params.max_tokens
+                or request.num_tokens + request.num_output_placeholders >= self.max_request_len)
 
     def _schedule_prefills(self, step: _Step) -> None:
         """Running chunks and waiting admissions in one policy order, while budget lasts.
@@ -679,19 +712,26 @@ class Scheduler:
             request = self.requests[request_id]
             start = request.num_computed_tokens
             end = start + num_new
+            token_ids = request.all_token_ids[start:end]
+            if end > request.num_tokens:  # the token of an unfinished step: a placeholder
+                token_ids += [PLACEHOLDER_TOKEN_ID] * (end - request.num_tokens)
+            sample = end == request.num_tokens + request.num_output_placeholders
             scheduled.append(
                 ScheduledRequest(
                     request_id=request_id,
-                    token_ids=request.all_token_ids[start:end],
+                    token_ids=token_ids,
                     num_computed_tokens=start,
                     block_table=self.kv_cache.get_block_ids(request_id),
-                    sample=end == request.num_tokens,
+                    sample=sample,
                     sampling_params=request.sampling_params,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                 )
             )
+            request.num_computed_tokens = end
+            if sample:
+                request.num_output_placeholders += 1
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -755,8 +795,8 @@ class Scheduler:
 
 
 def _num_left(request: Request) -> int:
-    """Tokens of `request` whose KV is still to compute."""
-    return request.num_tokens - request.num_computed_tokens
+    """Tokens of `request` (known or being sampled) whose KV is still to compute."""
+    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
 
 def _effective_key(request: Request) -> tuple[int, float, str]:

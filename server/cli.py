@@ -137,6 +137,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the most tokens one prefill computes in a step that carries "
                        "decodes, so a long prompt does not stall every stream (default: a "
                        "quarter of --max-num-batched-tokens; 0: no cap)")
+    sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="overlapped steps: schedule and lay out step n+1 while step n "
+                       "runs on the device (default: on with CUDA, off on the CPU, where "
+                       "the host is the device; not with --tensor-parallel-size > 1)")
     sched.add_argument("--watermark", type=float, default=0.0,
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
@@ -211,7 +216,14 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
             else args.long_prefill_token_threshold
         ),
         fair_share=args.tenants is not None,
+        async_scheduling=(
+            cuda and args.tensor_parallel_size == 1 and args.simulate_step_ms is None
+            if args.async_scheduling is None
+            else args.async_scheduling
+        ),
     )
+    if scheduler.async_scheduling and args.tensor_parallel_size > 1:
+        raise ValueError("--async-scheduling does not run with --tensor-parallel-size > 1")
     names = args.served_model_name or [None]
     server = ServerConfig(
         host=args.host,

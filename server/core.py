@@ -1,13 +1,15 @@
 """The engine core: the scheduler and the model runner, stepped on one thread.
 
 `EngineCore` takes the API side's commands (server/messages.py) and runs each step as
-three calls (`schedule`, `execute`, `update`); once scheduled, a step is announced by a
-small `StepScheduled` message, and what it did leaves as one `StepOutputs` message: the
-new token ids of every request that got one, finish reasons, preemption counts,
-logprobs and the scheduler's stats. It knows no text, no HTTP and no
-transport: `run_core_loop` drives it between a command source and a message sink, on a
-thread of the API process (tests) or as the main loop of the core process
-(server/core_process.py).
+three calls (`schedule`, `launch`, `update` with the launched step's result); with
+`async_scheduling` the next step is scheduled and launched before the last one's result
+is read, so the host work of one overlaps the device work of the other (see `step`).
+Once scheduled, a step is announced by a small `StepScheduled` message, and what it did
+leaves as one `StepOutputs` message: the new token ids of every request that got one,
+finish reasons, preemption counts, logprobs and the scheduler's stats. It knows no text,
+no HTTP and no transport: `run_core_loop` drives it between a command source and a
+message sink, on a thread of the API process (tests) or as the main loop of the core
+process (server/core_process.py).
 
 A step that raises fails the requests it scheduled (an `error` delta) and aborts them,
 freeing their blocks; the loop goes on. Any other exception ends the loop.
@@ -50,8 +52,15 @@ logger = logging.getLogger(__name__)
 STUCK_WAIT_S = 0.01
 
 
+class LaunchedStep(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
+
+
 class Runner(Protocol):
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    """model_runner's ModelRunner or SimulatedRunner: `launch` starts a step on the
+    device and returns at once where the device runs on its own (CUDA)."""
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep: ...
 
 
 class StepClock(Protocol):
@@ -64,6 +73,29 @@ class StepClock(Protocol):
 @dataclasses.dataclass
 class LocalStepClock:
     value: float = 0.0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step and its plan, waiting to be finished."""
+
+    plan: SchedulerOutput
+    launched: LaunchedStep
+
+
+def _needs_host_tokens(plan: SchedulerOutput) -> bool:
+    """Whether scheduling the step after `plan` needs the tokens `plan` samples on the host:
+    a sampling row with a grammar (its next mask), penalties (its counts) or still short
+    of min_tokens (its stop-token mask)."""
+    for scheduled in plan.scheduled:
+        params = scheduled.sampling_params
+        if scheduled.sample and (
+            params.grammar is not None
+            or params.has_penalties
+            or len(scheduled.output_token_ids) < params.min_tokens
+        ):
+            return True
+    return False
 
 
 class EngineCore:
@@ -95,11 +127,13 @@ class EngineCore:
         self._pending: list[RequestDelta] = []  # errors of rejected adds
         self._num_added = 0
         self._dirty = False  # commands changed the state since the last message
+        self._in_flight: _InFlight | None = None  # overlapped steps: launched, not finished
 
     @property
     def has_work(self) -> bool:
         compiling = self.structured is not None and self.structured.num_compiling > 0
-        return compiling or self.scheduler.has_unfinished_requests()
+        return (compiling or self._in_flight is not None
+                or self.scheduler.has_unfinished_requests())
 
     # ------------------------------------------------------------ commands
 
@@ -187,14 +221,26 @@ class EngineCore:
     # ------------------------------------------------------------ steps
 
     def step(self, on_scheduled: Callable[[StepScheduled], None] | None = None) -> StepOutputs:
-        """One step: schedule, (`on_scheduled`,) execute, update; its message."""
+        """One step: schedule and launch it (`on_scheduled` once scheduled), then finish a
+        step (its tokens, update, grammars) and return its message. That is this step,
+        or with overlapped steps (`async_scheduling`) the one launched before, which ran
+        on the device while this one was scheduled. A step in flight whose requests need
+        its tokens on the host to schedule the next (a grammar, penalties, min_tokens) is
+        finished first."""
         start = time.monotonic()
         self.step_clock.value = start
         plan: SchedulerOutput | None = None
+        previous = self._in_flight  # launched by the last call, still to finish
+        overlapped: _InFlight | None = None  # finished after this step is launched
         self._schedule_compiled()
         deltas, first = self._pending, []
         self._pending = []
         try:
+            if previous is not None and _needs_host_tokens(previous.plan):
+                self._in_flight = None
+                deltas.extend(self._finish_step(previous))
+            elif previous is not None:
+                overlapped = previous
             plan = self.scheduler.schedule()
             if self.structured is not None:
                 plan.grammar_bitmask = self.structured.bitmask(plan)
@@ -208,24 +254,40 @@ class EngineCore:
                                            plan.num_scheduled_tokens))
             if self.fault_hook is not None:
                 self.fault_hook(plan)
-            runner_output = self.runner.execute(plan)
-            updated = self.scheduler.update(plan, runner_output)
-            if self.structured is not None:
-                self._advance_grammars(self.structured, updated)
-            deltas.extend(self._delta(request) for request in updated)
+            # NOTE: an empty plan too: its finished ids reach the runner, and its update
+            # returns the requests whose deadline passed in schedule()
+            current = _InFlight(plan, self.runner.launch(plan))
+            self._in_flight = current
+            if overlapped is not None:
+                deltas.extend(self._finish_step(overlapped))
+            if plan.is_empty or not self.scheduler.config.async_scheduling:
+                self._in_flight = None
+                deltas.extend(self._finish_step(current))
         except Exception:
             error_id = f"err-{uuid.uuid4().hex}"
             logger.exception("engine step failed (error id %s); aborting its requests", error_id)
-            ids = [s.request_id for s in plan.scheduled] if plan else list(self._num_sent)
-            ids = [i for i in ids if i in self._num_sent]
+            in_flight = [f.plan for f in (previous, self._in_flight) if f is not None]
+            plans = [p for p in (plan, *in_flight) if p is not None]
+            self._in_flight = None
+            ids = ([s.request_id for p in plans for s in p.scheduled] if plans
+                   else list(self._num_sent))
+            ids = list(dict.fromkeys(i for i in ids if i in self._num_sent))
             message = (f"internal error in an engine step (error id {error_id}; the server "
                        "log has the details)")
             deltas.extend(RequestDelta(i, [], error=message) for i in ids)
             self._finish(ids, RequestStatus.FINISHED_ABORTED)
         finally:
             self.step_clock.value = 0.0
-        self.stuck = plan is not None and plan.is_empty
+        self.stuck = plan is not None and plan.is_empty and previous is None  # nothing moved
         return self._message(deltas)
+
+    def _finish_step(self, in_flight: _InFlight) -> list[RequestDelta]:
+        """Wait for a launched step's tokens and apply them: the deltas of its requests."""
+        runner_output = in_flight.launched.result()
+        updated = self.scheduler.update(in_flight.plan, runner_output)
+        if self.structured is not None:
+            self._advance_grammars(self.structured, updated)
+        return [self._delta(request) for request in updated]
 
     def _advance_grammars(self, structured: StructuredOutputs, updated: list[Request]) -> None:
         """Feed the new tokens to the matchers; stop the requests whose grammar ended (or

@@ -9,7 +9,13 @@ import pytest
 
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
-from scheduler.output import ModelRunnerOutput, PromptLogprobs, SampleLogprobs, SchedulerOutput
+from scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SampleLogprobs,
+    SchedulerOutput,
+)
 from scheduler.scheduler import Scheduler
 from server.engine import Engine, EngineInfo
 
@@ -45,7 +51,28 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-class ScriptedRunner:
+class ComputedStep:
+    """A step computed at launch: `result()` returns its output."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class SyncRunner:
+    """A test runner that computes each step in `launch` (what the engine core calls);
+    subclasses write `execute(plan)`."""
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def launch(self, plan: SchedulerOutput) -> ComputedStep:
+        return ComputedStep(self.execute(plan))
+
+
+class ScriptedRunner(SyncRunner):
     """Samples the bytes of `script` in order (the k-th output token is script byte k),
     then EOS; with logprobs, every token has logprob -0.5 and is its own top-1; prompt
     token i's logprob is -i / 10 at rank 2, behind byte "~" (the top-1 of every position)."""
@@ -66,7 +93,8 @@ class ScriptedRunner:
                 )
             if not scheduled.sample:
                 continue
-            k = len(scheduled.output_token_ids)
+            # NOTE: with overlapped steps the token before a placeholder is not on the host
+            k = len(scheduled.output_token_ids) + (scheduled.token_ids[-1] == PLACEHOLDER_TOKEN_ID)
             token = self.tokens[min(k, len(self.tokens) - 1)]
             out.sampled_token_ids[scheduled.request_id] = token
             if scheduled.sampling_params.logprobs is not None:
@@ -103,11 +131,12 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         stream_interval: int = 1,
         fair_share: bool = False,
         structured: object | None = None,
+        async_scheduling: bool = False,
     ) -> Engine:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=64, max_model_len=max_model_len,
-                            fair_share=fair_share),
+                            fair_share=fair_share, async_scheduling=async_scheduling),
             CacheConfig(num_blocks=num_blocks, block_size=block_size),
         )
         info = EngineInfo(

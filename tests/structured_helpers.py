@@ -11,7 +11,7 @@ import numpy as np
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from structured.compiler import GrammarCompiler
 from structured.matchers import StructuredOutputs
-from tests.conftest import BYTE_EOS
+from tests.conftest import BYTE_EOS, SyncRunner
 
 VOCAB_SIZE = 257
 
@@ -39,7 +39,7 @@ def allowed_tokens(bitmask: np.ndarray, row: int) -> list[int]:
     return [int(t) for t in bits.nonzero()[0]]
 
 
-class MaskedRandomRunner:
+class MaskedRandomRunner(SyncRunner):
     """Samples a random allowed token per constrained row (a random printable byte
     otherwise); records the rows each step's bitmask had."""
 

@@ -20,6 +20,8 @@ Parts, each recorded as "pass", "fail" or "skipped: <reason>":
    - tp_one_rank_nccl: tensor parallelism's code path on the one GPU: a 1-rank NCCL group,
      the sharded model with its all-reduces and logits gather, decode CUDA graphs captured
      with the collectives in them; greedy tokens == the plain runner's, step times of both.
+   - async_scheduling: overlapped steps (server/core.py) on CUDA: tokens identical to plain
+     steps (greedy and seeded, roomy and tight KV pools), steps/s of both.
 
 Results go to $OUT (else ./gpu_check_out): gpu_check.json and gpu_check.md. The exit status
 is 1 when a part failed (skipped parts do not count). The whole check is sized for 8
@@ -43,6 +45,7 @@ from pathlib import Path
 
 from bench.gpu_check.common import TOTAL_BUDGET_S, PartResult, Skip, start_budget
 from bench.gpu_check.kernels import run_kernel_tests, run_kernel_timing
+from bench.gpu_check.overlap import check_async_scheduling
 from bench.gpu_check.parity import check_greedy_parity_hf
 from bench.gpu_check.tensor_parallel import check_tp_one_rank_nccl
 from bench.gpu_check.throughput import check_decode_step_vs_bandwidth, check_qwen3_shaped_throughput
@@ -58,6 +61,7 @@ PARTS: list[tuple[str, Callable[[bool], PartResult]]] = [
     ("qwen3_shaped_throughput", check_qwen3_shaped_throughput),
     ("decode_step_vs_bandwidth", check_decode_step_vs_bandwidth),
     ("tp_one_rank_nccl", check_tp_one_rank_nccl),
+    ("async_scheduling", check_async_scheduling),
 ]
 
 

@@ -47,9 +47,9 @@ class CountingGraphRunner(DecodeGraphRunner):
         super().__init__(*args, **kwargs)
         self.buckets: list[int] = []
 
-    def forward(self, requests, block_tables, kv_caches):
+    def forward(self, requests, block_tables, kv_caches, placeholders=None):
         self.buckets.append(self.bucket(len(requests)))
-        return super().forward(requests, block_tables, kv_caches)
+        return super().forward(requests, block_tables, kv_caches, placeholders)
 
 
 def attach_graphs(

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from tests.conftest import SyncRunner
 from tests.reliability_helpers import (
     LiveServer,
     assert_openai_error,
@@ -33,7 +34,7 @@ def expected_text(prompt: str, num_tokens: int) -> str:
     return "".join(chr(ord("a") + (seed * 31 + k * 7) % 26) for k in range(num_tokens))
 
 
-class PromptRunner:
+class PromptRunner(SyncRunner):
     """Output token k of a request is letter k of expected_text(its prompt); optionally
     sleeps `step_s` and fails a step with probability `fail_p`."""
 

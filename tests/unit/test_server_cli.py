@@ -193,3 +193,14 @@ def test_bench_engine_loop_needs_a_step_time_and_no_url() -> None:
         build_bench_config(build_parser().parse_args(["bench", "--engine-loop"]))
     with pytest.raises(ValueError, match="--url"):
         build_bench_config(build_parser().parse_args(["bench"]))
+
+
+def test_async_scheduling_is_on_with_cuda_and_off_on_the_cpu() -> None:
+    assert configs(cuda=True).scheduler.async_scheduling
+    assert not configs(cuda=False).scheduler.async_scheduling
+    assert not configs("-tp", "2", cuda=True).scheduler.async_scheduling
+    assert not configs("--simulate-step-ms", "5", cuda=True).scheduler.async_scheduling
+    assert configs("--async-scheduling", cuda=False).scheduler.async_scheduling
+    assert not configs("--no-async-scheduling", cuda=True).scheduler.async_scheduling
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        configs("--async-scheduling", "-tp", "2")
