@@ -16,6 +16,8 @@ from scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from server.core import EngineCore
+from server.messages import AddRequests, NewRequest
 from tests.model_helpers import CONFIGS, TinyModel, make_model_folder, prompts
 from tests.unit.scheduler_helpers import fake_token, make_scheduler
 
@@ -168,14 +170,25 @@ def llama(tmp_path_factory) -> TinyModel:
     return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
 
 
+TOLERANCE = 1e-4
+
+
 @torch.inference_mode()
 def hf_prompt_logprobs(llama: TinyModel, ids: list[int], k: int):
-    """Per prompt token i >= 1: log_softmax(logits[i - 1])[ids[i]], its rank, the top-k."""
+    """Per prompt token i >= 1: log_softmax(logits[i - 1])[ids[i]], the bounds of its
+    rank (a near tie may fall either way in another batch), the top-k."""
     logprobs = torch.log_softmax(llama.hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     targets = torch.tensor(ids[1:])[:, None]
     chosen = logprobs.gather(1, targets)
-    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
-    return chosen[:, 0], ranks, logprobs.topk(k, dim=-1)
+    lowest = ((logprobs > chosen + TOLERANCE).sum(-1) + 1).tolist()
+    highest = ((logprobs > chosen - TOLERANCE).sum(-1) + 1).tolist()
+    return chosen[:, 0], list(zip(lowest, highest, strict=True)), logprobs.topk(k, dim=-1)
+
+
+def assert_ranks(ranks: list[int], bounds: list[tuple[int, int]]) -> None:
+    assert len(ranks) == len(bounds)
+    assert all(lo <= rank <= hi for rank, (lo, hi) in zip(ranks, bounds, strict=True)), (
+        ranks, bounds)
 
 
 def test_runner_matches_hf_forward_chunked_cached_and_batched(llama: TinyModel):
@@ -199,11 +212,11 @@ def test_runner_matches_hf_forward_chunked_cached_and_batched(llama: TinyModel):
     chosen, ranks, top = hf_prompt_logprobs(llama, asked_ids, 3)
     got = asked.prompt_logprobs
     assert got is not None and got.start == 1
-    torch.testing.assert_close(torch.tensor(got.logprobs), chosen, rtol=0, atol=1e-4)
-    assert got.ranks == ranks
+    torch.testing.assert_close(torch.tensor(got.logprobs), chosen, rtol=0, atol=TOLERANCE)
+    assert_ranks(got.ranks, ranks)
     assert [[t for t, _ in row] for row in got.top] == top.indices.tolist()
     torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in got.top]),
-                               top.values, rtol=0, atol=1e-4)
+                               top.values, rtol=0, atol=TOLERANCE)
     assert plain.prompt_logprobs is None
     assert plain.output_token_ids == llama.generate(plain_ids, 4)
     assert asked.output_token_ids == llama.generate(asked_ids, 4)
@@ -221,6 +234,39 @@ def test_zero_top_keeps_the_token_itself(llama: TinyModel):
     chosen, ranks, _ = hf_prompt_logprobs(llama, ids, 1)
     assert request.prompt_logprobs is not None
     assert request.prompt_logprobs.top == [[]] * 8
-    assert request.prompt_logprobs.ranks == ranks
+    assert_ranks(request.prompt_logprobs.ranks, ranks)
     torch.testing.assert_close(torch.tensor(request.prompt_logprobs.logprobs), chosen,
-                               rtol=0, atol=1e-4)
+                               rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "overlapped"])
+def test_the_core_sends_them_once_with_the_first_token(llama: TinyModel, async_scheduling):
+    """Chunked prompts on a pool tight enough to preempt, plain or overlapped steps: each
+    request's first delta carries its prompt logprobs whole, as Hugging Face has them."""
+    num_blocks = 30
+    config = SchedulerConfig(policy="priority", max_num_seqs=8, max_num_batched_tokens=16,
+                             max_model_len=256, async_scheduling=async_scheduling)
+    core = EngineCore(Scheduler(config, CacheConfig(num_blocks=num_blocks, block_size=4)),
+                      llama.runner(block_size=4, num_kv_blocks=num_blocks), frozenset({2}))
+    ids = prompts([30, 21, 25, 17], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    core.apply(AddRequests([NewRequest(f"r{i}", p, params, priority=-i, arrival_time=i)
+                            for i, p in enumerate(ids)]))
+    sent: dict[str, list[PromptLogprobs]] = {f"r{i}": [] for i in range(len(ids))}
+    first_tokens: dict[str, bool] = {}
+    for _ in range(500):
+        if not core.has_work:
+            break
+        for delta in core.step().deltas:
+            assert delta.error is None, delta.error
+            if delta.prompt_logprobs is not None:
+                sent[delta.request_id].append(delta.prompt_logprobs)
+                assert delta.new_token_ids and delta.request_id not in first_tokens
+            first_tokens.setdefault(delta.request_id, bool(delta.new_token_ids))
+    assert not core.has_work and core.scheduler.num_preemptions_total > 0
+    for i, prompt_ids in enumerate(ids):
+        [got] = sent[f"r{i}"]
+        chosen, ranks, _ = hf_prompt_logprobs(llama, prompt_ids, 1)
+        assert got.start == 1
+        assert_ranks(got.ranks, ranks)
+        torch.testing.assert_close(torch.tensor(got.logprobs), chosen, rtol=0, atol=TOLERANCE)

