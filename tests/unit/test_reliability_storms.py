@@ -295,7 +295,8 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
 
 
 def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
-    server = live(PromptRunner(step_s=0.01), shutdown_grace_s=0.6)  # NOTE: wide margins: CI shares two cores
+    # NOTE: wide margins: CI shares two cores
+    server = live(PromptRunner(step_s=0.01), shutdown_grace_s=0.6)
     results: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:
