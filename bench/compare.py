@@ -5,7 +5,8 @@
 Systems: `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype float16
 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV), `pagedserve-int8`
 (`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see cpu_linear.py) and
-`llama-server` (llama.cpp, built separately: --llama-server PATH) are started as servers
+`llama-server` (llama.cpp, built separately: --llama-server PATH) and `baseline-tree`
+(pagedserve float32 from another checkout: --baseline-tree PATH) are started as servers
 here and driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
 Face `generate` sequential, static batching and continuous batching, run in this process
 on the same converted weights. Every output is forced to its requested length. Prints one
@@ -39,13 +40,17 @@ PAGEDSERVE_VARIANTS = {
     "pagedserve-fp16": ["--weight-dtype", "float16", "--kv-cache-dtype", "float16"],
     "pagedserve-int8": ["--weight-dtype", "int8", "--kv-cache-dtype", "float16"],
 }
-SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server")
+# pagedserve (float32) served from another checkout (--baseline-tree): a same-run baseline
+BASELINE_TREE = "baseline-tree"
+SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server", BASELINE_TREE)
 HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
 
 
 @contextlib.contextmanager
-def _server(cmd: list[str], port: int, log: Path) -> Iterator[str]:
-    server = ServerProcess(command=cmd, port=port, log_prefix=f"{log.stem}-")
+def _server(cmd: list[str], port: int, log: Path, tree: Path | None = None) -> Iterator[str]:
+    """A server from this checkout, or from `tree` (its own PYTHONPATH and cwd)."""
+    where = {} if tree is None else {"env": {"PYTHONPATH": str(tree)}, "cwd": tree}
+    server = ServerProcess(command=cmd, port=port, log_prefix=f"{log.stem}-", **where)
     try:
         server.wait_healthy()
         yield server.url
@@ -104,13 +109,16 @@ def run_server(system: str, workload: Workload, args: argparse.Namespace) -> lis
     """Start the server once, run the workload (and WP's references) against it."""
     port = free_port()
     log = Path(args.log_dir) / f"{system}-{workload.name}.log"
-    if system in PAGEDSERVE_VARIANTS:
+    tree = None
+    if system in PAGEDSERVE_VARIANTS or system == BASELINE_TREE:
         num_kv_blocks = args.wp_kv_blocks if workload.name == "WP" else None
-        cmd = pagedserve_cmd(system, port, args, num_kv_blocks)
+        variant = "pagedserve" if system == BASELINE_TREE else system
+        cmd = pagedserve_cmd(variant, port, args, num_kv_blocks)
+        tree = args.baseline_tree.resolve() if system == BASELINE_TREE else None
     else:
         cmd = llama_server_cmd(port, args, workload)
     results = []
-    with _server(cmd, port, log) as url:
+    with _server(cmd, port, log, tree) as url:
         _warm_up(url)
         if workload.name == "WP":
             low = [r for r in workload.requests if r.send_at_s is None]
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wp-kv-blocks", type=int, default=384,
                         help="KV blocks for WP: about half the low-priority working set")
     parser.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout, served as system baseline-tree (float32)")
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     args = parser.parse_args(argv)
@@ -193,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SERVERS) - set(HF_SYSTEMS)
     if unknown:
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    if BASELINE_TREE in systems and args.baseline_tree is None:
+        parser.error("baseline-tree needs --baseline-tree PATH")
     if "llama-server" in systems and not Path(args.llama_server).is_file():
         parser.error("llama-server needs --llama-server PATH (or $LLAMA_SERVER)")
     everything = {}

@@ -1,7 +1,7 @@
 """HTTP serving against the in-process engine loop, on the simulated runner, in one run.
 
     python -m bench.http_vs_engine --step-ms 10 --num-requests 256 --output-len 256 \\
-        --stream-intervals 1,4 --baseline-tree /tmp/thread-baseline
+        --stream-intervals 1,4 --baseline-tree /tmp/thread-baseline [--async-scheduling]
 
 Measures, on the same load (every request in flight at once, `ignore_eos`; the load
 generator's raw HTTP client, in this process):
@@ -107,6 +107,8 @@ def main() -> None:
                         help="comma-separated --stream-interval values for this tree's server")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout whose server is measured too")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlapped steps in this tree's engine loop and servers")
     args = parser.parse_args()
     config = BenchConfig(url="", num_requests=args.num_requests,
                          concurrency=args.num_requests, input_len=(args.input_len,) * 2,
@@ -120,8 +122,10 @@ def main() -> None:
         rows.append(f"| load generator vs a null server ({what}) | {ceiling['tok_s']:.0f} "
                     f"| {ceiling['itl_p50_ms']:.1f} | client {ceiling['client_cpu_per_1k']:.3f} |")
 
-    loop = run_engine_loop(config, args.step_ms)
-    rows.append(f"| engine loop in-process (no HTTP) | {loop['output_token_throughput']:.0f} "
+    loop = run_engine_loop(config, args.step_ms, args.async_scheduling)
+    overlapped = ", overlapped steps" if args.async_scheduling else ""
+    rows.append(f"| engine loop in-process (no HTTP{overlapped}) | "
+                f"{loop['output_token_throughput']:.0f} "
                 f"| - | {loop['cpu_s_per_1k_tokens']:.3f} |")
 
     flags = _server_flags(args.step_ms, args.num_requests)
@@ -130,8 +134,10 @@ def main() -> None:
         servers.append((f"HTTP, baseline {args.baseline_tree}", args.baseline_tree, flags))
     for interval in args.stream_intervals.split(","):
         extra = ["--stream-interval", interval] if interval != "1" else []
-        servers.append((f"HTTP, this tree, --stream-interval {interval}", REPO_ROOT,
-                        [*flags, *extra]))
+        if args.async_scheduling:
+            extra.append("--async-scheduling")
+        servers.append((f"HTTP, this tree, --stream-interval {interval}{overlapped}",
+                        REPO_ROOT, [*flags, *extra]))
     for name, tree, server_flags in servers:
         port = free_port()
         command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",

@@ -26,7 +26,7 @@ from server.completions import Completions
 from server.config import ServerConfig
 from server.data_parallel import DataParallelEngine
 from server.engine import Engine, EngineDeadError
-from server.errors import install_error_handlers, server_error
+from server.errors import APIError, install_error_handlers, server_error
 from server.middleware import (
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
@@ -117,8 +117,15 @@ def build_app(
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/scheduler/state")
-    async def scheduler_state(check: int = 0) -> dict[str, Any]:
-        """The scheduler's state; with `check=1` also its integrity check's verdict."""
+    async def scheduler_state(request: Request, check: int = 0) -> dict[str, Any]:
+        """The scheduler's state; with `check=1` also its integrity check's verdict. With
+        a tenants file only an `admin` tenant may read it (it names every tenant's
+        requests)."""
+        tenant = getattr(request.state, "tenant", None)
+        if tenant is not None and not tenant.is_admin:
+            raise APIError(403, f"Tenant {tenant.name!r} may not read the scheduler state: "
+                           "it needs `admin: true` in the tenants file.",
+                           code="permission_denied")
         try:
             return await engine.snapshot(bool(check), timeout_s=config.snapshot_timeout_s)
         except EngineDeadError as exc:

@@ -28,8 +28,11 @@ _NUM_KV_BLOCKS = 32768
 _MAX_NUM_BATCHED_TOKENS = 8192
 
 
-def run_engine_loop(config: BenchConfig, step_ms: float) -> dict[str, Any]:
-    """Steps until every request of `config` finished; tokens, steps and wall time."""
+def run_engine_loop(
+    config: BenchConfig, step_ms: float, async_scheduling: bool = False
+) -> dict[str, Any]:
+    """Steps until every request of `config` finished (overlapped steps with
+    `async_scheduling`); tokens, steps and wall time."""
     from server.core import EngineCore
     from server.core_setup import build_core_parts
 
@@ -39,7 +42,8 @@ def run_engine_loop(config: BenchConfig, step_ms: float) -> dict[str, Any]:
         max_num_batched_tokens=_MAX_NUM_BATCHED_TOKENS, device="cpu", seed=config.seed,
     )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=concurrency, max_num_batched_tokens=_MAX_NUM_BATCHED_TOKENS
+        max_num_seqs=concurrency, max_num_batched_tokens=_MAX_NUM_BATCHED_TOKENS,
+        async_scheduling=async_scheduling,
     )
     scheduler, runner, info, _ = build_core_parts(
         model_config, scheduler_config, simulate_step_ms=step_ms

@@ -57,6 +57,8 @@ class TenantSpec(BaseModel):
     weight: float = Field(default=1.0, gt=0, le=1e6)
     deadline_ms: int | None = Field(default=None, ge=1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # May read what the server knows of every tenant's requests (GET /scheduler/state).
+    admin: bool = False
 
     @pydantic.field_validator("api_key_sha256", "api_key_env", mode="before")
     @classmethod
@@ -137,6 +139,11 @@ class Tenant:
     @property
     def cache_salt(self) -> str | None:
         return self.spec.cache_salt
+
+    @property
+    def is_admin(self) -> bool:
+        """Whether it may read every tenant's requests (GET /scheduler/state)."""
+        return self.spec.admin
 
     def priority(self, requested: int | None) -> int:
         """The priority a request runs at: its own (or the tenant's default), within the
@@ -244,7 +251,8 @@ class TenantRegistry:
         """`--api-key` (one tenant "default", no limits), or no key at all."""
         digest = [hashlib.sha256(api_key.encode()).hexdigest()] if api_key is not None else []
         # NOTE: model_construct: the open tenant has no key, which a file's tenant must have.
-        spec = TenantSpec.model_construct(name=DEFAULT_TENANT, api_key_sha256=digest)
+        spec = TenantSpec.model_construct(name=DEFAULT_TENANT, api_key_sha256=digest,
+                                          admin=True)  # the one key is the operator's
         return cls([spec], keys_required=api_key is not None)
 
     @property

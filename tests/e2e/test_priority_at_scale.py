@@ -72,7 +72,10 @@ def test_n_choices_compute_the_prompt_once(server: ServerProcess) -> None:
 
     def watch() -> None:
         while not done.wait(0.05):
-            kv = httpx.get(f"{server.url}/scheduler/state", timeout=60).json()["kv_cache"]
+            response = httpx.get(f"{server.url}/scheduler/state", timeout=60)
+            if response.status_code == 503:  # a step outlasted the snapshot timeout (CI load)
+                continue
+            kv = response.json()["kv_cache"]
             used_blocks.append(kv["num_blocks"] - kv["num_free_blocks"])
 
     watcher = threading.Thread(target=watch)

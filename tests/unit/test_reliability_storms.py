@@ -295,7 +295,8 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
 
 
 def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
-    server = live(PromptRunner(step_s=0.01), shutdown_grace_s=0.3)
+    # NOTE: wide margins: CI shares two cores
+    server = live(PromptRunner(step_s=0.01), shutdown_grace_s=0.6)
     results: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:
@@ -307,8 +308,8 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
         body = {"prompt": name, "max_tokens": max_tokens, "ignore_eos": True}
         results[name] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
 
-    threads = [threading.Thread(target=stream, args=("long stream", 100)),
-               threading.Thread(target=plain, args=("long plain", 100)),
+    threads = [threading.Thread(target=stream, args=("long stream", 110)),
+               threading.Thread(target=plain, args=("long plain", 110)),
                threading.Thread(target=stream, args=("short stream", 10))]
     for thread in threads:
         thread.start()
@@ -318,7 +319,7 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
         time.sleep(0.01)
     start = time.monotonic()
     server.stop()  # what SIGTERM does
-    assert time.monotonic() - start < 0.3 + 2.0 + 1.0
+    assert time.monotonic() - start < 0.6 + 2.0 + 1.0
     for thread in threads:
         thread.join(5)
     short = results["short stream"]
@@ -326,12 +327,12 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
     assert short[-1]["choices"][0]["finish_reason"] == "length"
     long = results["long stream"]
     assert long[-1]["choices"][0]["finish_reason"] == "abort"
-    assert expected_text("long stream", 100).startswith(stream_text(long))
+    assert expected_text("long stream", 110).startswith(stream_text(long))
     response = results["long plain"]
     assert response.status_code == 200
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "abort"
-    assert expected_text("long plain", 100).startswith(choice["text"])
+    assert expected_text("long plain", 110).startswith(choice["text"])
     assert not server.engine.is_alive
     state = asyncio.run(server.engine.snapshot(check_integrity=True))
     assert json.loads(json.dumps(state))["integrity"] == "ok"

@@ -37,6 +37,7 @@ tenants:
     over_max_priority: reject
     max_in_flight: 4
     weight: 2
+    admin: true
   - name: beta
     api_key_env: BETA_KEY
     max_priority: 0
@@ -242,7 +243,7 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
     assert late == []
     assert metric(server, "pagedserve_tenant_requests_total", tenant="beta",
                   finished_reason="deadline") == 100
-    wait_idle(server.url, headers=auth(KEY_B))
+    wait_idle(server.url, headers=auth(KEY_A))
 
 
 def test_fair_share_serves_tenants_two_to_one_when_both_wait(serve) -> None:
@@ -284,6 +285,15 @@ def test_keys_never_reach_the_logs_or_the_state(serve, caplog) -> None:
     state = httpx.get(f"{server.url}/scheduler/state", headers=auth(KEY_A)).text
     for key in (KEY_A, KEY_B, KEY_C, "wrong-key"):
         assert key not in caplog.text and key not in state
+
+
+def test_only_an_admin_tenant_reads_the_scheduler_state(serve) -> None:
+    server = serve()
+    post(server, KEY_B)
+    url = f"{server.url}/scheduler/state"
+    assert_openai_error(httpx.get(url, headers=auth(KEY_B)), 403, "beta", "admin: true")
+    assert_openai_error(httpx.get(url), 401)
+    assert httpx.get(url, headers=auth(KEY_A)).status_code == 200  # alpha is admin
 
 
 def test_reload_carries_seats_over_and_keeps_the_old_tenants_on_a_bad_file(
