@@ -25,11 +25,13 @@ from model_runner.kv_cache import (
     profile_cuda_num_blocks,
 )
 from model_runner.loader import LoadedModel
+from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
 from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
+    PromptLogprobs,
     SampleLogprobs,
     ScheduledRequest,
     SchedulerOutput,
@@ -128,13 +130,16 @@ Placeholders = tuple[torch.Tensor, torch.Tensor]
 class LaunchedStep:
     """A launched step: its sampled ids on the device, in row order of `rows` (request id
     -> row), read on the host by `result()` (on CUDA through a pinned copy started at
-    launch, so the read waits only for this step's kernels)."""
+    launch, so the read waits only for this step's kernels); and the step's prompt
+    logprobs, already on the host."""
 
     def __init__(self, rows: dict[str, int], sampled: torch.Tensor | None,
-                 logprobs: dict[str, SampleLogprobs]) -> None:
+                 logprobs: dict[str, SampleLogprobs],
+                 prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> None:
         self.rows = rows
         self.sampled = sampled
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs or {}
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if sampled is not None and sampled.device.type == "cuda":
@@ -150,7 +155,7 @@ class LaunchedStep:
 
     def result(self) -> ModelRunnerOutput:
         """The sampled tokens (waiting for the device when they are not there yet)."""
-        output = ModelRunnerOutput(logprobs=self.logprobs)
+        output = ModelRunnerOutput(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if self.sampled is None:
             return output
         if self._copied is not None and self._host is not None:
@@ -234,19 +239,19 @@ class ModelRunner:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
         placeholders = self._placeholders(requests)
         if self.workers is None:
-            logits = self._logits(requests, placeholders)
+            logits, prompt_logprobs = self._logits(requests, placeholders)
         else:
             if placeholders is not None:
                 raise ValueError("overlapped steps do not run with tensor parallelism")
             self.workers.send_step(requests)
             try:
-                logits = self._logits(requests, None)
+                logits, prompt_logprobs = self._logits(requests, None)
             except Exception as exc:  # the workers wait in a collective rank 0 never joins
                 self.workers.check_deaths(_WORKER_DEATH_WAIT_S)  # a dead worker is the cause
                 raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
         sampling = [r for r in requests if r.sample]
         if logits is None:
-            return LaunchedStep.nothing()
+            return LaunchedStep({}, None, {}, prompt_logprobs)
         bitmask = None
         if scheduler_output.grammar_bitmask is not None:
             bitmask = scheduler_output.grammar_bitmask.result()  # filled during the forward
@@ -254,7 +259,7 @@ class ModelRunner:
         logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True)
                     if lp is not None}
         step = LaunchedStep({r.request_id: i for i, r in enumerate(sampling)}, result.sampled,
-                            logprobs)
+                            logprobs, prompt_logprobs)
         self._previous = step
         return step
 
@@ -290,17 +295,25 @@ class ModelRunner:
         same forward and LM head, whose collectives meet rank 0's. Nothing is sampled.
         `freed_ids`: requests whose block tables rank 0's scheduler freed."""
         self.block_tables.forget(freed_ids)
-        self._logits(requests, None)
+        self._logits(requests, None, keep_prompt_logprobs=False)
 
     def _logits(
-        self, requests: list[ScheduledRequest], placeholders: Placeholders | None
-    ) -> torch.Tensor | None:
+        self,
+        requests: list[ScheduledRequest],
+        placeholders: Placeholders | None,
+        keep_prompt_logprobs: bool = True,
+    ) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
         """The forward, then the LM head on the rows that sample: [num_sampling, vocab]
-        (whole on rank 0 only), or None when none samples."""
+        (whole on rank 0 only), or None when none samples; then on the prompt rows of
+        the chunks that want prompt logprobs."""
         hidden, sample_rows = self._forward(requests, placeholders)  # [T, H], [num_sampling]
-        if not any(r.sample for r in requests):
-            return None
-        return self.model.compute_logits(hidden[sample_rows])
+        logits = None
+        if any(r.sample for r in requests):
+            logits = self.model.compute_logits(hidden[sample_rows])
+        prompt_logprobs = compute_prompt_logprobs(
+            hidden, requests, self.model.compute_logits, keep_prompt_logprobs
+        )
+        return logits, prompt_logprobs
 
     def _forward(
         self, requests: list[ScheduledRequest], placeholders: Placeholders | None

@@ -17,15 +17,22 @@ import torch
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, num_blocks_for_memory
 from model_runner.loader import ModelSpec
-from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from scheduler.output import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SampleLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class SimulatedRunner:
     """`launch(plan)` puts one step of `step_ms` on a simulated device (after the steps
     already there) and samples one random non-special token per request that samples;
     `result()` sleeps until the device has run it. logprobs, when asked for, are 0 for
-    the sampled token. `host_ms` (benchmarks) is CPU work spent in each launch, as the
-    real runner's input preparation is."""
+    the sampled token, and prompt logprobs 0 (rank 1) for each prompt token, its top-k
+    alternatives below it. `host_ms` (benchmarks) is CPU work spent in each launch, as
+    the real runner's input preparation is."""
 
     def __init__(
         self, spec: ModelSpec, config: ModelConfig, step_ms: float, host_ms: float = 0.0
@@ -64,6 +71,9 @@ class SimulatedRunner:
         out = ModelRunnerOutput()
         choice = self._rng.choice
         for scheduled in plan.scheduled:
+            lo, hi = scheduled.prompt_logprob_rows
+            if hi > lo:
+                out.prompt_logprobs[scheduled.request_id] = self._prompt_logprobs(scheduled)
             if not scheduled.sample:
                 continue
             token = choice(self.token_ids)
@@ -71,6 +81,18 @@ class SimulatedRunner:
             if scheduled.sampling_params.logprobs is not None:
                 out.logprobs[scheduled.request_id] = SampleLogprobs(0.0, [(token, 0.0)])
         return SimulatedStep(self._device_free_at, out)
+
+    def _prompt_logprobs(self, scheduled: ScheduledRequest) -> PromptLogprobs:
+        lo, hi = scheduled.prompt_logprob_rows
+        first = scheduled.num_computed_tokens + lo + 1
+        targets = scheduled.prompt_token_ids[first : first + hi - lo]
+        num_top = scheduled.sampling_params.prompt_logprobs or 0
+        top = []
+        for token in targets:
+            others = [t for t in self.token_ids[:num_top] if t != token][: max(num_top - 1, 0)]
+            row = [(token, 0.0), *((t, -1.0 - j) for j, t in enumerate(others))]
+            top.append(row[:num_top])
+        return PromptLogprobs(first, [0.0] * len(targets), [1] * len(targets), top)
 
 
 class SimulatedStep:

@@ -3,7 +3,8 @@
 Only rank 0 runs the scheduler and samples; the workers run the same forward on their
 shards. Per step rank 0 sends them a `StepPlan`: for each scheduled request (in the
 runner's order) its new tokens (a decode's one, a prefill chunk's), its computed count,
-whether it samples (the LM head's gather runs then) and the blocks added to its table since
+whether it samples (the LM head's gather runs then), the rows whose prompt logprobs it
+wants (the LM head runs on them too) and the blocks added to its table since
 the workers last saw it; and the requests to forget (finished or preempted, whose tables
 were freed). Never a whole history: a table reaches the workers once, then grows by its new
 blocks, which is how the scheduler grows it.
@@ -25,6 +26,7 @@ class PlannedRequest(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     new_block_ids: list[int]
     sample: bool
+    prompt_logprob_rows: tuple[int, int] = (0, 0)  # the LM head runs on these rows too
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -56,7 +58,8 @@ class PlanWriter:
         for r in requests:
             num_known = self._num_known.get(r.request_id, 0)
             planned.append(PlannedRequest(r.request_id, r.token_ids, r.num_computed_tokens,
-                                          r.block_table[num_known:], r.sample))
+                                          r.block_table[num_known:], r.sample,
+                                          r.prompt_logprob_rows))
             self._num_known[r.request_id] = len(r.block_table)
         plan, self._forget = StepPlan(self._forget, planned), []
         return _encoder.encode(plan)
@@ -79,7 +82,8 @@ class BlockTables:
             table = self._tables.setdefault(r.request_id, [])
             table.extend(r.new_block_ids)
             requests.append(ScheduledRequest(r.request_id, r.token_ids, r.num_computed_tokens,
-                                             table, r.sample, _NOT_SAMPLED, [], []))
+                                             table, r.sample, _NOT_SAMPLED, [], [],
+                                             r.prompt_logprob_rows))
         return requests, plan.forget_ids
 
     def __len__(self) -> int:

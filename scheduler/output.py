@@ -29,6 +29,9 @@ class ScheduledRequest:
     tokens (prompt plus outputs so far), so the runner samples one new token for it.
     `prompt_token_ids` and `output_token_ids` are the request's own lists (not copies):
     the runner reads them for penalties and must not mutate them.
+    `prompt_logprob_rows` are the offsets [lo, hi) into `token_ids` of the positions whose
+    logits give prompt logprobs still missing (the logits at position p give prompt token
+    p + 1's); (0, 0) for none.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    prompt_logprob_rows: tuple[int, int] = (0, 0)
 
     @property
     def num_new_tokens(self) -> int:
@@ -95,8 +99,38 @@ class SampleLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens from prompt index `start` (>= 1: the first
+    token has none). For each token: its logprob under the raw logits of the position
+    before it, its rank there (1: the most likely token), and the top-k (token id,
+    logprob) pairs, most likely first."""
+
+    start: int
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """The prompt index after the last token held."""
+        return self.start + len(self.logprobs)
+
+    def extend(self, later: PromptLogprobs) -> None:
+        """Append the tokens of `later` past `end`; those it repeats (a chunk computed
+        again after a preemption) are dropped. ValueError if it leaves a gap."""
+        if later.start > self.end:
+            raise ValueError(f"prompt logprobs from {later.start}, expected {self.end}")
+        skip = self.end - later.start
+        self.logprobs += later.logprobs[skip:]
+        self.ranks += later.ranks[skip:]
+        self.top += later.top[skip:]
+
+
+@dataclass
 class ModelRunnerOutput:
-    """Sampled tokens of one step, keyed by request id (only requests with sample=True)."""
+    """Sampled tokens of one step, keyed by request id (only requests with sample=True),
+    and the prompt logprobs of the chunks that had `prompt_logprob_rows`."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

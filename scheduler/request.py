@@ -6,7 +6,7 @@ import enum
 import time
 
 from kvcache.hashing import BlockHash
-from scheduler.output import SampleLogprobs
+from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 
 
@@ -82,6 +82,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[SampleLogprobs] = []
+        # The prompt logprobs gathered so far, chunk by chunk (None: not asked for).
+        self.prompt_logprobs = (
+            PromptLogprobs(1) if sampling_params.prompt_logprobs is not None else None
+        )
         self.num_computed_tokens = 0
         # Tokens being sampled by a step that is scheduled but not yet updated (0 or 1):
         # with overlapped steps the next step is scheduled before they are known.
@@ -131,6 +135,12 @@ class Request:
     def num_output_tokens(self) -> int:
         """Tokens generated so far."""
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs were asked for and some are still missing."""
+        logprobs = self.prompt_logprobs
+        return logprobs is not None and logprobs.end < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

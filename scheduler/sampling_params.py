@@ -16,6 +16,8 @@ class SamplingParams:
     `grammar` constrains the output: an llguidance grammar (structured/grammars.py) that the
     engine core compiles and enforces with a token mask. `logit_bias` adds a bias to
     token ids' logits; `allowed_token_ids` (when set) masks every other token.
+    `prompt_logprobs` (when set) asks for the logprob of every prompt token and its top
+    alternatives: the whole prompt is then computed, whatever the prefix cache holds.
     """
 
     temperature: float = 1.0
@@ -34,6 +36,7 @@ class SamplingParams:
     grammar: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None for none
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
 

@@ -238,6 +238,8 @@ class Scheduler:
         if leader is not None and not self._has_computed_prompt(leader):
             self.held.setdefault(leader.request_id, []).append(request)
         else:
+            if leader is not None:
+                _share_prompt_logprobs(leader, request)
             self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -304,6 +306,9 @@ class Scheduler:
             if request is None:
                 continue
             running = request.status is RequestStatus.RUNNING
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+            if prompt_logprobs is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(prompt_logprobs)
             if scheduled.sample:
                 token_id = runner_output.sampled_token_ids.get(request.request_id)
                 if token_id is None:
@@ -318,7 +323,7 @@ class Scheduler:
                 num_known = min(request.num_computed_tokens, request.num_tokens)
                 self.kv_cache.cache_blocks(request, num_known)
                 if request.request_id in self.held and self._has_computed_prompt(request):
-                    self._release_held(request.request_id)
+                    self._release_held(request)
             if not scheduled.sample:
                 continue
             status = check_stop(request, self.max_request_len)
@@ -651,7 +656,10 @@ class Scheduler:
 
     def _computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Blocks `request` can take as computed: its prefix-cache hits or, with caching
-        off, the full prompt blocks its running prompt leader has computed."""
+        off, the full prompt blocks its running prompt leader has computed. None while it
+        needs prompt logprobs (NOTE: positions served from the cache have no logits)."""
+        if request.needs_prompt_logprobs:
+            return [], 0
         hits, num_cached = self.kv_cache.get_computed_blocks(request)
         leader = self.requests.get(request.prompt_leader_id or "")
         if self.kv_cache.enable_caching or leader is None:
@@ -718,6 +726,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
+                    prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                 )
             )
             request.num_computed_tokens = end
@@ -731,13 +740,15 @@ class Scheduler:
         )
 
     def _has_computed_prompt(self, leader: Request) -> bool:
-        """Whether `leader` has computed every full prompt block a choice could share."""
+        """Whether `leader` has computed every full prompt block a choice could share (and
+        its prompt logprobs, which the choices then share too)."""
         block_size = self.kv_cache.block_size
         shareable = (leader.num_prompt_tokens - 1) // block_size * block_size
-        return leader.num_computed_tokens >= shareable
+        return leader.num_computed_tokens >= shareable and not leader.needs_prompt_logprobs
 
-    def _release_held(self, leader_id: str) -> None:
-        for request in self.held.pop(leader_id, ()):
+    def _release_held(self, leader: Request) -> None:
+        for request in self.held.pop(leader.request_id, ()):
+            _share_prompt_logprobs(leader, request)
             self.waiting.add(request)
 
     def _unqueue(self, request: Request) -> None:
@@ -761,7 +772,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         if request.request_id in self.held:
-            self._release_held(request.request_id)
+            self._release_held(request)
 
     def _describe(self, request: Request) -> dict[str, Any]:
         return {
@@ -790,3 +801,22 @@ def _num_left(request: Request) -> int:
 
 def _effective_key(request: Request) -> tuple[int, float, str]:
     return (request.effective_priority, request.arrival_time, request.request_id)
+
+
+def _prompt_logprob_rows(request: Request, start: int, end: int) -> tuple[int, int]:
+    """Offsets into the chunk of positions [start, end) whose logits give the prompt
+    logprobs `request` still misses (position p's give prompt token p + 1's)."""
+    logprobs = request.prompt_logprobs
+    if logprobs is None or logprobs.end >= request.num_prompt_tokens:
+        return (0, 0)
+    lo, hi = max(start, logprobs.end - 1), min(end, request.num_prompt_tokens - 1)
+    return (lo - start, hi - start) if lo < hi else (0, 0)
+
+
+def _share_prompt_logprobs(leader: Request, request: Request) -> None:
+    """n > 1: a choice takes its prompt leader's prompt logprobs once they are complete
+    (else it computes its own)."""
+    if request.prompt_logprobs is not None and leader.prompt_logprobs is not None and (
+        not leader.needs_prompt_logprobs
+    ):
+        request.prompt_logprobs = leader.prompt_logprobs

@@ -71,13 +71,13 @@ class ChatCompletions:
         return json_response(ChatCompletionResponse(
             id=request_id,
             model=serving.model_name,
-            choices=[self._choice(i, c, body, self._output_parser(body, tool_parser))
+            choices=[self._choice(i, c, body, prompt, self._output_parser(body, tool_parser))
                      for i, c in enumerate(choices)],
             usage=usage([prompt], choices),
         ))
 
     def _choice(
-        self, index: int, choice: Choice, body: ChatCompletionRequest,
+        self, index: int, choice: Choice, body: ChatCompletionRequest, prompt: list[int],
         parser: ChatOutputParser | None,
     ) -> ChatCompletionChoice:
         message = ChatResponseMessage(content=choice.text)
@@ -95,6 +95,7 @@ class ChatCompletions:
             logprobs=self._logprobs(choice.token_ids, choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
+            prompt_logprobs=self.serving.prompt_logprobs(prompt, choice.prompt_logprobs),
         )
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
@@ -139,7 +140,7 @@ class ChatCompletions:
 
         def event_of(output: RequestOutput, logprobs: ChatChoiceLogprobs | None) -> Event | None:
             parser = parsers[output.index]
-            if logprobs is None and parser is None:
+            if logprobs is None and parser is None and output.prompt_logprobs is None:
                 return fast_chunk(head, output,
                                   {"delta": {"content": output.text} if output.text else {}})
             finish_reason = output.finish_reason
@@ -149,7 +150,9 @@ class ChatCompletions:
                 message = parser.feed(output.text, output.finished)
                 if finish_reason == "stop" and parser.called_tools:
                     finish_reason = "tool_calls"
-                if message == DeltaMessage() and logprobs is None and not output.finished:
+                if message == DeltaMessage() and logprobs is None and not output.finished and (
+                    output.prompt_logprobs is None
+                ):
                     return None  # the parser holds the text back (a tool call in the making)
             return chunk(ChatCompletionStreamChoice(
                 index=output.index,
@@ -157,6 +160,7 @@ class ChatCompletions:
                 logprobs=logprobs,
                 finish_reason=finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
+                prompt_logprobs=self.serving.prompt_logprobs(prompt, output.prompt_logprobs),
             ))
 
         def usage_event() -> str:

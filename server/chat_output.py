@@ -4,8 +4,13 @@
 stream's text deltas and returns what is new in each part: the parsers (server/
 reasoning.py, server/tool_parsers.py) are run on the text so far, and the difference to
 what was sent is the delta, so the streamed parts reassemble exactly to the parsed
-message. A tool call goes out in one delta (id, name and all its arguments) once its
-text is complete. Whitespace-only content between tool calls is dropped.
+message. A tool call goes out as OpenAI streams it: a first delta (index, id, type, name,
+arguments "") once its name is complete and its arguments have begun, then the fragments
+of its arguments as they are generated (the first in the same chunk). NOTE: a call
+whose text breaks after its first delta (bad JSON, cut off by max_tokens) cannot be
+taken back: the stream ends with what was sent, and the text also goes out as content,
+which is what the whole response holds.
+Whitespace-only content between tool calls is dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from server.protocol import (
     ToolCall,
 )
 from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
-from server.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedToolCall, ToolParser
+from server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    ParsedToolCall,
+    ToolCallStream,
+    ToolParser,
+)
 
 
 @dataclass
@@ -46,24 +57,28 @@ class ChatOutputParser:
         self._text = ""
         self._num_reasoning_sent = 0
         self._num_content_sent = 0
-        self._calls_sent: list[ToolCall] = []
+        self._call_stream: ToolCallStream | None = tools.stream() if tools else None
+        self._call_index: dict[int, int] = {}  # a call of the stream -> its tool call index
+        self._num_arguments_sent: list[int] = []
 
-    def _parts(self, text: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
+    def _parts(self, text: str, final: bool) -> tuple[str, str, str, list[ParsedToolCall]]:
+        """(reasoning, answer, content, calls): the answer is the text after reasoning, its
+        content what is not a call."""
         reasoning, answer = "", text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.split(text, final)
-        calls: list[ParsedToolCall] = []
+        content, calls = answer, []
         if self.tools is not None:
-            answer, calls = self.tools.parse(answer, final)
+            content, calls = self.tools.parse(answer, final)
             if not self.parallel_tool_calls:
                 calls = calls[:1]
-        if calls and not answer.strip():
-            answer = ""
-        return reasoning, answer, calls
+        if calls and not content.strip():
+            content = ""
+        return reasoning, answer, content, calls
 
     def parse(self, text: str) -> ParsedChat:
         """The message of a finished choice."""
-        reasoning, content, calls = self._parts(text, final=True)
+        reasoning, _, content, calls = self._parts(text, final=True)
         tool_calls = [_tool_call(c) for c in calls]
         return ParsedChat(
             reasoning=reasoning if self.reasoning is not None and reasoning else None,
@@ -74,12 +89,12 @@ class ChatOutputParser:
     @property
     def called_tools(self) -> bool:
         """Whether the stream has sent a tool call."""
-        return bool(self._calls_sent)
+        return bool(self._num_arguments_sent)
 
     def feed(self, text: str, finished: bool) -> DeltaMessage:
         """The delta of a stream's next text (`finished`: the choice's last)."""
         self._text += text
-        reasoning, content, calls = self._parts(self._text, final=finished)
+        reasoning, answer, content, calls = self._parts(self._text, final=finished)
         if not finished:
             content = content.rstrip() if calls or self.tools is not None else content
         delta = DeltaMessage()
@@ -89,17 +104,33 @@ class ChatOutputParser:
         if len(content) > self._num_content_sent:
             delta.content = content[self._num_content_sent :]
             self._num_content_sent = len(content)
-        new_calls = calls[len(self._calls_sent) :]
-        if new_calls:
-            delta.tool_calls = []
-            for call in new_calls:
-                tool_call = _tool_call(call)
-                delta.tool_calls.append(DeltaToolCall(
-                    index=len(self._calls_sent), id=tool_call.id, type="function",
-                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-                ))
-                self._calls_sent.append(tool_call)
+        if self._call_stream is not None:
+            delta.tool_calls = self._tool_call_deltas(self._call_stream.update(answer)) or None
         return delta
+
+    def _tool_call_deltas(self, calls: list[ParsedToolCall | None]) -> list[DeltaToolCall]:
+        """The first delta of each call whose name is new, and the new arguments of every
+        call."""
+        deltas = []
+        for k, call in enumerate(calls):
+            if call is None:
+                continue
+            index = self._call_index.get(k)
+            if index is None:
+                if not self.parallel_tool_calls and self._num_arguments_sent:
+                    continue
+                index = self._call_index[k] = len(self._num_arguments_sent)
+                self._num_arguments_sent.append(0)
+                deltas.append(DeltaToolCall(
+                    index=index, id=_tool_call(call).id, type="function",
+                    function=DeltaFunctionCall(name=call.name, arguments=""),
+                ))
+            new = call.arguments[self._num_arguments_sent[index] :]
+            if new:
+                self._num_arguments_sent[index] = len(call.arguments)
+                deltas.append(DeltaToolCall(index=index,
+                                            function=DeltaFunctionCall(arguments=new)))
+        return deltas
 
 
 def _tool_call(call: ParsedToolCall) -> ToolCall:

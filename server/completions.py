@@ -110,7 +110,7 @@ class Completions:
             return self._logprobs([], output.token_ids, output.logprobs or [], text_offset)
 
         def event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
-            if logprobs is None:
+            if logprobs is None and output.prompt_logprobs is None:
                 return fast_chunk(head, output, {"text": output.text})
             return chunk(CompletionStreamChoice(
                 index=output.index,
@@ -118,6 +118,9 @@ class Completions:
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
+                prompt_logprobs=self.serving.prompt_logprobs(
+                    prompts[output.index // body.n], output.prompt_logprobs
+                ),
             ))
 
         def usage_event() -> str:
@@ -151,6 +154,7 @@ class Completions:
             logprobs=logprobs,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
+            prompt_logprobs=self.serving.prompt_logprobs(prompt, choice.prompt_logprobs),
         )
 
     def _logprobs(

@@ -320,12 +320,14 @@ class EngineCore:
         logprobs = None
         if request.sampling_params.logprobs is not None:
             logprobs = request.output_logprobs[sent:]
+        prompt_logprobs = request.prompt_logprobs if sent == 0 and new_ids else None
         self._num_sent[request_id] = len(request.output_token_ids)
         finish_reason = request.finish_reason if request.is_finished else None
         if request.is_finished:
             self._forget(request_id)
         return RequestDelta(request_id, new_ids, request.num_preemptions,
-                            request.num_cached_tokens, logprobs, finish_reason)
+                            request.num_cached_tokens, logprobs, finish_reason,
+                            prompt_logprobs=prompt_logprobs)
 
     def _forget(self, request_id: str) -> None:
         self._num_sent.pop(request_id, None)

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model_spec
 from scheduler.config import SchedulerConfig
-from scheduler.output import SampleLogprobs, SchedulerOutput
+from scheduler.output import PromptLogprobs, SampleLogprobs, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.core import EngineCore, Runner, run_core_loop
@@ -69,6 +69,7 @@ class RequestOutput:
 
     `text` and `token_ids` are new since the previous output. `finish_reason` is set on
     the choice's last output; `error` is set instead when a step failed.
+    `prompt_logprobs` (when asked for) comes whole with the first output that has tokens.
     """
 
     index: int
@@ -80,6 +81,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,6 +97,7 @@ class RequestOutput:
             text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -569,7 +572,8 @@ class Engine:
                 finish_reason = delta.finish_reason
             output = self._output(choice, text, new_ids, delta.logprobs, finish_reason,
                                   num_preemptions=delta.num_preemptions,
-                                  num_cached_tokens=delta.num_cached_tokens)
+                                  num_cached_tokens=delta.num_cached_tokens,
+                                  prompt_logprobs=delta.prompt_logprobs)
             output = self._hold_back(choice, output)
             if output is not None:
                 outputs.append((choice.stream, output))
@@ -624,6 +628,7 @@ class Engine:
         error: str | None = None,
         num_preemptions: int | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> RequestOutput:
         held = choice.held
         if num_preemptions is None:
@@ -638,6 +643,7 @@ class Engine:
             num_output_tokens=choice.num_output_tokens,
             num_cached_tokens=num_cached_tokens,
             error=error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _end_choices(self, request_ids: list[str], finish_reason: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler.output import SampleLogprobs
+from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 
 
@@ -89,6 +89,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None  # "stop" or "length" (EOS, stop ids, max_tokens)
     error: str | None = None  # the step failed; the core aborted the request
+    prompt_logprobs: PromptLogprobs | None = None  # whole, with the first new tokens
 
 
 class StepScheduled(msgspec.Struct, tag=True, array_like=True):

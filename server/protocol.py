@@ -162,6 +162,7 @@ class SamplingRequest(_Request):
     )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -250,6 +251,7 @@ class SamplingRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             grammar=grammar,
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             allowed_token_ids=(
@@ -449,12 +451,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token or one of its top alternatives."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per prompt token (the first None), each keyed by token id as a string.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -472,6 +487,7 @@ class CompletionStreamChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionStreamResponse(BaseModel):
@@ -521,6 +537,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -559,6 +576,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -28,7 +28,7 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import Response
 
-from scheduler.output import SampleLogprobs
+from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.data_parallel import DataParallelEngine
@@ -43,6 +43,8 @@ from server.engine import (
 from server.errors import APIError, server_error, validation_error
 from server.protocol import (
     ChatCompletionRequest,
+    PromptLogprob,
+    PromptLogprobsList,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -79,8 +81,11 @@ class Choice:
     num_preemptions: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text += output.text
         self.token_ids.extend(output.token_ids)
         self.logprobs.extend(output.logprobs or [])
@@ -298,6 +303,32 @@ class Serving:
     def token_text(self, token_id: int) -> str:
         """One token's text (on the event loop)."""
         return str(self.tokenizer.decode([token_id]))
+
+    def prompt_logprobs(
+        self, prompt: list[int], logprobs: PromptLogprobs | None
+    ) -> PromptLogprobsList | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
+        token {token id: {logprob, rank, decoded_token}} of the token itself and its
+        top-k (None when the request asked for none)."""
+        if logprobs is None:
+            return None
+        texts: dict[int, str] = {}
+
+        def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
+            if token_id not in texts:
+                texts[token_id] = self.token_text(token_id)
+            return PromptLogprob(logprob=logprob, rank=rank, decoded_token=texts[token_id])
+
+        result: PromptLogprobsList = [None]
+        for i, (logprob, rank, top) in enumerate(
+            zip(logprobs.logprobs, logprobs.ranks, logprobs.top, strict=True)
+        ):
+            token_id = prompt[logprobs.start + i]
+            tokens = {str(token_id): entry(token_id, logprob, rank)}
+            for j, (top_id, top_logprob) in enumerate(top):
+                tokens.setdefault(str(top_id), entry(top_id, top_logprob, j + 1))
+            result.append(tokens)
+        return result
 
     # ------------------------------------------------------ engine
 

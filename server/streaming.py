@@ -58,15 +58,18 @@ async def delta_events(
 
     `logprobs_of(output, text_offset)` gives an output's logprobs in the route's shape
     (None when the request asked for none); `event_of(output, logprobs)` the event of a
-    chunk (None: nothing to send). An output with no text, no logprobs and no finish is
-    never sent.
+    chunk (None: nothing to send). An output with no text, no logprobs (nor prompt
+    logprobs) and no finish is never sent.
     """
     async for output in stream:
         choice = choices[output.index]
         text_offset = len(choice.text)
         choice.add(output)
         logprobs = logprobs_of(output, text_offset) if output.token_ids else None
-        if not output.text and logprobs is None and not output.finished:
+        if (
+            not output.text and logprobs is None and output.prompt_logprobs is None
+            and not output.finished
+        ):
             continue
         event = event_of(output, logprobs)
         if event is not None:

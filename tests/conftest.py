@@ -12,6 +12,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
+    PromptLogprobs,
     SampleLogprobs,
     SchedulerOutput,
 )
@@ -73,7 +74,8 @@ class SyncRunner:
 
 class ScriptedRunner(SyncRunner):
     """Samples the bytes of `script` in order (the k-th output token is script byte k),
-    then EOS; with logprobs, every token has logprob -0.5 and is its own top-1."""
+    then EOS; with logprobs, every token has logprob -0.5 and is its own top-1; prompt
+    token i's logprob is -i / 10 at rank 2, behind byte "~" (the top-1 of every position)."""
 
     def __init__(self, script: str = "Hello, wörld! Bye.") -> None:
         self.tokens = [*script.encode(), BYTE_EOS]
@@ -83,6 +85,12 @@ class ScriptedRunner(SyncRunner):
         self.num_steps += 1
         out = ModelRunnerOutput()
         for scheduled in plan.scheduled:
+            lo, hi = scheduled.prompt_logprob_rows
+            if hi > lo:
+                out.prompt_logprobs[scheduled.request_id] = scripted_prompt_logprobs(
+                    scheduled.num_computed_tokens + lo + 1, hi - lo,
+                    scheduled.sampling_params.prompt_logprobs or 0,
+                )
             if not scheduled.sample:
                 continue
             # NOTE: with overlapped steps the token before a placeholder is not on the host
@@ -92,6 +100,13 @@ class ScriptedRunner(SyncRunner):
             if scheduled.sampling_params.logprobs is not None:
                 out.logprobs[scheduled.request_id] = SampleLogprobs(-0.5, [(token, -0.5)])
         return out
+
+
+def scripted_prompt_logprobs(first: int, num: int, num_top: int) -> PromptLogprobs:
+    """ScriptedRunner's prompt logprobs of prompt tokens first .. first + num - 1."""
+    indices = range(first, first + num)
+    top = [[(ord("~"), -0.01)][:num_top] for _ in indices]
+    return PromptLogprobs(first, [-i / 10 for i in indices], [2] * num, top)
 
 
 MakeEngine = Callable[..., Engine]

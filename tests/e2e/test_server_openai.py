@@ -136,6 +136,28 @@ def test_logprobs_and_echo(client, model) -> None:
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[num_prompt:])
 
 
+def test_prompt_logprobs_rank_greedy_tokens_first(client, model, default_tokenizer) -> None:
+    """The greedy continuation fed back as the prompt (twice: the second a prefix-cache
+    hit, which prompt_logprobs bypasses): each of its tokens is rank 1 at its position."""
+    ids = default_tokenizer.encode(PROMPT)
+    text = complete(client, model, prompt=ids, temperature=0, max_tokens=6).choices[0].text
+    full = ids + default_tokenizer.encode(text)
+    body = {"model": model, "prompt": full, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": 2}
+    choices = [httpx.post(f"{client.base_url}completions", json=body, timeout=60).json()
+               ["choices"][0] for _ in range(2)]
+    entries = choices[0]["prompt_logprobs"]
+    assert choices[1]["prompt_logprobs"] == entries
+    assert len(entries) == len(full) and entries[0] is None
+    for i in range(len(ids), len(full)):
+        token = entries[i][str(full[i])]
+        assert token["rank"] == 1 and token["logprob"] <= 0, (i, entries[i])
+    for entry, token_id in zip(entries[1:], full[1:], strict=True):
+        assert 2 <= len(entry) <= 3 and str(token_id) in entry
+        assert {1, 2} <= {e["rank"] for e in entry.values()}
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+
+
 def test_token_id_prompts(client, model, default_tokenizer) -> None:
     ids = default_tokenizer.encode(PROMPT)
     by_ids = complete(client, model, prompt=ids, temperature=0).choices[0].text

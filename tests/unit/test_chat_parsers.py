@@ -117,6 +117,16 @@ STREAM_CASES = [
     (None, "qwen3", "<think>deep thought</think>\n\n42"),
     (None, "qwen3", "<thi"),
     ("hermes", None, ""),
+    # pretty-printed, escapes, a surrogate pair, exponent and negative numbers, nesting
+    ("hermes", None, '<tool_call>\n{"name": "get_weather",\n "arguments": {\n  "city": '
+     '"S\\u00e3o \\ud83d\\ude00 \\"P\\"\\n",\n  "n": 1E2, "m": -0.50, '
+     '"xs": [1, true, null, {}, []]}}\n</tool_call>'),
+    ("hermes", None, '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'),
+    ("hermes", None, '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'),
+    ("hermes", None, '<tool_call>{"name": "add", "parameters": {"a": [1]}}</tool_call> ok'),
+    ("hermes", None, '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'),
+    ("llama3_json", None, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+     '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'),
 ]
 
 
@@ -137,6 +147,49 @@ def test_streamed_deltas_reassemble_to_the_complete_parse(
     assert reasoning == (parsed.reasoning or "")
     assert content == (parsed.content or "")
     assert calls == [(c.function.name, c.function.arguments) for c in parsed.tool_calls]
+
+
+def _char_by_char(parser: ChatOutputParser, text: str) -> list[DeltaMessage]:
+    return [parser.feed(char, finished=i == len(text) - 1) for i, char in enumerate(text)]
+
+
+@pytest.mark.parametrize("parser, text, arguments", [
+    (HermesToolParser(), "Let me see. " + _hermes_block("get_weather", {"city": "Paris"}),
+     {"city": "Paris"}),
+    (Llama3JsonToolParser(), '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     {"city": "Paris"}),
+])
+def test_tool_call_arguments_stream_as_they_are_generated(parser, text, arguments) -> None:
+    """A first delta once the name is known and the arguments begin, then fragments of
+    the arguments, all out before the call's text ends."""
+    deltas = _char_by_char(ChatOutputParser(None, parser), text)
+    pieces = [(i, call) for i, d in enumerate(deltas) for call in d.tool_calls or ()]
+    (at, first), rest = pieces[0], pieces[1:]
+    assert text[: at + 1].endswith('"get_weather", "' + parser.arguments_keys[0] + '": {')
+    assert first.id and first.type == "function"
+    assert (first.function.name, first.function.arguments) == ("get_weather", "")
+    assert len(rest) >= 8 and all(c.id is None and c.function.name is None for _, c in rest)
+    assert pieces[-1][0] <= text.rindex("}")
+    assert "".join(c.function.arguments for _, c in rest) == json.dumps(arguments)
+
+
+@pytest.mark.parametrize("tool_name, text", [
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}'),  # cut off
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}} oops</tool_call>'),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1,, }}</tool_call>'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1}} and more'),
+])
+def test_a_call_broken_after_its_first_delta_ends_as_content_too(tool_name, text) -> None:
+    """What was sent of the call stays sent; the text goes out as content, which is what
+    the whole response holds."""
+    def make() -> ChatOutputParser:
+        return ChatOutputParser(None, {"hermes": HermesToolParser,
+                                       "llama3_json": Llama3JsonToolParser}[tool_name]())
+
+    parsed = make().parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    _, content, calls = _reassemble(_char_by_char(make(), text))
+    assert content == text and [name for name, _ in calls] == ["add"]
 
 
 # ------------------------------------------------------------------ forced calls

@@ -60,9 +60,12 @@ def test_auto_tool_call_is_parsed_whole_and_streamed(serve) -> None:
     assert call["function"] == {"name": "add", "arguments": '{"a": 1}'} and call["id"]
     deltas = stream_deltas(client, body)
     content = "".join(d.get("content") or "" for d, _ in deltas)
-    calls = [c for d, _ in deltas for c in d.get("tool_calls") or ()]
+    first, *rest = [c for d, _ in deltas for c in d.get("tool_calls") or ()]
     assert content == "Sure. " and deltas[-1][1] == "tool_calls"
-    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
+    assert first["index"] == 0 and first["id"] and first["type"] == "function"
+    assert first["function"] == {"name": "add", "arguments": ""}
+    assert all(c["index"] == 0 and set(c) == {"index", "function"} for c in rest)
+    assert "".join(c["function"]["arguments"] for c in rest) == call["function"]["arguments"]
 
 
 def test_malformed_tool_call_output_is_plain_content(serve) -> None:
@@ -106,6 +109,9 @@ def test_reasoning_content_whole_and_streamed(serve) -> None:
     ({"logit_bias": {"5": 101}}, "[-100, 100]"),
     ({"allowed_token_ids": [9999]}, "out of range"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": "all"}, "prompt_logprobs"),
 ])
 def test_bad_structured_and_sampling_fields_are_400(serve, body, needle) -> None:
     response = serve().post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
@@ -155,3 +161,46 @@ def test_constraints_are_400_when_the_engine_has_no_grammar_support(serve) -> No
     response = serve().post("/v1/completions", json={
         "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
     assert response.status_code == 400 and "not available" in response.text
+
+
+def expected_prompt_logprobs(prompt: bytes) -> list:
+    """What ScriptedRunner's prompt logprobs (and the byte tokenizer) give for `prompt`."""
+    entries: list = [None]
+    for i in range(1, len(prompt)):
+        entry = {str(prompt[i]): {"logprob": -i / 10, "rank": 2,
+                                  "decoded_token": chr(prompt[i])}}
+        entry.setdefault(str(ord("~")), {"logprob": -0.01, "rank": 1, "decoded_token": "~"})
+        entries.append(entry)
+    return entries
+
+
+def stream_choices(client: TestClient, route: str, body: dict) -> list[dict]:
+    with client.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [c for line in r.iter_lines() if line.startswith("data: {")
+                for c in json.loads(line[6:])["choices"]]
+
+
+def test_prompt_logprobs_on_both_routes_every_choice_and_the_first_chunk(serve) -> None:
+    client = serve()
+    body = {"prompt": "Hi there", "max_tokens": 3, "n": 2, "prompt_logprobs": 1}
+    expected = expected_prompt_logprobs(b"Hi there")
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [c["prompt_logprobs"] for c in choices] == [expected, expected]
+    streamed = stream_choices(client, "/v1/completions", body)
+    for index in (0, 1):
+        mine = [c for c in streamed if c["index"] == index]
+        assert mine[0]["prompt_logprobs"] == expected
+        assert all("prompt_logprobs" not in c for c in mine[1:])
+    plain = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+    rendered = b"<user>hi\n<assistant>"
+    chat = {**CHAT, "max_tokens": 2, "prompt_logprobs": 0}
+    [choice] = client.post("/v1/chat/completions", json=chat).json()["choices"]
+    expected = [e and {k: v for k, v in e.items() if v["rank"] == 2}
+                for e in expected_prompt_logprobs(rendered)]
+    assert choice["prompt_logprobs"] == expected
+    streamed = [c for c in stream_choices(client, "/v1/chat/completions", chat)
+                if "prompt_logprobs" in c]
+    assert [c["prompt_logprobs"] for c in streamed] == [expected]

@@ -83,3 +83,20 @@ def test_engine_loop_bench_generates_every_requested_token() -> None:
 
     assert summary["output_tokens"] == sum(item.max_tokens for item in make_items(config))
     assert summary["num_requests"] == 12 and summary["num_steps"] >= 9
+
+
+def test_prompt_logprobs_have_the_right_shape_across_chunks(spec) -> None:
+    runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=64), step_ms=0)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=2048),
+                          CacheConfig(num_blocks=runner.num_kv_blocks, block_size=16))
+    prompt = list(range(1000, 1040))
+    request = Request("r", prompt, SamplingParams(max_tokens=2, prompt_logprobs=3))
+    scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.execute(plan))
+    logprobs = request.prompt_logprobs
+    assert logprobs is not None and logprobs.start == 1 and len(logprobs.logprobs) == 39
+    assert logprobs.ranks == [1] * 39
+    assert [row[0][0] for row in logprobs.top] == prompt[1:]
+    assert all(len(row) == 3 and len({t for t, _ in row}) == 3 for row in logprobs.top)

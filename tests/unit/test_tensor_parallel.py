@@ -213,3 +213,31 @@ def test_scheduler_with_prefix_caching_chunks_and_preemption(models: Models):
     ]
     models.tp.execute(scheduler.schedule())  # the last finished ids reach the workers
     assert not models.deaths
+
+
+def test_prompt_logprobs_match_one_rank(models: Models):
+    """Chunked, next to a plain request: the workers join rank 0's LM-head calls on the
+    prompt rows (the plan names them), and the values are one rank's."""
+    results = []
+    for runner in (models.tp, models.single):
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=256),
+            CacheConfig(num_blocks=32, block_size=4),
+        )
+        asked_ids, plain_ids = random_prompts([19, 6], seed=7)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        asked = Request("plp-asked", asked_ids, replace(greedy, prompt_logprobs=2))
+        scheduler.add_request(asked)
+        scheduler.add_request(Request("plp-plain", plain_ids, greedy))
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            scheduler.update(plan, runner.execute(plan))
+        runner.execute(scheduler.schedule())  # the finished ids reach the workers
+        results.append(asked.prompt_logprobs)
+    tp, single = results
+    assert tp is not None and single is not None and len(tp.logprobs) == 18
+    assert all(abs(a - b) <= 1 for a, b in zip(tp.ranks, single.ranks, strict=True))  # ties
+    assert [[t for t, _ in row] for row in tp.top] == [[t for t, _ in row] for row in single.top]
+    torch.testing.assert_close(torch.tensor(tp.logprobs), torch.tensor(single.logprobs),
+                               rtol=0, atol=1e-4)
+    assert not models.deaths
