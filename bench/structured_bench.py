@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.workloads import w1
+from loadgen.workloads import w1
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
