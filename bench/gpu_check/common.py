@@ -158,6 +158,22 @@ def qwen3_model(dry_run: bool) -> tuple[Path, object]:
     return _qwen3_cache[dry_run]
 
 
+def small_llama_config(dry_run: bool, vocab_size: int | None = None, tie: bool = False):
+    """The random small Llama of the parity checks (tiny in a dry run). NOTE: a wide init
+    makes the logits peaked, so that greedy never rests on a near tie."""
+    from transformers import LlamaConfig
+
+    sizes = (dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+             if dry_run else
+             dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024))
+    if vocab_size is not None:
+        sizes["vocab_size"] = vocab_size
+    return LlamaConfig(**sizes, initializer_range=0.2, tie_word_embeddings=tie,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def make_runner(model_config, dry_run: bool, interpret_triton: bool = False):
     """A ModelRunner; in a dry run with the decode graph runner attached in eager mode
     (and the Triton kernels under the interpreter when `interpret_triton`)."""

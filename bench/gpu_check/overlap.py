@@ -19,6 +19,7 @@ from bench.gpu_check.common import (
     import_runner,
     make_runner,
     random_model_folder,
+    small_llama_config,
 )
 
 
@@ -53,20 +54,13 @@ def check_async_scheduling(dry_run: bool) -> PartResult:
     import random
 
     import torch
-    from transformers import LlamaConfig
 
     from model_runner.config import ModelConfig
     from scheduler.sampling_params import SamplingParams
     from server.messages import NewRequest
 
     device = device_for(dry_run)
-    sizes = (dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-             if dry_run else
-             dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024))
-    hf_config = LlamaConfig(**sizes, initializer_range=0.2, tie_word_embeddings=False,
-                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hf_config = small_llama_config(dry_run)
     num, max_tokens, block_size = (8, 6, 4) if dry_run else (64, 48, 16)
 
     def requests(tag: str):
@@ -77,7 +71,7 @@ def check_async_scheduling(dry_run: bool) -> PartResult:
         for i in range(num):
             params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i,
                                     max_tokens=max_tokens - i % 5, ignore_eos=True)
-            prompt = [rng.randrange(3, sizes["vocab_size"]) for _ in range(5 + (i * 7) % 40)]
+            prompt = [rng.randrange(3, hf_config.vocab_size) for _ in range(5 + (i * 7) % 40)]
             out.append(NewRequest(f"{tag}-r{i}", prompt, params))
         return out
 

@@ -14,6 +14,7 @@ from bench.gpu_check.common import (
     make_runner,
     random_model_folder,
     scheduler_loop,
+    small_llama_config,
 )
 
 
@@ -28,24 +29,16 @@ def check_greedy_parity_hf(dry_run: bool) -> PartResult:
     import tempfile
 
     import torch
-    from transformers import LlamaConfig
 
     from model_runner.config import ModelConfig
     from scheduler.sampling_params import SamplingParams
 
     device = device_for(dry_run)
-    sizes = (dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-             if dry_run else
-             dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024))
-    # NOTE: a wide init makes the logits peaked, so that greedy never rests on a near tie.
-    hf_config = LlamaConfig(**sizes, initializer_range=0.2, tie_word_embeddings=False,
-                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hf_config = small_llama_config(dry_run)
+    vocab = hf_config.vocab_size
     num_prompts, max_len, max_tokens = (6, 20, 4) if dry_run else (12, 150, 24)
     block_size, prefix_len = (4, 8) if dry_run else (16, 48)
     rng = random.Random(0)
-    vocab = sizes["vocab_size"]
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
     prompts = []
     for i in range(num_prompts):

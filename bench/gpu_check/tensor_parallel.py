@@ -16,6 +16,7 @@ from bench.gpu_check.common import (
     make_runner,
     random_model_folder,
     scheduler_loop,
+    small_llama_config,
 )
 
 
@@ -28,7 +29,6 @@ def check_tp_one_rank_nccl(dry_run: bool) -> PartResult:
     import tempfile
 
     import torch
-    from transformers import LlamaConfig
 
     from model_runner.config import ModelConfig
     from model_runner.cuda_graphs import DecodeGraphRunner
@@ -36,16 +36,10 @@ def check_tp_one_rank_nccl(dry_run: bool) -> PartResult:
     from scheduler.sampling_params import SamplingParams
 
     device = device_for(dry_run)
-    sizes = (dict(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-             if dry_run else
-             dict(vocab_size=2047, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024))
-    hf_config = LlamaConfig(**sizes, initializer_range=0.2, tie_word_embeddings=True,
-                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    hf_config = small_llama_config(dry_run, vocab_size=255 if dry_run else 2047, tie=True)
     rng = random.Random(1)
     num_prompts, max_tokens = (4, 4) if dry_run else (16, 32)
-    prompts = [[rng.randrange(3, sizes["vocab_size"]) for _ in range(rng.randint(3, 60))]
+    prompts = [[rng.randrange(3, hf_config.vocab_size) for _ in range(rng.randint(3, 60))]
                for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * len(
         prompts)
