@@ -293,6 +293,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "loop on the simulated runner (needs --simulate-step-ms)")
     parser.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
                         help="with --engine-loop: the simulated runner's step time")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="with --engine-loop: overlapped steps (as `serve` takes it)")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
     parser.add_argument("--num-requests", type=int, default=64)
@@ -434,12 +436,12 @@ def serve(configs: ServeConfigs) -> int:
     return 0
 
 
-def _bench_engine_loop(config: BenchConfig, step_ms: float) -> int:
+def _bench_engine_loop(config: BenchConfig, step_ms: float, async_scheduling: bool) -> int:
     import json
 
     from server.engine_loop_bench import format_engine_loop, run_engine_loop
 
-    summary = run_engine_loop(config, step_ms)
+    summary = run_engine_loop(config, step_ms, async_scheduling)
     print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))
     return 0
 
@@ -466,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         if args.engine_loop:
-            return _bench_engine_loop(bench_config, args.simulate_step_ms)
+            return _bench_engine_loop(bench_config, args.simulate_step_ms,
+                                      args.async_scheduling)
         return bench_client.run(bench_config)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
