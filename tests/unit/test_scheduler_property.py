@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.output import SchedulerOutput
+from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -82,12 +82,17 @@ def expected_token(request_id: str, position: int) -> int:
 
 @dataclass
 class Harness:
+    """Steps the scheduler: plain (schedule, update) or, with `overlapped`, as the engine
+    core's overlapped steps do (schedule n + 1, then update n)."""
+
     scheduler: Scheduler
     clock: FakeClock
     only_budget_binds: bool = False
+    overlapped: bool = False
     added: list[Request] = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
     finished_ids_seen: list[str] = field(default_factory=list)
+    in_flight: SchedulerOutput | None = None
 
     @property
     def live_ids(self) -> set[str]:
@@ -124,7 +129,9 @@ class Harness:
         scheduler = self.scheduler
         running_before = {r.request_id for r in scheduler.running}
         decodes_before = {
-            r.request_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1
+            r.request_id for r in scheduler.running
+            if r.num_tokens + r.num_output_placeholders - r.num_computed_tokens == 1
+            and not (r.num_output_placeholders and scheduler._pending_token_ends(r))
         }
         waiting_before = list(scheduler.waiting)
         out = scheduler.schedule()
@@ -132,9 +139,23 @@ class Harness:
         self.check_budget_order(out, decodes_before, waiting_before)
         if abort_index is not None:
             self.abort(abort_index)
-        self.scheduler.update(out, make_runner_output(out))
+        if self.overlapped:
+            out, self.in_flight = self.in_flight, out
+        if out is not None:
+            self.scheduler.update(out, make_runner_output(out))
         self.clock.now += 1.0
         self.check_state()
+
+    def drain(self) -> None:
+        """Step until nothing is left, in flight or unfinished."""
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.scheduler.has_unfinished_requests() and self.in_flight is None:
+                return
+            if self.overlapped and not self.scheduler.has_unfinished_requests():
+                out, self.in_flight = self.in_flight, None  # the last step's update
+                self.scheduler.update(out, make_runner_output(out))
+                continue
+            self.step()
 
     def check_output(self, out: SchedulerOutput, running_before: set[str]) -> None:
         config = self.scheduler.config
@@ -148,8 +169,12 @@ class Harness:
         for s in out.scheduled:
             request = self.scheduler.requests[s.request_id]
             assert s.num_new_tokens > 0
-            assert s.token_ids == request.all_token_ids[s.num_computed_tokens : s.context_len]
-            assert s.sample == (s.context_len == request.num_tokens)
+            # the token an unfinished step samples is a placeholder (overlapped steps only)
+            pending = request.num_output_placeholders - s.sample
+            assert pending == 0 or self.overlapped
+            known = request.all_token_ids[s.num_computed_tokens : s.context_len]
+            assert s.token_ids == known + [PLACEHOLDER_TOKEN_ID] * (s.num_new_tokens - len(known))
+            assert s.sample == (s.context_len == request.num_tokens + pending)
             assert len(s.block_table) * block_size >= s.context_len
         self.finished_ids_seen += out.finished_ids
 
@@ -235,11 +260,23 @@ def test_budget_goes_in_priority_order_when_only_the_budget_binds(
     run_workload(config, arrivals, only_budget_binds=True)
 
 
+@settings(max_examples=60, deadline=None)
+@given(config=configs, arrivals=arrivals)
+def test_overlapped_steps_keep_invariants_and_finish(
+    config: dict[str, Any], arrivals: list[tuple[Any, ...]]
+) -> None:
+    """Step n + 1 scheduled before step n's update: no token lost or extra (every output is
+    the position's expected token, to max_tokens exactly), no block leaked."""
+    run_workload(config, arrivals, only_budget_binds=False, overlapped=True)
+
+
 def run_workload(
-    config: dict[str, Any], arrivals: list[tuple[Any, ...]], only_budget_binds: bool
+    config: dict[str, Any], arrivals: list[tuple[Any, ...]], only_budget_binds: bool,
+    overlapped: bool = False,
 ) -> None:
     clock = FakeClock()
-    harness = Harness(make_scheduler(clock=clock, **config), clock, only_budget_binds)
+    harness = Harness(make_scheduler(clock=clock, **config), clock, only_budget_binds,
+                      overlapped)
     for prompt, max_tokens, priority, num_steps, abort, num_choices in arrivals:
         harness.add(prompt, max_tokens, priority, num_choices)
         for _ in range(num_steps):
@@ -253,10 +290,7 @@ def run_workload(
                 harness.check_state()
 
     scheduler = harness.scheduler
-    for _ in range(MAX_DRAIN_STEPS):
-        if not scheduler.has_unfinished_requests():
-            break
-        harness.step()
+    harness.drain()
     assert not scheduler.has_unfinished_requests(), "requests left after draining: livelock"
 
     for request in harness.added:
