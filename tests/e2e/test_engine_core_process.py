@@ -62,6 +62,28 @@ def stream_lines(url: str, body: dict, out: list[str], started: threading.Event)
                 started.set()
 
 
+def kill_mid_stream(url: str, pid: int, num_streams: int, start_timeout_s: float,
+                    what: str) -> list[list[dict]]:
+    """`num_streams` long streams; once each has a token, SIGKILL `pid`. Asserts that every
+    stream ends within 5 s of the kill; the SSE events of each."""
+    body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
+    outputs: list[list[str]] = [[] for _ in range(num_streams)]
+    started = [threading.Event() for _ in outputs]
+    threads = [threading.Thread(target=stream_lines, args=(url, body, out, ev))
+               for out, ev in zip(outputs, started, strict=True)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(start_timeout_s)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive(), f"a stream did not end after the {what} died"
+    assert time.monotonic() - killed < 5
+    return [assert_sse_body("\n".join(lines)) for lines in outputs]
+
+
 @pytest.fixture(scope="module")
 def sim_server() -> Iterator[ServerProcess]:
     """A simulated server shared by the storms (they leave it idle and whole)."""
@@ -77,24 +99,7 @@ def test_core_sigkilled_mid_stream_fails_pending_requests_and_health(tmp_path) -
     _require_default_model()
     server = ServerProcess(*SIM_FLAGS)
     try:
-        pid = core_pid(server)
-        body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
-        outputs: list[list[str]] = [[] for _ in range(4)]
-        started = [threading.Event() for _ in outputs]
-        threads = [threading.Thread(target=stream_lines, args=(server.url, body, out, ev))
-                   for out, ev in zip(outputs, started, strict=True)]
-        for thread in threads:
-            thread.start()
-        for event in started:
-            assert event.wait(10)
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        for thread in threads:
-            thread.join(5)
-            assert not thread.is_alive(), "a stream did not end after the core died"
-        assert time.monotonic() - killed < 5
-        for lines in outputs:
-            events = assert_sse_body("\n".join(lines))
+        for events in kill_mid_stream(server.url, core_pid(server), 4, 10, "core"):
             assert "killed by SIGKILL" in events[-1]["error"]["message"]
         assert_openai_error(httpx.get(f"{server.url}/health"), 503, "SIGKILL")
         assert httpx.get(f"{server.url}/v1/models").status_code == 200  # the API is up

@@ -6,10 +6,6 @@ mid-stream fails the streams and /health within 5 s, and no process outlives the
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +13,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
-from tests.e2e.test_engine_core_process import core_pid, is_gone, stream_lines, wait_gone
-from tests.reliability_helpers import assert_openai_error, assert_sse_body
+from tests.e2e.test_engine_core_process import core_pid, is_gone, kill_mid_stream, wait_gone
+from tests.reliability_helpers import assert_openai_error
 
 pytestmark = pytest.mark.e2e
 
@@ -79,23 +75,7 @@ def test_tp2_greedy_text_is_tp1s(tp_server, fcfs_server) -> None:
 def test_worker_sigkilled_mid_stream_fails_streams_and_health(tp_server) -> None:
     """Last in this module: it ends the server's engine."""
     core, worker = core_pid(tp_server), worker_pid(tp_server)
-    body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
-    outputs: list[list[str]] = [[] for _ in range(3)]
-    started = [threading.Event() for _ in outputs]
-    threads = [threading.Thread(target=stream_lines, args=(tp_server.url, body, out, ev))
-               for out, ev in zip(outputs, started, strict=True)]
-    for thread in threads:
-        thread.start()
-    for event in started:
-        assert event.wait(30)
-    os.kill(worker, signal.SIGKILL)
-    killed = time.monotonic()
-    for thread in threads:
-        thread.join(5)
-        assert not thread.is_alive(), "a stream did not end after the worker died"
-    assert time.monotonic() - killed < 5
-    for lines in outputs:
-        events = assert_sse_body("\n".join(lines))
+    for events in kill_mid_stream(tp_server.url, worker, 3, 30, "worker"):
         assert "tensor-parallel worker" in events[-1]["error"]["message"]
     assert_openai_error(httpx.get(f"{tp_server.url}/health"), 503, "tensor-parallel worker")
     assert wait_gone(core, 5) < 5 and is_gone(worker)
