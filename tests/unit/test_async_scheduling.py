@@ -9,17 +9,16 @@ alone.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import httpx
 import pytest
 
+from bench.async_steps_bench import steps_per_s
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import DecodeGraphRunner
 from model_runner.loader import load_model_spec
-from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.sampling_params import SamplingParams
@@ -164,22 +163,9 @@ def test_eos_and_stop_strings_end_a_stream_with_no_token_of_the_next_step(
 
 def test_the_step_rate_follows_the_device_time_alone() -> None:
     """Simulated device time T = 20 ms and host work H = 10 ms per step: plain steps take
-    T + H, overlapped ones T."""
+    T + H, overlapped ones T (bench/async_steps_bench.py's measurement, 8 requests)."""
     spec = load_model_spec(ModelConfig())
-
-    def step_time(async_scheduling: bool) -> float:
-        runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=512), step_ms=20, host_ms=10)
-        config = SchedulerConfig(max_num_seqs=8, async_scheduling=async_scheduling)
-        core = EngineCore(Scheduler(config, CacheConfig(num_blocks=512, block_size=16)),
-                          runner, frozenset(spec.eos_token_ids))
-        params = SamplingParams(max_tokens=30, ignore_eos=True)
-        core.apply(AddRequests([NewRequest(f"r{i}", [1, 2, 3], params) for i in range(8)]))
-        start, steps = time.perf_counter(), 0
-        while core.has_work:
-            core.step()
-            steps += 1
-        return (time.perf_counter() - start) / steps
-
-    plain, overlapped = step_time(False), step_time(True)
-    assert plain > 0.028, plain
-    assert overlapped < 0.025, (plain, overlapped)
+    plain, overlapped = (steps_per_s(spec, 20, 10, batch=8, steps=28, async_scheduling=mode)
+                         for mode in (False, True))
+    assert plain < 1 / 0.028, plain
+    assert overlapped > 1 / 0.025, (plain, overlapped)
