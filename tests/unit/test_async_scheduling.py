@@ -18,7 +18,7 @@ from bench.async_steps_bench import steps_per_s
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import DecodeGraphRunner
-from model_runner.loader import load_model_spec
+from model_runner.loader import load_model, load_model_spec
 from scheduler.config import SchedulerConfig
 from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.sampling_params import SamplingParams
@@ -35,8 +35,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def tiny(tmp_path_factory) -> TinyModel:
     folder = tmp_path_factory.mktemp("llama")
     hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
-    from model_runner.loader import load_model
-
     return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
 
 
