@@ -19,9 +19,11 @@ schedule() spends the budget in one order:
      fcfs running chunks first, then waiting requests in arrival order; under priority
      one merged order, so that no waiting request is denied budget that a worse-priority
      prefill gets, and within the level of the first prefill, so that worse prefills do
-     not lengthen an urgent prompt's step), each prefill capped at
-     `long_prefill_token_threshold` tokens when the step carries decodes (so a long prompt
-     cannot stall everyone's stream). Under
+     not lengthen an urgent prompt's step); a step that carries decodes takes at most
+     max(`long_prefill_token_threshold`, PREFILL_TOKENS_PER_DECODE x the batch: the
+     unfinished requests, up to the seats) prefill tokens in all (a token at a long
+     context counting for more, `prefill_cost`), so that no prompt, long or many, stalls
+     everyone's stream. Under
      priority, a waiting request that does not fit preempts running requests of strictly
      worse priority (`_admit_by_preempting`). After a preemption for a decode's growth
      the pool is short: only requests more urgent than every victim are admitted (none
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -60,6 +63,19 @@ from scheduler.output import (
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
+
+# A step that carries decodes takes at most this many prefill tokens per request of the
+# batch (or long_prefill_token_threshold, if more). NOTE: a step costs about a fixed part, plus a
+# part per decode, plus a part per prefill token of the same order; so prefill tokens
+# proportional to the decodes bound every stream's stall to a fixed factor of its usual
+# step at any batch size (about 2.5x at 4 per decode for the default model on two CPU
+# cores), and a 128-token urgent prompt still goes in one step beside 32 decodes or more.
+PREFILL_TOKENS_PER_DECODE = 4
+# A prefill position at context c counts as 1 + c / ATTENTION_COST_CONTEXT tokens against
+# that cap: its attention reads c keys. NOTE: measured on the default model on two CPU
+# cores: a 64-token chunk at context 1,900 costs 2.2x per token what a 128-token prompt
+# from 0 does.
+ATTENTION_COST_CONTEXT = 2048
 
 
 @dataclass(frozen=True)
@@ -97,13 +113,59 @@ class _Step:
     parked_head: Request | None = None
     num_reserved_blocks: int = 0
     admission_closed: bool = False
-    num_decodes: int = 0
+    decode_ids: set[str] = field(default_factory=set)
+    # Prefill cost (see `prefill_cost`) the step may still take beside its decodes (None:
+    # only the budget bounds prefills); set once the decodes are scheduled.
+    prefill_room: int | None = None
+    prefill_costs: dict[str, int] = field(default_factory=dict)
     # Under priority: the level of the step's first prefill work; worse levels wait.
     prefill_level: int | None = None
 
-    def schedule(self, request: Request, num_tokens: int) -> None:
+    def schedule(self, request: Request, num_tokens: int, *, decode: bool = False) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.budget -= num_tokens
+        if decode:
+            self.decode_ids.add(request.request_id)
+        elif self.prefill_room is not None:
+            cost = prefill_cost(request.num_computed_tokens, num_tokens)
+            self.prefill_costs[request.request_id] = cost
+            self.prefill_room -= cost
+
+    def unschedule(self, request: Request) -> None:
+        """A victim scheduled earlier in this step gives its tokens back."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.budget += num_tokens
+        self.decode_ids.discard(request.request_id)
+        if self.prefill_room is not None:
+            self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
+
+    def has_prefill_room(self) -> bool:
+        return self.budget > 0 and (self.prefill_room is None or self.prefill_room > 0)
+
+    def prefill_tokens_left(self, start: int) -> int:
+        """The most tokens a prefill from position `start` may compute in this step (at
+        least 1 while there is room)."""
+        if self.prefill_room is None:
+            return self.budget
+        return min(self.budget, max(1, tokens_within(self.prefill_room, start)))
+
+
+def prefill_cost(start: int, num_tokens: int) -> int:
+    """The cost, against a step's prefill cap, of computing prompt positions [start, start
+    + num_tokens): a position at context c costs 1 + c / ATTENTION_COST_CONTEXT tokens."""
+    return num_tokens + num_tokens * (2 * start + num_tokens) // (2 * ATTENTION_COST_CONTEXT)
+
+
+def tokens_within(room: int, start: int) -> int:
+    """The most tokens from position `start` whose prefill_cost fits in `room`."""
+    k = ATTENTION_COST_CONTEXT
+    a = 1 + start / k  # cost(n) ~ a n + n^2 / (2 k): solve for n
+    n = int(k * (math.sqrt(a * a + 2 * room / k) - a))
+    while n > 0 and prefill_cost(start, n) > room:
+        n -= 1
+    while prefill_cost(start, n + 1) <= room:
+        n += 1
+    return n
 
 
 def _priority_key(request: Request) -> tuple[int, float, str]:
@@ -193,7 +255,6 @@ class Scheduler:
         self._expired: list[Request] = []  # passed their deadline in schedule()
         self._clock = clock
         self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
-        self._max_prefill_chunk = scheduler_config.long_prefill_token_threshold or None
         # NOTE: a request must fit alone in the blocks admission may use, or once preempted
         # it could never be readmitted; so its length is capped by the pool too.
         self.max_request_len = min(
@@ -283,6 +344,7 @@ class Scheduler:
         step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
+        step.prefill_room = self._prefill_cap(len(step.decode_ids))
         self._schedule_prefills(step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
@@ -460,8 +522,7 @@ class Scheduler:
                 continue
             if request.num_output_placeholders and self._pending_token_ends(request):
                 continue
-            self._allocate_or_preempt(request, 1, step)
-            step.num_decodes += 1
+            self._allocate_or_preempt(request, 1, step, decode=True)
 
     def _pending_token_ends(self, request: Request) -> bool:
         """Whether the token `request` is being sampled reaches max_tokens or the length
@@ -483,7 +544,7 @@ class Scheduler:
         if self.policy is SchedulingPolicy.PRIORITY:
             chunks.sort(key=_effective_key)
         next_chunk = 0
-        while step.budget > 0:
+        while step.has_prefill_room():
             while next_chunk < len(chunks) and not self._can_chunk(chunks[next_chunk], step):
                 next_chunk += 1
             chunk = chunks[next_chunk] if next_chunk < len(chunks) else None
@@ -500,7 +561,8 @@ class Scheduler:
                 return
             if request is chunk:
                 next_chunk += 1
-                self._allocate_or_preempt(chunk, self._chunk_size(_num_left(chunk), step), step)
+                num_now = min(_num_left(chunk), step.prefill_tokens_left(chunk.num_computed_tokens))
+                self._allocate_or_preempt(chunk, num_now, step)
             else:
                 self._consider(request, step)
             scheduled = request.request_id in step.num_scheduled_tokens
@@ -529,13 +591,22 @@ class Scheduler:
         )
         return _effective_key(chunk) < waiting_key
 
-    def _chunk_size(self, num_left: int, step: _Step) -> int:
-        """Tokens of a prefill to compute now: what the budget leaves, capped by
-        long_prefill_token_threshold in a step that carries decodes (a lone prefill
-        delays nobody, so it takes what the budget gives)."""
-        if self._max_prefill_chunk is not None and step.num_decodes:
-            num_left = min(num_left, self._max_prefill_chunk)
-        return min(num_left, step.budget)
+    def _prefill_cap(self, num_decodes: int) -> int | None:
+        """The most prefill tokens, in all, a step with `num_decodes` decodes carries:
+        max(long_prefill_token_threshold, PREFILL_TOKENS_PER_DECODE x the batch about to
+        decode); None (only the budget) for a step without decodes (a lone prefill delays
+        nobody) or with the threshold off.
+
+        NOTE: the batch about to decode is every unfinished request, up to the seats, not
+        just this step's decodes: in a burst the first few streams' steps soon grow to
+        the whole batch's, so admission runs at the rate the full batch allows instead of
+        starting from the few decodes that exist at first.
+        """
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or not num_decodes:
+            return None
+        num_batch = min(len(self.requests), self.config.max_num_seqs)
+        return max(threshold, PREFILL_TOKENS_PER_DECODE * num_batch)
 
     def _next_candidate(self, step: _Step) -> Request | None:
         """The waiting request to consider next, or None while admission is closed.
@@ -577,7 +648,9 @@ class Scheduler:
             step.parked_head = request
             step.num_reserved_blocks = cdiv(request.num_tokens, self.kv_cache.block_size)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, step: _Step, *, decode: bool = False
+    ) -> None:
         """Schedule a running request, preempting victims until its blocks fit (the victim
         may be the request itself: then it is preempted and not scheduled). The pool is
         then short: admission narrows to requests more urgent than every victim."""
@@ -590,7 +663,7 @@ class Scheduler:
                 step.must_beat = victim.priority
             if victim is request:
                 return
-        step.schedule(request, num_new_tokens)
+        step.schedule(request, num_new_tokens, decode=decode)
 
     def _pick_victim(self) -> Request:
         if self.policy is SchedulingPolicy.PRIORITY:
@@ -602,8 +675,7 @@ class Scheduler:
         progress, keep the outputs, and put the request back at the front of waiting."""
         self.kv_cache.free(request)
         self.running.remove(request)
-        # A victim scheduled earlier in this step gives its tokens back to the budget.
-        step.budget += step.num_scheduled_tokens.pop(request.request_id, 0)
+        step.unschedule(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -631,7 +703,7 @@ class Scheduler:
         """
         hits, num_cached = self._computed_blocks(request)
         num_new = request.num_tokens - num_cached
-        num_now = self._chunk_size(num_new, step)
+        num_now = min(num_new, step.prefill_tokens_left(num_cached))
         blocks = self.kv_cache.allocate_slots(
             request,
             num_now,

@@ -134,9 +134,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--priority-aging-s", type=float, default=None,
                        help="a waiting request gains one priority level per S seconds")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                       help="the most tokens one prefill computes in a step that carries "
-                       "decodes, so a long prompt does not stall every stream (default: a "
-                       "quarter of --max-num-batched-tokens; 0: no cap)")
+                       help="a step that carries decodes computes at most max(N, 4 per "
+                       "request of the batch) prefill tokens in all (a token at context c "
+                       "counts as 1 + c/2048), so prompts do not stall every stream "
+                       "(default: an eighth of --max-num-batched-tokens; 0: no cap)")
     sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="overlapped steps: schedule and lay out step n+1 while step n "
@@ -211,7 +212,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         priority_aging_s=args.priority_aging_s,
         watermark=args.watermark,
         long_prefill_token_threshold=(
-            max_num_batched_tokens // 4
+            max_num_batched_tokens // 8
             if args.long_prefill_token_threshold is None
             else args.long_prefill_token_threshold
         ),

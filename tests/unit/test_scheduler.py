@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.output import ModelRunnerOutput, ScheduledRequest
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import ATTENTION_COST_CONTEXT, Scheduler, prefill_cost
 from tests.unit.scheduler_helpers import (
     FakeClock,
     fake_token,
@@ -764,10 +764,10 @@ def test_fcfs_keeps_running_chunks_before_admissions() -> None:
     assert num_tokens_by_id(out) == {"r0": 8}
 
 
-def test_long_prefill_token_threshold_caps_prefills_beside_decodes() -> None:
+def test_prefills_beside_decodes_take_the_threshold_or_four_tokens_per_request_in_all() -> None:
     def make() -> Scheduler:
         return make_scheduler(
-            policy="priority", max_num_batched_tokens=64, num_blocks=64,
+            policy="priority", max_num_batched_tokens=256, num_blocks=256,
             long_prefill_token_threshold=16,
         )
 
@@ -776,15 +776,61 @@ def test_long_prefill_token_threshold_caps_prefills_beside_decodes() -> None:
     out, _ = step(lone)
     assert num_tokens_by_id(out) == {"r0": 40}  # it delays nobody: no cap
 
+    # one decode and two prompts (a batch of 3): 16 prefill tokens a step in all (before:
+    # 16 for each prompt, so that many prompts made as long a step as one long one)
     scheduler = make()
-    (decoding,) = make_requests(1, 4, 10, priorities=[5])
-    scheduler.add_request(decoding)
+    scheduler.add_request(make_requests(1, 4, 10, priorities=[5])[0])
     step(scheduler)
     add_all(scheduler, make_requests(2, 40, 1, priorities=[0, 0], first_id=1, first_arrival=1))
-    for expected in (16, 16, 8):
+    for expected in ({"r1": 16}, {"r1": 16}, {"r1": 8, "r2": 8}, {"r2": 16}, {"r2": 16}):
         out, _ = step(scheduler)
-        assert num_tokens_by_id(out) == {"r0": 1, "r1": expected, "r2": expected}
-    assert [s.sample for s in out.scheduled] == [True, True, True]
+        assert num_tokens_by_id(out) == {"r0": 1, **expected}
+
+    # ten decodes and a 100-token prompt (a batch of 11): 44 prefill tokens a step (43
+    # from context 44: a token's attention over a longer context counts for a little more)
+    scheduler = make()
+    add_all(scheduler, make_requests(10, 4, 10, priorities=[5] * 10))
+    step(scheduler)
+    scheduler.add_request(make_requests(1, 100, 1, priorities=[0], first_id=10)[0])
+    for expected in (44, 43, 13):
+        out, _ = step(scheduler)
+        tokens = num_tokens_by_id(out)
+        assert tokens.pop("r10") == expected
+        assert list(tokens.values()) == [1] * 10
+
+
+def test_a_long_prompt_takes_fewer_tokens_a_step_as_its_context_grows() -> None:
+    scheduler = make_scheduler(
+        policy="priority", max_num_batched_tokens=512, num_blocks=2048,
+        long_prefill_token_threshold=64, max_model_len=8192,
+    )
+    scheduler.add_request(make_requests(1, 4, 1000, priorities=[5])[0])
+    step(scheduler)
+    scheduler.add_request(make_requests(1, 4000, 1, priorities=[0], first_id=1)[0])
+    chunks = []  # (start, size)
+    while "r1" in scheduler.requests:
+        start = scheduler.requests["r1"].num_computed_tokens
+        out, _ = step(scheduler)
+        chunks.append((start, num_tokens_by_id(out)["r1"]))
+    assert all(prefill_cost(start, size) <= 64 for start, size in chunks[:-1])
+    sizes = [size for _, size in chunks[:-1]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 63
+    at_2048 = next(size for start, size in chunks if start >= ATTENTION_COST_CONTEXT)
+    assert at_2048 <= 33  # a token at context 2,048 counts for two
+
+
+def test_a_burst_is_admitted_at_the_rate_of_the_batch_it_makes() -> None:
+    # One decode, then 15 prompts of 8 tokens: the batch of 16 allows 64 prefill tokens a
+    # step from the first, not the 16 (or 4 per decode) that its one decode would.
+    scheduler = make_scheduler(
+        policy="priority", max_num_batched_tokens=256, num_blocks=256,
+        long_prefill_token_threshold=16,
+    )
+    scheduler.add_request(make_requests(1, 4, 20, priorities=[5])[0])
+    step(scheduler)
+    add_all(scheduler, make_requests(15, 8, 4, first_id=1, first_arrival=1))
+    out, _ = step(scheduler)
+    assert sum(n for n in num_tokens_by_id(out).values() if n > 1) == 64
 
 
 # ---- n > 1 ----

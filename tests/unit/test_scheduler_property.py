@@ -1,10 +1,11 @@
 """Random arrivals, priorities, aborts and steps on a tiny pool: invariants hold throughout.
 
 After every step: every block and request is accounted for; no decode starves behind a
-prefill; and, where KV blocks and seats are plenty (so only the budget binds), no waiting
-request was denied budget that a prefill of worse priority got, and a step's prefills
-are of one priority level; with fair share among tenants, no waiting request of a level
-was passed over for one of the same level with a later fair-share tag.
+prefill; the prefill tokens beside decodes stay within the cap; and, where KV blocks and
+seats are plenty (so only the budget binds), no waiting request was denied budget that a
+prefill of worse priority got, and a step's prefills are of one priority level; with fair
+share among tenants, no waiting request of a level was passed over for one of the same
+level with a later fair-share tag.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import PREFILL_TOKENS_PER_DECODE, Scheduler
 from tests.unit.scheduler_helpers import FakeClock, make_runner_output, make_scheduler
 
 MAX_DRAIN_STEPS = 3000
@@ -134,9 +135,10 @@ class Harness:
             and not (r.num_output_placeholders and scheduler._pending_token_ends(r))
         }
         waiting_before = list(scheduler.waiting)
+        num_batch = min(len(scheduler.requests), scheduler.config.max_num_seqs)
         out = scheduler.schedule()
         self.check_output(out, running_before)
-        self.check_budget_order(out, decodes_before, waiting_before)
+        self.check_budget_order(out, decodes_before, waiting_before, num_batch)
         if abort_index is not None:
             self.abort(abort_index)
         if self.overlapped:
@@ -179,9 +181,11 @@ class Harness:
         self.finished_ids_seen += out.finished_ids
 
     def check_budget_order(
-        self, out: SchedulerOutput, decodes_before: set[str], waiting_before: list[Request]
+        self, out: SchedulerOutput, decodes_before: set[str], waiting_before: list[Request],
+        num_batch: int,
     ) -> None:
-        """Decodes come first and never starve behind a prefill; where only the budget
+        """Decodes come first and never starve behind a prefill; prefill tokens beside
+        decodes stay within the cap of a batch of `num_batch`; where only the budget
         binds, a prefill never gets budget a more urgent waiting request is denied."""
         scheduler = self.scheduler
         ids = [s.request_id for s in out.scheduled]
@@ -191,6 +195,12 @@ class Harness:
         if starved:
             assert all(is_decode), f"decodes {starved} starved behind a prefill"
             assert out.num_scheduled_tokens == scheduler.config.max_num_batched_tokens
+        num_decodes = sum(is_decode)
+        threshold = scheduler.config.long_prefill_token_threshold
+        if threshold and num_decodes:
+            num_prefill = out.num_scheduled_tokens - num_decodes
+            cap = max(threshold, PREFILL_TOKENS_PER_DECODE * num_batch)
+            assert num_prefill <= cap, f"{num_prefill} prefill tokens in a batch of {num_batch}"
         if not self.only_budget_binds:
             return
         prefills = [

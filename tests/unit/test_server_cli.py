@@ -86,7 +86,7 @@ def test_scheduler_budget_flags_reach_the_scheduler() -> None:
     s = configs("--watermark", "0.1", "--long-prefill-token-threshold", "128").scheduler
     assert (s.watermark, s.long_prefill_token_threshold) == (0.1, 128)
     d = configs().scheduler
-    assert (d.watermark, d.long_prefill_token_threshold) == (0.0, d.max_num_batched_tokens // 4)
+    assert (d.watermark, d.long_prefill_token_threshold) == (0.0, d.max_num_batched_tokens // 8)
     uncapped = configs("--long-prefill-token-threshold", "0").scheduler
     assert uncapped.long_prefill_token_threshold == 0
 

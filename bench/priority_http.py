@@ -1,0 +1,110 @@
+"""The HTTP targets of priority at scale, on the real model with `make serve`'s flags.
+
+    python -m bench.priority_http [--baseline-tree PATH] [--rounds 1] [--scale 1.0]
+
+Per system (this checkout, and with --baseline-tree another checkout as a same-run
+baseline, the two alternating round by round):
+- idle: the TTFT of a lone priority -10 request of 128 tokens (median of 8, 8 tokens out);
+- WPS (loadgen.workloads.wps: 48 in flight, 128 in / 96 out, 15% at priority -10): the
+  -10 TTFT p50, the loaded server's step (the median inter-token latency), and where the
+  -10 TTFT p50 lies past idle, in loaded steps (the target: at most 2); the low TTFT p50
+  and the output throughput;
+- WL (loadgen.workloads.wl: 16 low-priority streams and a 2,000-token -10 prompt): the
+  low ITL p50 and p99 over the whole run (the target: p99 within 3x p50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.server_process import ServerProcess, free_port, pagedserve_command
+from loadgen.client import BenchConfig, run_items
+from loadgen.workloads import BenchItem, wl, wps
+
+SERVE_FLAGS = ["--scheduling-policy", "priority", "--log-level", "warning"]  # `make serve`
+IDLE_REPEATS = 8
+
+
+def _run(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
+    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600)
+    return asyncio.run(run_items(config, items, concurrency))
+
+
+def measure(url: str, scale: float) -> dict[str, float]:
+    """Idle TTFT, WPS and WL against the server at `url` (ms, tok/s)."""
+    _run(url, [BenchItem(list(range(1000, 1032)), 8)], 1)  # warm-up
+    # NOTE: a prompt each, or the prefix cache would serve the later ones
+    prompts = [item.prompt for item in wps(seed=1).requests[:IDLE_REPEATS]]
+    idle = [
+        _run(url, [BenchItem(prompt, 8, priority=-10)], 1)["all"]["ttft_s"]["p50"]
+        for prompt in prompts
+    ]
+    load = wps(scale)
+    loaded = _run(url, load.requests, load.concurrency)
+    long_prefill = wl(scale)
+    stall = _run(url, long_prefill.requests, long_prefill.concurrency)
+    high, low = loaded["by_priority"]["-10"], loaded["by_priority"]["10"]
+    low_itl = stall["by_priority"]["10"]["itl_s"]
+    result = {
+        "idle_ttft": statistics.median(idle),
+        "wps_high_ttft_p50": high["ttft_s"]["p50"],
+        "wps_step": loaded["all"]["itl_s"]["p50"],
+        "wps_low_ttft_p50": low["ttft_s"]["p50"],
+        "wps_tok_s": loaded["output_token_throughput"] * 1e-3,
+        "wl_itl_p50": low_itl["p50"],
+        "wl_itl_p99": low_itl["p99"],
+        "failed": loaded["num_failed"] + stall["num_failed"],
+    }
+    return {k: v * 1e3 for k, v in result.items()}
+
+
+def report(name: str, r: dict[str, float]) -> str:
+    steps = (r["wps_high_ttft_p50"] - r["idle_ttft"]) / r["wps_step"]
+    return (
+        f"{name}: idle TTFT {r['idle_ttft']:.0f} ms | WPS -10 TTFT p50 "
+        f"{r['wps_high_ttft_p50']:.0f} ms = idle + {steps:.2f} loaded steps of "
+        f"{r['wps_step']:.0f} ms; 10 TTFT p50 {r['wps_low_ttft_p50']:.0f} ms; "
+        f"{r['wps_tok_s']:.1f} tok/s | WL low ITL p50 {r['wl_itl_p50']:.0f} ms, p99 "
+        f"{r['wl_itl_p99']:.0f} ms ({r['wl_itl_p99'] / r['wl_itl_p50']:.2f}x) | "
+        f"failed {r['failed'] / 1e3:.0f}"
+    )
+
+
+def run_system(tree: Path | None, scale: float, extra_flags: list[str]) -> dict[str, float]:
+    port = free_port()
+    where: dict[str, Any] = {} if tree is None else {
+        "env": {"PYTHONPATH": str(tree)}, "cwd": tree}
+    server = ServerProcess(command=pagedserve_command(port, SERVE_FLAGS + extra_flags),
+                           port=port, **where)
+    try:
+        server.wait_healthy()
+        return measure(server.url, scale)
+    finally:
+        server.terminate(timeout_s=30)
+        server.remove_log()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout, measured the same way in the same run")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--scale", type=float, default=1.0, help="scales WPS and WL")
+    parser.add_argument("--serve-args", default="", help="extra `serve` flags for both")
+    args = parser.parse_args()
+    systems: list[tuple[str, Path | None]] = [("this tree", None)]
+    if args.baseline_tree is not None:
+        systems.insert(0, (f"baseline {args.baseline_tree}", args.baseline_tree.resolve()))
+    for round_ in range(args.rounds):
+        for name, tree in systems:
+            result = run_system(tree, args.scale, args.serve_args.split())
+            print(f"round {round_ + 1}, {report(name, result)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
