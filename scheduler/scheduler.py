@@ -20,7 +20,7 @@ schedule() spends the budget in one order:
      one merged order, so that no waiting request is denied budget that a worse-priority
      prefill gets, and within the level of the first prefill, so that worse prefills do
      not lengthen an urgent prompt's step); a step that carries decodes takes at most
-     max(`long_prefill_token_threshold`, PREFILL_TOKENS_PER_DECODE x the batch: the
+     max(`long_prefill_token_threshold`, PREFILL_TOKENS_PER_REQUEST x the batch: the
      unfinished requests, up to the seats) prefill tokens in all (a token at a long
      context counting for more, `prefill_cost`), so that no prompt, long or many, stalls
      everyone's stream. Under
@@ -65,12 +65,13 @@ from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
 
 # A step that carries decodes takes at most this many prefill tokens per request of the
-# batch (or long_prefill_token_threshold, if more). NOTE: a step costs about a fixed part, plus a
-# part per decode, plus a part per prefill token of the same order; so prefill tokens
-# proportional to the decodes bound every stream's stall to a fixed factor of its usual
-# step at any batch size (about 2.5x at 4 per decode for the default model on two CPU
-# cores), and a 128-token urgent prompt still goes in one step beside 32 decodes or more.
-PREFILL_TOKENS_PER_DECODE = 4
+# batch (or long_prefill_token_threshold, if more). NOTE: a step costs about a fixed part,
+# plus a part per decode, plus a part per prefill token of the same order; so prefill
+# tokens proportional to the batch bound every stream's stall to a fixed factor of its
+# usual step at any batch size (measured on the default model, two AVX2 cores, 11
+# decodes beside a 2,000-token prompt: the low ITL p99 at 2.75x its median, in one
+# process), and a 128-token urgent prompt still goes in one step in a batch of 33 or more.
+PREFILL_TOKENS_PER_REQUEST = 4
 # A prefill position at context c counts as 1 + c / ATTENTION_COST_CONTEXT tokens against
 # that cap: its attention reads c keys. NOTE: measured on the default model on two CPU
 # cores: a 64-token chunk at context 1,900 costs 2.2x per token what a 128-token prompt
@@ -593,7 +594,7 @@ class Scheduler:
 
     def _prefill_cap(self, num_decodes: int) -> int | None:
         """The most prefill tokens, in all, a step with `num_decodes` decodes carries:
-        max(long_prefill_token_threshold, PREFILL_TOKENS_PER_DECODE x the batch about to
+        max(long_prefill_token_threshold, PREFILL_TOKENS_PER_REQUEST x the batch about to
         decode); None (only the budget) for a step without decodes (a lone prefill delays
         nobody) or with the threshold off.
 
@@ -606,7 +607,7 @@ class Scheduler:
         if not threshold or not num_decodes:
             return None
         num_batch = min(len(self.requests), self.config.max_num_seqs)
-        return max(threshold, PREFILL_TOKENS_PER_DECODE * num_batch)
+        return max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch)
 
     def _next_candidate(self, step: _Step) -> Request | None:
         """The waiting request to consider next, or None while admission is closed.
