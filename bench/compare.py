@@ -47,7 +47,7 @@ HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
 
 
 @contextlib.contextmanager
-def _server(cmd: list[str], port: int, log: Path, tree: Path | None = None) -> Iterator[str]:
+def server_in_tree(cmd: list[str], port: int, log: Path, tree: Path | None = None) -> Iterator[str]:
     """A server from this checkout, or from `tree` (its own PYTHONPATH and cwd)."""
     where = {} if tree is None else {"env": {"PYTHONPATH": str(tree)}, "cwd": tree}
     server = ServerProcess(command=cmd, port=port, log_prefix=f"{log.stem}-", **where)
@@ -80,13 +80,13 @@ def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) ->
             "--no-webui"]
 
 
-def _run_client(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
+def run_client(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
     config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600)
     return asyncio.run(run_items(config, items, concurrency))
 
 
-def _warm_up(url: str) -> None:
-    _run_client(url, [BenchItem(list(range(1000, 1032)), 8)], 1)
+def warm_up(url: str) -> None:
+    run_client(url, [BenchItem(list(range(1000, 1032)), 8)], 1)
 
 
 def _server_result(system: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -118,20 +118,20 @@ def run_server(system: str, workload: Workload, args: argparse.Namespace) -> lis
     else:
         cmd = llama_server_cmd(port, args, workload)
     results = []
-    with _server(cmd, port, log, tree) as url:
-        _warm_up(url)
+    with server_in_tree(cmd, port, log, tree) as url:
+        warm_up(url)
         if workload.name == "WP":
             low = [r for r in workload.requests if r.send_at_s is None]
             high = [r for r in workload.requests if r.send_at_s is not None]
             idle = [
-                _run_client(url, [dataclasses.replace(h, send_at_s=None)], 1) for h in high[:3]
+                run_client(url, [dataclasses.replace(h, send_at_s=None)], 1) for h in high[:3]
             ]
-            low_only = _run_client(url, low, workload.concurrency)
+            low_only = run_client(url, low, workload.concurrency)
             alone = _server_result(f"{system} (low only)", low_only)
             ttft_idle = statistics.median(s["all"]["ttft_s"]["p50"] for s in idle)
             alone["high_ttft_idle_ms"] = ttft_idle * 1000
             results.append(alone)
-        summary = _run_client(url, workload.requests, workload.concurrency)
+        summary = run_client(url, workload.requests, workload.concurrency)
         results.append(_server_result(system, summary))
     return results
 

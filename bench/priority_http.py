@@ -16,50 +16,43 @@ baseline, the two alternating round by round):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
+import tempfile
 from pathlib import Path
-from typing import Any
 
-from bench.server_process import ServerProcess, free_port, pagedserve_command
-from loadgen.client import BenchConfig, run_items
+from bench.compare import run_client, server_in_tree, warm_up
+from bench.server_process import free_port, pagedserve_command
 from loadgen.workloads import BenchItem, wl, wps
 
 SERVE_FLAGS = ["--scheduling-policy", "priority", "--log-level", "warning"]  # `make serve`
 IDLE_REPEATS = 8
 
 
-def _run(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
-    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600)
-    return asyncio.run(run_items(config, items, concurrency))
-
-
 def measure(url: str, scale: float) -> dict[str, float]:
-    """Idle TTFT, WPS and WL against the server at `url` (ms, tok/s)."""
-    _run(url, [BenchItem(list(range(1000, 1032)), 8)], 1)  # warm-up
+    """Idle TTFT, WPS and WL against the server at `url` (latencies in ms)."""
+    warm_up(url)
     # NOTE: a prompt each, or the prefix cache would serve the later ones
     prompts = [item.prompt for item in wps(seed=1).requests[:IDLE_REPEATS]]
     idle = [
-        _run(url, [BenchItem(prompt, 8, priority=-10)], 1)["all"]["ttft_s"]["p50"]
+        run_client(url, [BenchItem(prompt, 8, priority=-10)], 1)["all"]["ttft_s"]["p50"]
         for prompt in prompts
     ]
     load = wps(scale)
-    loaded = _run(url, load.requests, load.concurrency)
+    loaded = run_client(url, load.requests, load.concurrency)
     long_prefill = wl(scale)
-    stall = _run(url, long_prefill.requests, long_prefill.concurrency)
+    stall = run_client(url, long_prefill.requests, long_prefill.concurrency)
     high, low = loaded["by_priority"]["-10"], loaded["by_priority"]["10"]
     low_itl = stall["by_priority"]["10"]["itl_s"]
-    result = {
-        "idle_ttft": statistics.median(idle),
-        "wps_high_ttft_p50": high["ttft_s"]["p50"],
-        "wps_step": loaded["all"]["itl_s"]["p50"],
-        "wps_low_ttft_p50": low["ttft_s"]["p50"],
-        "wps_tok_s": loaded["output_token_throughput"] * 1e-3,
-        "wl_itl_p50": low_itl["p50"],
-        "wl_itl_p99": low_itl["p99"],
+    return {
+        "idle_ttft": statistics.median(idle) * 1e3,
+        "wps_high_ttft_p50": high["ttft_s"]["p50"] * 1e3,
+        "wps_step": loaded["all"]["itl_s"]["p50"] * 1e3,
+        "wps_low_ttft_p50": low["ttft_s"]["p50"] * 1e3,
+        "wps_tok_s": loaded["output_token_throughput"],
+        "wl_itl_p50": low_itl["p50"] * 1e3,
+        "wl_itl_p99": low_itl["p99"] * 1e3,
         "failed": loaded["num_failed"] + stall["num_failed"],
     }
-    return {k: v * 1e3 for k, v in result.items()}
 
 
 def report(name: str, r: dict[str, float]) -> str:
@@ -70,22 +63,16 @@ def report(name: str, r: dict[str, float]) -> str:
         f"{r['wps_step']:.0f} ms; 10 TTFT p50 {r['wps_low_ttft_p50']:.0f} ms; "
         f"{r['wps_tok_s']:.1f} tok/s | WL low ITL p50 {r['wl_itl_p50']:.0f} ms, p99 "
         f"{r['wl_itl_p99']:.0f} ms ({r['wl_itl_p99'] / r['wl_itl_p50']:.2f}x) | "
-        f"failed {r['failed'] / 1e3:.0f}"
+        f"failed {r['failed']:.0f}"
     )
 
 
 def run_system(tree: Path | None, scale: float, extra_flags: list[str]) -> dict[str, float]:
     port = free_port()
-    where: dict[str, Any] = {} if tree is None else {
-        "env": {"PYTHONPATH": str(tree)}, "cwd": tree}
-    server = ServerProcess(command=pagedserve_command(port, SERVE_FLAGS + extra_flags),
-                           port=port, **where)
-    try:
-        server.wait_healthy()
-        return measure(server.url, scale)
-    finally:
-        server.terminate(timeout_s=30)
-        server.remove_log()
+    cmd = pagedserve_command(port, SERVE_FLAGS + extra_flags)
+    log = Path(tempfile.gettempdir()) / f"priority_http-{'baseline' if tree else 'this'}.log"
+    with server_in_tree(cmd, port, log, tree) as url:
+        return measure(url, scale)
 
 
 def main() -> None:

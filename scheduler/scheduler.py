@@ -345,7 +345,7 @@ class Scheduler:
         step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
-        step.prefill_room = self._prefill_cap(len(step.decode_ids))
+        step.prefill_room = self._prefill_cap(bool(step.decode_ids))
         self._schedule_prefills(step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
@@ -592,8 +592,8 @@ class Scheduler:
         )
         return _effective_key(chunk) < waiting_key
 
-    def _prefill_cap(self, num_decodes: int) -> int | None:
-        """The most prefill tokens, in all, a step with `num_decodes` decodes carries:
+    def _prefill_cap(self, has_decodes: bool) -> int | None:
+        """The most prefill tokens, in all, a step (that `has_decodes`) carries:
         max(long_prefill_token_threshold, PREFILL_TOKENS_PER_REQUEST x the batch about to
         decode); None (only the budget) for a step without decodes (a lone prefill delays
         nobody) or with the threshold off.
@@ -604,7 +604,7 @@ class Scheduler:
         starting from the few decodes that exist at first.
         """
         threshold = self.config.long_prefill_token_threshold
-        if not threshold or not num_decodes:
+        if not threshold or not has_decodes:
             return None
         num_batch = min(len(self.requests), self.config.max_num_seqs)
         return max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch)
