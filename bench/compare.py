@@ -80,8 +80,12 @@ def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) ->
             "--no-webui"]
 
 
-def run_client(url: str, items: list[BenchItem], concurrency: int) -> dict[str, Any]:
-    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600)
+def run_client(
+    url: str, items: list[BenchItem], concurrency: int, **options: Any
+) -> dict[str, Any]:
+    """Send `items` to `url` (EOS ignored) and summarize; `options` are more BenchConfig
+    fields."""
+    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600, **options)
     return asyncio.run(run_items(config, items, concurrency))
 
 

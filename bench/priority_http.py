@@ -10,7 +10,10 @@ baseline, the two alternating round by round):
   -10 TTFT p50 lies past idle, in loaded steps (the target: at most 2); the low TTFT p50
   and the output throughput;
 - WL (loadgen.workloads.wl: 16 low-priority streams and a 2,000-token -10 prompt): the
-  low ITL p50 and p99 over the whole run (the target: p99 within 3x p50).
+  low ITL p50 and p99 over the whole run (the target: p99 within 3x p50). Its requests
+  ask for logprobs, so that each token comes in a chunk of its own and the ITL is the
+  time between tokens: without them, a token whose text is held back (a character's
+  first byte) comes with the next one, and that pair reads as one gap of two steps.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def measure(url: str, scale: float) -> dict[str, float]:
     load = wps(scale)
     loaded = run_client(url, load.requests, load.concurrency)
     long_prefill = wl(scale)
-    stall = run_client(url, long_prefill.requests, long_prefill.concurrency)
+    stall = run_client(url, long_prefill.requests, long_prefill.concurrency, logprobs=0)
     high, low = loaded["by_priority"]["-10"], loaded["by_priority"]["10"]
     low_itl = stall["by_priority"]["10"]["itl_s"]
     return {

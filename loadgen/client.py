@@ -78,6 +78,9 @@ class BenchConfig:
     workload: str | None = None  # a name from loadgen.workloads: its requests and concurrency
     scale: float = 1.0  # scales the workload's request count
     http_client: str = "httpx"  # or "raw": plain asyncio connections (http:// only)
+    # None: no logprobs asked. N: N top logprobs a token, so every token comes in a chunk
+    # of its own (text or not), and TTFT and ITL time tokens, not printable text
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -96,6 +99,8 @@ class BenchConfig:
             raise ValueError("priority_mix weights must be > 0")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
         if self.workload is not None and self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}")
         if self.scale <= 0:
@@ -139,6 +144,8 @@ async def _send(
         payload["ignore_eos"] = True
     if item.priority:
         payload["priority"] = item.priority
+    if config.logprobs is not None:
+        payload["logprobs"] = config.logprobs
     result = Result(item.priority)
     start = time.perf_counter()
     try:
@@ -169,7 +176,9 @@ async def _send(
 
 
 async def _read_events(lines: AsyncIterator[str], result: Result, start: float) -> None:
-    """Reads an SSE stream into `result` (usage, TTFT, inter-chunk times, or its error)."""
+    """Reads an SSE stream into `result` (usage, TTFT, inter-chunk times, or its error).
+    A chunk times a token when it has text, or logprobs (a token whose text is held back,
+    e.g. the first byte of a character, comes with its logprobs and no text)."""
     last = start
     async for line in lines:
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -181,7 +190,8 @@ async def _read_events(lines: AsyncIterator[str], result: Result, start: float) 
         if chunk.get("usage"):
             result.prompt_tokens = chunk["usage"]["prompt_tokens"]
             result.output_tokens = chunk["usage"]["completion_tokens"]
-        if chunk.get("choices") and chunk["choices"][0].get("text"):
+        choice = chunk["choices"][0] if chunk.get("choices") else None
+        if choice and (choice.get("text") or (choice.get("logprobs") or {}).get("tokens")):
             now = time.perf_counter()
             if result.ttft_s is None:
                 result.ttft_s = now - start

@@ -322,6 +322,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
                         help="raw: plain asyncio connections, a fraction of httpx's CPU per "
                         "streamed line (http:// only)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="ask N logprobs a token: every token then comes in a chunk of "
+                        "its own, so TTFT and ITL time tokens, also those whose text is "
+                        "held back (a character's first byte)")
     parser.add_argument("--workload", choices=sorted(bench_client.WORKLOADS), default=None,
                         help="a fixed workload of docs/benchmarks.md (overrides the length, "
                         "count and priority flags)")
@@ -356,6 +360,7 @@ def build_bench_config(args: argparse.Namespace) -> BenchConfig:
         workload=args.workload,
         scale=args.scale,
         http_client=args.http_client,
+        logprobs=args.logprobs,
     )
 
 

@@ -121,6 +121,18 @@ def test_the_raw_bench_client_reports_errors(live) -> None:
     assert "HTTP 400" in summary["errors"][0] and "priority" in summary["errors"][0]
 
 
+def test_bench_client_asking_logprobs_times_every_token(live) -> None:
+    server = live(step_s=0.01)
+    args = build_parser().parse_args([
+        "bench", "--url", server.url, "--num-requests", "3", "--concurrency", "3",
+        "--input-len", "3", "--output-len", "5", "--token-id-range", "1:200", "--ignore-eos",
+        "--logprobs", "0", "--json",
+    ])
+    summary = asyncio.run(run_bench(build_bench_config(args)))
+    assert summary["num_failed"] == 0, summary["errors"]
+    assert summary["output_tokens"] == 15 and summary["all"]["itl_s"]["p50"] is not None
+
+
 def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
     server = live()
     args = build_parser().parse_args([
