@@ -81,11 +81,10 @@ def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) ->
 
 
 def run_client(
-    url: str, items: list[BenchItem], concurrency: int, **options: Any
+    url: str, items: list[BenchItem], concurrency: int, logprobs: int | None = None
 ) -> dict[str, Any]:
-    """Send `items` to `url` (EOS ignored) and summarize; `options` are more BenchConfig
-    fields."""
-    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600, **options)
+    """Send `items` to `url` (EOS ignored) and summarize (`logprobs`: BenchConfig's)."""
+    config = BenchConfig(url=url, ignore_eos=True, timeout_s=3600, logprobs=logprobs)
     return asyncio.run(run_items(config, items, concurrency))
 
 

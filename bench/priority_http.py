@@ -10,10 +10,8 @@ baseline, the two alternating round by round):
   -10 TTFT p50 lies past idle, in loaded steps (the target: at most 2); the low TTFT p50
   and the output throughput;
 - WL (loadgen.workloads.wl: 16 low-priority streams and a 2,000-token -10 prompt): the
-  low ITL p50 and p99 over the whole run (the target: p99 within 3x p50). Its requests
-  ask for logprobs, so that each token comes in a chunk of its own and the ITL is the
-  time between tokens: without them, a token whose text is held back (a character's
-  first byte) comes with the next one, and that pair reads as one gap of two steps.
+  low ITL p50 and p99 over the whole run (the target: p99 within 3x p50), timed per
+  token (logprobs asked: see BenchConfig.logprobs).
 """
 
 from __future__ import annotations
