@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response models (completions, chat, models, errors).
 
-Requests ignore unknown fields and bound every numeric field and every list, so that no
-single request can make the server do unbounded work; a validation error becomes an HTTP
-400 in `server/app.py` whose message names the field and its limit. `num_preemptions` is
+Requests ignore unknown fields, take each field in the JSON type its schema names (strict:
+`true` or "0.5" for a number, or 1 for a boolean, is a 400, as OpenAI answers; an
+integral 7.0 is the integer 7, as JSON Schema has it), and bound every numeric field and
+every list, so that no single request can make the server do unbounded work; a
+validation error becomes an HTTP 400 in `server/app.py` whose message names the field
+and its limit. `num_preemptions` is
 our per-choice extension. Structured outputs (`response_format`, vLLM's
 `structured_outputs`), tools and vLLM's extra sampling fields (`logit_bias`,
 `allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`) are here too;
@@ -18,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
@@ -74,8 +78,20 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _integral(value: Any) -> Any:
+    """An integral float within int64 as the int it is (JSON's 7.0 is the integer 7);
+    anything else is left to the strict int check, which refuses true, "7", 7.5 and
+    1e20."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -132,37 +148,37 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: JsonInt | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
-    stop_token_ids: Annotated[list[int] | None, _STOP_TOKEN_IDS_SCHEMA] = Field(
+    stop_token_ids: Annotated[list[JsonInt] | None, _STOP_TOKEN_IDS_SCHEMA] = Field(
         default=None, max_length=MAX_STOP_TOKEN_IDS
     )
-    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    seed: JsonInt | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=10.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)
-    deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
+    min_tokens: JsonInt = Field(default=0, ge=0)
+    priority: JsonInt = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)
+    deadline_ms: JsonInt | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    allowed_token_ids: list[int] | None = Field(
+    allowed_token_ids: list[JsonInt] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -264,7 +280,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of ids."""
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], _PROMPT_SCHEMA]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -322,7 +338,7 @@ class TextContentPart(_Request):
 class ChatMessage(BaseModel):
     """One chat message; extra keys (tool_call_id, ...) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -378,9 +394,9 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -105,6 +105,11 @@ def test_fuzz_invalid_requests(server, path) -> None:
         (b'{"prompt": [1, [2]]}', "prompt"),
         (b'{"prompt": "hi", "n": "many"}', "n"),
         (b'{"prompt": "hi", "stop": [null]}', "stop"),
+        # JSON types as the schema names them (lax parsing took these as 1.0, 5 and True)
+        (b'{"prompt": "hi", "temperature": true}', "temperature"),
+        (b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens"),
+        (b'{"prompt": "hi", "stream": 1}', "stream"),
+        (b'{"prompt": "hi", "stop_token_ids": [false]}', "stop_token_ids"),
     ],
 )
 def test_hostile_bodies_are_400(server, body, needle) -> None:
@@ -114,6 +119,11 @@ def test_hostile_bodies_are_400(server, body, needle) -> None:
 
 
 def test_hostile_bodies_then_still_serving(server) -> None:
+    # JSON's 7.0 is the integer 7; an int is a number.
+    response = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                          json={"prompt": "hi", "max_tokens": 3.0, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
     # A valid surrogate pair is a character, not an error.
     response = httpx.post(f"{server.url}/v1/completions", timeout=10,
                           content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
