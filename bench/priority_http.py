@@ -9,6 +9,9 @@ baseline, the two alternating round by round):
   -10 TTFT p50, the loaded server's step (the median inter-token latency), and where the
   -10 TTFT p50 lies past idle, in loaded steps (the target: at most 2); the low TTFT p50
   and the output throughput;
+- WPP (loadgen.workloads.wpp: WPS's low load, 48 in flight, with -10 probes on a clock of
+  their own, so that they land anywhere in a step and not just after one starts): the
+  -10 TTFT p50 and where it lies past idle, in loaded steps (the low ITL p50);
 - WL (loadgen.workloads.wl: 16 low-priority streams and a 2,000-token -10 prompt): the
   low ITL p50 and p99 over the whole run (the target: p99 within 3x p50), timed per
   token (logprobs asked: see BenchConfig.logprobs).
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from bench.compare import run_client, server_in_tree, warm_up
 from bench.server_process import free_port, pagedserve_command
-from loadgen.workloads import BenchItem, wl, wps
+from loadgen.workloads import BenchItem, wl, wpp, wps
 
 SERVE_FLAGS = ["--scheduling-policy", "priority", "--log-level", "warning"]  # `make serve`
 IDLE_REPEATS = 8
@@ -40,6 +43,8 @@ def measure(url: str, scale: float) -> dict[str, float]:
     ]
     load = wps(scale)
     loaded = run_client(url, load.requests, load.concurrency)
+    probes = wpp(scale)
+    probed = run_client(url, probes.requests, probes.concurrency)
     long_prefill = wl(scale)
     stall = run_client(url, long_prefill.requests, long_prefill.concurrency, logprobs=0)
     high, low = loaded["by_priority"]["-10"], loaded["by_priority"]["10"]
@@ -50,19 +55,24 @@ def measure(url: str, scale: float) -> dict[str, float]:
         "wps_step": loaded["all"]["itl_s"]["p50"] * 1e3,
         "wps_low_ttft_p50": low["ttft_s"]["p50"] * 1e3,
         "wps_tok_s": loaded["output_token_throughput"],
+        "wpp_high_ttft_p50": probed["by_priority"]["-10"]["ttft_s"]["p50"] * 1e3,
+        "wpp_step": probed["by_priority"]["10"]["itl_s"]["p50"] * 1e3,
         "wl_itl_p50": low_itl["p50"] * 1e3,
         "wl_itl_p99": low_itl["p99"] * 1e3,
-        "failed": loaded["num_failed"] + stall["num_failed"],
+        "failed": loaded["num_failed"] + probed["num_failed"] + stall["num_failed"],
     }
 
 
 def report(name: str, r: dict[str, float]) -> str:
     steps = (r["wps_high_ttft_p50"] - r["idle_ttft"]) / r["wps_step"]
+    probe_steps = (r["wpp_high_ttft_p50"] - r["idle_ttft"]) / r["wpp_step"]
     return (
         f"{name}: idle TTFT {r['idle_ttft']:.0f} ms | WPS -10 TTFT p50 "
         f"{r['wps_high_ttft_p50']:.0f} ms = idle + {steps:.2f} loaded steps of "
         f"{r['wps_step']:.0f} ms; 10 TTFT p50 {r['wps_low_ttft_p50']:.0f} ms; "
-        f"{r['wps_tok_s']:.1f} tok/s | WL low ITL p50 {r['wl_itl_p50']:.0f} ms, p99 "
+        f"{r['wps_tok_s']:.1f} tok/s | WPP -10 TTFT p50 {r['wpp_high_ttft_p50']:.0f} ms = "
+        f"idle + {probe_steps:.2f} loaded steps of {r['wpp_step']:.0f} ms | "
+        f"WL low ITL p50 {r['wl_itl_p50']:.0f} ms, p99 "
         f"{r['wl_itl_p99']:.0f} ms ({r['wl_itl_p99'] / r['wl_itl_p50']:.2f}x) | "
         f"failed {r['failed']:.0f}"
     )

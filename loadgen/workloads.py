@@ -96,6 +96,26 @@ def wps(scale: float = 1.0, seed: int = 0) -> Workload:
                     reqs, 48)
 
 
+def wpp(scale: float = 1.0, seed: int = 0) -> Workload:
+    """WPS's low-priority load with the urgent requests on a clock of their own: 136
+    low-priority requests (priority 10, 128 in / 96 out) kept 48 in flight, and 24
+    priority -10 probes (128 in / 16 out) sent one per 2 s window from 10 s on, each at a
+    random point of its window, as users unrelated to the load send them. In WPS the -10
+    requests come from the load's own closed loop, so each is sent when an earlier
+    request's last token arrives, i.e. just after the next step has started; a probe here
+    lands anywhere in a step. 16 tokens out keep the batch at about the 48 of the load."""
+    rng = random.Random(seed)
+    n_low = max(48, round(136 * scale))
+    low = [BenchItem(_prompt(rng, 128), 96, priority=10) for _ in range(n_low)]
+    n_high = max(4, round(24 * scale))
+    high = [
+        BenchItem(_prompt(rng, 128), 16, priority=-10, send_at_s=10.0 + 2.0 * (i + rng.random()))
+        for i in range(n_high)
+    ]
+    return Workload("WPP", f"{n_low} low (prio 10, 128/96, 48 in flight) + {n_high} high "
+                    "(prio -10, 128/16), one per 2 s at a random phase from 10 s", low + high, 48)
+
+
 def wl(scale: float = 1.0, seed: int = 0) -> Workload:
     """A long urgent prefill among streams: 16 low-priority requests (priority 10, 128 in /
     192 out) arriving 0.3 s apart, then one priority -10 request of 2,000 tokens in / 16
@@ -110,4 +130,4 @@ def wl(scale: float = 1.0, seed: int = 0) -> Workload:
                     "2000/16) at 6 s", [*low, high], n_low)
 
 
-WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WL": wl}
+WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WPP": wpp, "WL": wl}
