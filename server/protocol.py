@@ -5,11 +5,10 @@ Requests ignore unknown fields, take each field in the JSON type its schema name
 integral 7.0 is the integer 7, as JSON Schema has it), and bound every numeric field and
 every list, so that no single request can make the server do unbounded work; a
 validation error becomes an HTTP 400 in `server/app.py` whose message names the field
-and its limit. `num_preemptions` is
-our per-choice extension. Structured outputs (`response_format`, vLLM's
-`structured_outputs`), tools and vLLM's extra sampling fields (`logit_bias`,
-`allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`) are here too;
-server/structured_output.py turns the constraints into grammars.
+and its limit. `num_preemptions` is our per-choice extension. Structured outputs
+(`response_format`, vLLM's `structured_outputs`), tools and vLLM's extra sampling fields
+(`logit_bias`, `allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`)
+are here too; server/structured_output.py turns the constraints into grammars.
 """
 
 from __future__ import annotations
