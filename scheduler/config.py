@@ -15,11 +15,12 @@ class SchedulerConfig:
     level every that many seconds waited (None: off). watermark: fraction of KV blocks
     kept free when admitting waiting requests (running requests may use them).
     long_prefill_token_threshold: a step that carries decodes computes at most
-    max(long_prefill_token_threshold, 4 x the batch) prefill tokens in all, a token at a
-    long context counting for more (0: no cap beyond the budget; see `_prefill_cap` in
-    scheduler.py), so that neither a long prompt nor many short ones turn everyone's next
-    token into a long step. fair_share: under priority, order each priority level
-    by weighted fair share among tenants (scheduler/fair_share.py) instead of by arrival.
+    max(long_prefill_token_threshold, 2 x the batch) prefill tokens in all, a token at a
+    long context counting for more, a prompt just over what is left going whole (0: no
+    cap beyond the budget; see `_prefill_cap` in scheduler.py), so that neither a long
+    prompt nor many short ones turn everyone's next token into a long step. fair_share:
+    under priority, order each priority level by weighted fair share among tenants
+    (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
     (overlapped steps; see server/core.py).
     """

@@ -22,12 +22,12 @@ schedule() spends the budget in one order:
      not lengthen an urgent prompt's step); a step that carries decodes takes at most
      max(`long_prefill_token_threshold`, PREFILL_TOKENS_PER_REQUEST x the batch: the
      unfinished requests, up to the seats) prefill tokens in all (a token at a long
-     context counting for more, `prefill_cost`), so that no prompt, long or many, stalls
-     everyone's stream. Under
-     priority, a waiting request that does not fit preempts running requests of strictly
-     worse priority (`_admit_by_preempting`). After a preemption for a decode's growth
-     the pool is short: only requests more urgent than every victim are admitted (none
-     under fcfs).
+     context counting for more, `prefill_cost`; a prompt being admitted just over what
+     is left goes whole, WHOLE_PROMPT_SLACK), so that no prompt, long or many, stalls
+     everyone's stream. Under priority, a waiting request that does not fit preempts
+     running requests of strictly worse priority (`_admit_by_preempting`). After a
+     preemption for a decode's growth the pool is short: only requests more urgent than
+     every victim are admitted (none under fcfs).
   The first waiting request that cannot be admitted is parked in `skipped_waiting`
   (NOTE: strict order: letting a smaller request overtake it would take the blocks it
   waits for and could starve it). Under priority, later requests that would win by
@@ -66,12 +66,19 @@ from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, crea
 
 # A step that carries decodes takes at most this many prefill tokens per request of the
 # batch (or long_prefill_token_threshold, if more). NOTE: a step costs about a fixed part,
-# plus a part per decode, plus a part per prefill token of the same order; so prefill
-# tokens proportional to the batch bound every stream's stall to a fixed factor of its
-# usual step at any batch size (measured on the default model, two AVX2 cores, 11
-# decodes beside a 2,000-token prompt: the low ITL p99 at 2.75x its median, in one
-# process), and a 128-token urgent prompt still goes in one step in a batch of 33 or more.
-PREFILL_TOKENS_PER_REQUEST = 4
+# plus a part per decode, plus a part per prefill token of the same order on a CPU
+# (both are rows of the same matmuls); so prefill tokens proportional to the batch bound
+# every stream's stall to a fixed factor of its usual step at any batch size. Measured on
+# the default model, two AVX2 cores, 16 decodes beside a 2,000-token prompt, in one
+# process: the prefill steps at a median 2.6x the decode step with 2 per request
+# (threshold 32), 3.2-3.3x with 4 (threshold 64).
+PREFILL_TOKENS_PER_REQUEST = 2
+# A prompt being admitted whose whole cost is at most this factor of the prefill room left
+# goes whole instead of being split. NOTE: a split costs the request a whole extra step
+# (its first token waits for the batch's next step) to spare the batch a small tail; so
+# a 128-token urgent prompt beside 48 decodes (room 96) goes in one step. Only prompts
+# being admitted: a long prompt's chunks stay within the cap.
+WHOLE_PROMPT_SLACK = 1.5
 # A prefill position at context c counts as 1 + c / ATTENTION_COST_CONTEXT tokens against
 # that cap: its attention reads c keys. NOTE: measured on the default model on two CPU
 # cores: a 64-token chunk at context 1,900 costs 2.2x per token what a 128-token prompt
@@ -149,6 +156,18 @@ class _Step:
         if self.prefill_room is None:
             return self.budget
         return min(self.budget, max(1, tokens_within(self.prefill_room, start)))
+
+    def admission_tokens(self, start: int, num_new: int) -> int:
+        """The tokens a prompt being admitted computes in this step: all `num_new` from
+        position `start` if their cost is within WHOLE_PROMPT_SLACK x the room (and the
+        budget), else what `prefill_tokens_left` allows."""
+        if (
+            self.prefill_room is not None
+            and num_new <= self.budget
+            and prefill_cost(start, num_new) <= self.prefill_room * WHOLE_PROMPT_SLACK
+        ):
+            return num_new
+        return min(num_new, self.prefill_tokens_left(start))
 
 
 def prefill_cost(start: int, num_tokens: int) -> int:
@@ -704,7 +723,7 @@ class Scheduler:
         """
         hits, num_cached = self._computed_blocks(request)
         num_new = request.num_tokens - num_cached
-        num_now = min(num_new, step.prefill_tokens_left(num_cached))
+        num_now = step.admission_tokens(num_cached, num_new)
         blocks = self.kv_cache.allocate_slots(
             request,
             num_now,

@@ -134,10 +134,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--priority-aging-s", type=float, default=None,
                        help="a waiting request gains one priority level per S seconds")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                       help="a step that carries decodes computes at most max(N, 4 per "
+                       help="a step that carries decodes computes at most max(N, 2 per "
                        "request of the batch) prefill tokens in all (a token at context c "
-                       "counts as 1 + c/2048), so prompts do not stall every stream "
-                       "(default: an eighth of --max-num-batched-tokens; 0: no cap)")
+                       "counts as 1 + c/2048; a prompt within 1.5x of what is left goes "
+                       "whole), so prompts do not stall every stream (default: a "
+                       "sixteenth of --max-num-batched-tokens on the CPU, an eighth on "
+                       "CUDA; 0: no cap)")
     sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="overlapped steps: schedule and lay out step n+1 while step n "
@@ -212,7 +214,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         priority_aging_s=args.priority_aging_s,
         watermark=args.watermark,
         long_prefill_token_threshold=(
-            max_num_batched_tokens // 8
+            max_num_batched_tokens // (8 if cuda else 16)
             if args.long_prefill_token_threshold is None
             else args.long_prefill_token_threshold
         ),

@@ -764,10 +764,10 @@ def test_fcfs_keeps_running_chunks_before_admissions() -> None:
     assert num_tokens_by_id(out) == {"r0": 8}
 
 
-def test_prefills_beside_decodes_take_the_threshold_or_four_tokens_per_request_in_all() -> None:
+def test_prefills_beside_decodes_take_the_threshold_or_two_tokens_per_request_in_all() -> None:
     def make() -> Scheduler:
         return make_scheduler(
-            policy="priority", max_num_batched_tokens=256, num_blocks=256,
+            policy="priority", max_num_batched_tokens=256, num_blocks=256, max_num_seqs=32,
             long_prefill_token_threshold=16,
         )
 
@@ -786,17 +786,35 @@ def test_prefills_beside_decodes_take_the_threshold_or_four_tokens_per_request_i
         out, _ = step(scheduler)
         assert num_tokens_by_id(out) == {"r0": 1, **expected}
 
-    # ten decodes and a 100-token prompt (a batch of 11): 44 prefill tokens a step (43
-    # from context 44: a token's attention over a longer context counts for a little more)
+    # twenty decodes and a 200-token prompt (a batch of 21): 42 prefill tokens a step (fewer
+    # from context 42 on: a token's attention over a longer context counts for a little more)
     scheduler = make()
-    add_all(scheduler, make_requests(10, 4, 10, priorities=[5] * 10))
+    add_all(scheduler, make_requests(20, 4, 10, priorities=[5] * 20))
     step(scheduler)
-    scheduler.add_request(make_requests(1, 100, 1, priorities=[0], first_id=10)[0])
-    for expected in (44, 43, 13):
+    scheduler.add_request(make_requests(1, 200, 1, priorities=[0], first_id=20)[0])
+    for expected in (42, 41, 40, 40, 37):
         out, _ = step(scheduler)
         tokens = num_tokens_by_id(out)
-        assert tokens.pop("r10") == expected
-        assert list(tokens.values()) == [1] * 10
+        assert tokens.pop("r20") == expected
+        assert list(tokens.values()) == [1] * 20
+
+
+def test_a_prompt_just_over_the_room_goes_whole_and_a_longer_one_is_split() -> None:
+    # 48 decodes and a prompt (a batch of 49: room for 98): a 128-token prompt (cost 132,
+    # within 1.5 x 98) goes in one step instead of 96 + 32 (its first token would wait a
+    # whole step more for 32 tokens); a 160-token one (cost 166) is split.
+    for length, first_chunk in ((128, 128), (160, 96)):
+        scheduler = make_scheduler(
+            policy="priority", max_num_batched_tokens=512, num_blocks=1024, max_num_seqs=64,
+            long_prefill_token_threshold=16,
+        )
+        add_all(scheduler, make_requests(48, 4, 10, priorities=[5] * 48))
+        step(scheduler)
+        scheduler.add_request(make_requests(1, length, 1, priorities=[0], first_id=48)[0])
+        out, _ = step(scheduler)
+        tokens = num_tokens_by_id(out)
+        assert tokens.pop("r48") == first_chunk
+        assert list(tokens.values()) == [1] * 48
 
 
 def test_a_long_prompt_takes_fewer_tokens_a_step_as_its_context_grows() -> None:
@@ -820,8 +838,8 @@ def test_a_long_prompt_takes_fewer_tokens_a_step_as_its_context_grows() -> None:
 
 
 def test_a_burst_is_admitted_at_the_rate_of_the_batch_it_makes() -> None:
-    # One decode, then 15 prompts of 8 tokens: the batch of 16 allows 64 prefill tokens a
-    # step from the first, not the 16 (or 4 per decode) that its one decode would.
+    # One decode, then 15 prompts of 8 tokens: the batch of 16 allows 32 prefill tokens a
+    # step from the first, not the 16 (or 2 per decode) that its one decode would.
     scheduler = make_scheduler(
         policy="priority", max_num_batched_tokens=256, num_blocks=256,
         long_prefill_token_threshold=16,
@@ -830,7 +848,7 @@ def test_a_burst_is_admitted_at_the_rate_of_the_batch_it_makes() -> None:
     step(scheduler)
     add_all(scheduler, make_requests(15, 8, 4, first_id=1, first_arrival=1))
     out, _ = step(scheduler)
-    assert sum(n for n in num_tokens_by_id(out).values() if n > 1) == 64
+    assert sum(n for n in num_tokens_by_id(out).values() if n > 1) == 32
 
 
 # ---- n > 1 ----

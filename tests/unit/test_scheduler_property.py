@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import PREFILL_TOKENS_PER_REQUEST, Scheduler
+from scheduler.scheduler import PREFILL_TOKENS_PER_REQUEST, WHOLE_PROMPT_SLACK, Scheduler
 from tests.unit.scheduler_helpers import FakeClock, make_runner_output, make_scheduler
 
 MAX_DRAIN_STEPS = 3000
@@ -199,7 +199,8 @@ class Harness:
         threshold = scheduler.config.long_prefill_token_threshold
         if threshold and num_decodes:
             num_prefill = out.num_scheduled_tokens - num_decodes
-            cap = max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch)
+            # (a prompt being admitted may go whole within the slack of the room left)
+            cap = max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch) * WHOLE_PROMPT_SLACK
             assert num_prefill <= cap, f"{num_prefill} prefill tokens in a batch of {num_batch}"
         if not self.only_budget_binds:
             return

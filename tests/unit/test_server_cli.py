@@ -85,8 +85,9 @@ def test_every_flag_reaches_its_config() -> None:
 def test_scheduler_budget_flags_reach_the_scheduler() -> None:
     s = configs("--watermark", "0.1", "--long-prefill-token-threshold", "128").scheduler
     assert (s.watermark, s.long_prefill_token_threshold) == (0.1, 128)
-    d = configs().scheduler
-    assert (d.watermark, d.long_prefill_token_threshold) == (0.0, d.max_num_batched_tokens // 8)
+    d = configs().scheduler  # the CPU: a sixteenth of the budget, CUDA: an eighth
+    assert (d.watermark, d.long_prefill_token_threshold) == (0.0, 512 // 16)
+    assert configs(cuda=True).scheduler.long_prefill_token_threshold == 8192 // 8
     uncapped = configs("--long-prefill-token-threshold", "0").scheduler
     assert uncapped.long_prefill_token_threshold == 0
 
