@@ -69,14 +69,14 @@ from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, crea
 # plus a part per decode, plus a part per prefill token of the same order on a CPU
 # (both are rows of the same matmuls); so prefill tokens proportional to the batch bound
 # every stream's stall to a fixed factor of its usual step at any batch size. Measured on
-# the default model, two AVX2 cores, 16 decodes beside a 2,000-token prompt, in one
-# process: the prefill steps at a median 2.6x the decode step with 2 per request
-# (threshold 32), 3.2-3.3x with 4 (threshold 64).
+# the default model, two AVX-512 cores, 16 decodes beside a 2,000-token prompt
+# (bench/prefill_stall.py): the steps with a chunk at a median 2.2-2.4x the decode step
+# with 2 per request (threshold 32), 3.2-3.5x with 4 (threshold 64).
 PREFILL_TOKENS_PER_REQUEST = 2
 # A prompt being admitted whose whole cost is at most this factor of the prefill room left
 # goes whole instead of being split. NOTE: a split costs the request a whole extra step
 # (its first token waits for the batch's next step) to spare the batch a small tail; so
-# a 128-token urgent prompt beside 48 decodes (room 96) goes in one step. Only prompts
+# a 128-token urgent prompt beside 48 decodes (room 98) goes in one step. Only prompts
 # being admitted: a long prompt's chunks stay within the cap.
 WHOLE_PROMPT_SLACK = 1.5
 # A prefill position at context c counts as 1 + c / ATTENTION_COST_CONTEXT tokens against

@@ -213,6 +213,8 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_num_batched_tokens=max_num_batched_tokens,
         priority_aging_s=args.priority_aging_s,
         watermark=args.watermark,
+        # NOTE: on the CPU a prefill token costs about what a decode does (both are
+        # compute-bound rows of the same matmuls), so fewer go beside the decodes
         long_prefill_token_threshold=(
             max_num_batched_tokens // (8 if cuda else 16)
             if args.long_prefill_token_threshold is None

@@ -18,7 +18,14 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
-from server.protocol import MAX_MESSAGES, ChatCompletionRequest, ChatMessage, ChatTool, _Request
+from server.protocol import (
+    MAX_MESSAGES,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    JsonInt,
+    _Request,
+)
 
 if TYPE_CHECKING:
     from server.serving import Serving
@@ -49,7 +56,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    tokens: list[JsonInt] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 
 class DetokenizeResponse(BaseModel):
