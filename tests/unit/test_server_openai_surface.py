@@ -128,6 +128,8 @@ def test_small_routes_aliases_and_request_id(serve) -> None:
     assert bytes(chat["tokens"]).decode() == "<user>hi\n<assistant>"
     assert client.post("/tokenize", json={}).status_code == 400
     assert client.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert client.post("/detokenize", json={"tokens": [104.0, 105.0]}).json() == {"prompt": "hi"}
+    assert client.post("/detokenize", json={"tokens": [True]}).status_code == 400
     assert client.get("/version").json()["version"]
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == ["fake-model", "other-name"]
