@@ -396,7 +396,7 @@ def serve(configs: ServeConfigs) -> int:
     from server.app import GracefulServer, build_app
     from server.core_process import EngineStartError
     from server.data_parallel import DataParallelEngine, create_data_parallel_engine
-    from server.engine import Engine, create_engine
+    from server.engine import Engine, create_engine, start_engine
 
     logger.info("starting: %s", configs)
     tenants_file = configs.server.tenants_file
@@ -420,7 +420,7 @@ def serve(configs: ServeConfigs) -> int:
     try:
         if configs.data_parallel_size > 1:
             engine = create_data_parallel_engine(
-                configs.data_parallel_size, create_engine, **engine_kwargs
+                configs.data_parallel_size, start_engine, **engine_kwargs
             )
         else:
             engine = create_engine(**engine_kwargs)

@@ -1,9 +1,10 @@
 """The engine core in its own process, and the API process's client of it.
 
 `ProcessCoreClient` starts the core with the `spawn` method (never fork: CUDA may be
-initialised), binds two pyzmq `ipc://` sockets in a private temp dir (commands out,
-messages in, msgpack-encoded by msgspec) and waits for the core's `Ready` (or its
-`LoadFailed`, raised as the same exception as an in-process load) within a timeout. A
+initialised) and binds two pyzmq `ipc://` sockets in a private temp dir (commands out,
+messages in, msgpack-encoded by msgspec); `wait_ready` waits for the core's `Ready` (or
+its `LoadFailed`, raised as the same exception as an in-process load) within a timeout,
+so that several cores (data parallelism) load at once. A
 receiver thread reads the core's messages and hands them to the engine front end; when
 the core process is gone (crash, SIGKILL, OOM) it reports the death within ~0.1 s.
 
@@ -76,9 +77,10 @@ class CoreConfig:
 
 
 class ProcessCoreClient:
-    """The API process's end of a core process; `info` once constructed (ready)."""
+    """The API process's end of a core process."""
 
-    def __init__(self, config: CoreConfig, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: CoreConfig) -> None:
+        """Start the core process (loading; `wait_ready` waits for it)."""
         context = multiprocessing.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
         commands_path, outputs_path = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
@@ -101,10 +103,14 @@ class ProcessCoreClient:
             args=(config, commands_path, outputs_path, self._clock, os.getpid()),
         )
         self.process.start()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> CoreInfo:
+        """Wait for the core's `Ready` and return its info; on a load error, a crash or
+        the timeout, stop the core and raise (see the module docstring)."""
         try:
-            self.info = self._wait_ready(ready_timeout_s)
+            return self._wait_ready(timeout_s)
         except BaseException:
-            self._kill()
+            self.kill()
             raise
 
     def _wait_ready(self, timeout_s: float) -> CoreInfo:
@@ -163,9 +169,10 @@ class ProcessCoreClient:
         self.process.join(timeout_s)
         if self._receiver is not None:
             self._receiver.join(timeout_s)
-        self._kill()
+        self.kill()
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """Stop the core at once (SIGKILL, if it still runs) and release the sockets."""
         if self.process.exitcode is None:
             self.process.kill()
             self.process.join(5)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler.sampling_params import SamplingParams
-from server.engine import Engine, EngineDeadError, RequestStream
+from server.engine import Engine, EngineDeadError, EngineStart, RequestStream
 from server.metrics import ServerMetrics
 
 AFFINITY_CHUNK_TOKENS = 16
@@ -191,43 +191,49 @@ class DataParallelEngine:
 
 
 def create_data_parallel_engine(
-    data_parallel_size: int, create: Callable[..., Engine], **kwargs: Any
+    data_parallel_size: int, start: Callable[..., EngineStart], **kwargs: Any
 ) -> DataParallelEngine:
-    """`data_parallel_size` engines from `create` (server.engine.create_engine and its
+    """`data_parallel_size` engines from `start` (server.engine.start_engine and its
     `kwargs`), core i named "core<i>", with its share of the CPU's threads and its view of
     one set of metrics labelled `engine="<i>"`; on CUDA core i sees only the i-th visible
     GPU, or with tensor parallelism the i-th group of tensor_parallel_size GPUs
-    (CUDA_VISIBLE_DEVICES, inherited by its process and its workers). The started ones are
-    shut down if one fails to start."""
+    (CUDA_VISIBLE_DEVICES, inherited by its process and its workers). Every core starts
+    before any is waited for, so they load at once; if one fails, the others are stopped."""
     threads = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
     gpus = _visible_gpus(kwargs["model_config"].device)
     per_core = kwargs["model_config"].tensor_parallel_size
     if gpus is not None and len(gpus) < data_parallel_size * per_core:
         raise ValueError(f"--data-parallel-size {data_parallel_size} x --tensor-parallel-size "
                          f"{per_core} needs as many GPUs; {len(gpus)} visible")
+    starts: list[EngineStart] = []
     engines: list[Engine] = []
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        for i in range(data_parallel_size):
+        try:
+            for i in range(data_parallel_size):
+                if gpus is not None:
+                    # the core's, at its spawn
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        gpus[i * per_core:(i + 1) * per_core])
+                starts.append(start(**kwargs, core_name=f"core{i}", num_threads=threads))
+        finally:
             if gpus is not None:
-                # the core's, at its spawn
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per_core:(i + 1) * per_core])
+                if parent_gpus is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = parent_gpus
+        for i, starting in enumerate(starts):
             shared = engines[0].metrics if engines else None
-            engines.append(create(
-                **kwargs, core_name=f"core{i}", num_threads=threads,
+            engines.append(starting.wait(
                 metrics_factory=lambda name, i=i, shared=shared: ServerMetrics(
                     name, engine=str(i), shared=shared),
             ))
     except BaseException:
         for engine in engines:
             engine.shutdown()
+        for starting in starts[len(engines):]:
+            starting.cancel()
         raise
-    finally:
-        if gpus is not None:
-            if parent_gpus is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = parent_gpus
     return DataParallelEngine(engines)
 
 

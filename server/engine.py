@@ -8,10 +8,10 @@ one output per choice, handed to each handler's stream with one event-loop wakeu
 step. A stream holds one merging slot per choice, so a client that stops reading holds
 no growing queue.
 
-The core runs in its own process (`create_engine`: server/core_process.py) or, for the
-unit tests, on a thread of this one (`Engine.in_process`: `InProcessCoreClient`). If the
-core dies, every pending request fails at once and `is_alive` turns False with the
-reason.
+The core runs in its own process (`create_engine`, or `start_engine` and
+`EngineStart.wait`: server/core_process.py) or, for the unit tests, on a thread of this
+one (`Engine.in_process`: `InProcessCoreClient`). If the core dies, every pending request
+fails at once and `is_alive` turns False with the reason.
 """
 
 from __future__ import annotations
@@ -731,7 +731,46 @@ class Engine:
                 future.set_exception(EngineDeadError(reason))
 
 
-def create_engine(
+class EngineStart:
+    """An engine whose core process `start_engine` started and is loading: `wait` for
+    it, or `cancel` it. Data parallelism starts every core first and waits after, so
+    that they load at once."""
+
+    def __init__(self, client: ProcessCoreClient, tokenizer: Any, step_timeout_s: float | None,
+                 stream_interval: int, ready_timeout_s: float) -> None:
+        self._client = client
+        self._tokenizer = tokenizer
+        self._step_timeout_s = step_timeout_s
+        self._stream_interval = stream_interval
+        self._ready_timeout_s = ready_timeout_s
+
+    def wait(
+        self, metrics_factory: Callable[[str], ServerMetrics] = ServerMetrics
+    ) -> Engine:
+        """The engine, started, once the core is ready (`metrics_factory`: the metrics
+        for the served model's name). Raises what `create_engine` raises."""
+        core_info = self._client.wait_ready(self._ready_timeout_s)
+        info = EngineInfo(
+            model_name=core_info.model_name,
+            max_model_len=core_info.max_model_len,
+            vocab_size=core_info.vocab_size,
+            policy=core_info.policy,
+            tokenizer=self._tokenizer,
+            eos_token_ids=frozenset(core_info.eos_token_ids),
+            structured_outputs=core_info.structured_outputs,
+        )
+        engine = Engine(self._client, info, step_timeout_s=self._step_timeout_s,
+                        stream_interval=self._stream_interval,
+                        metrics=metrics_factory(info.model_name))
+        engine.start()
+        return engine
+
+    def cancel(self) -> None:
+        """Stop the core without waiting for it."""
+        self._client.kill()
+
+
+def start_engine(
     model_config: ModelConfig,
     scheduler_config: SchedulerConfig,
     *,
@@ -744,17 +783,13 @@ def create_engine(
     log_level: str = "info",
     core_name: str = "core",
     num_threads: int | None = None,
-    metrics_factory: Callable[[str], ServerMetrics] = ServerMetrics,
-) -> Engine:
+) -> EngineStart:
     """Start the engine core in its own process (it loads the model, sizes the KV cache
-    and builds the matching scheduler; see `build_core_parts`) and return the engine,
-    started, once the core is ready.
+    and builds the matching scheduler; see `build_core_parts`); `EngineStart.wait` gives
+    the engine once the core is ready.
 
     The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
-    Loading errors are raised here: FileNotFoundError and ValueError as an in-process
-    load raises them, EngineStartError when the core crashed or was not ready within
-    `ready_timeout_s`. `core_name`, `num_threads` and `metrics_factory` (the metrics for
-    the served model's name) are for data parallelism (server/data_parallel.py).
+    `core_name` and `num_threads` are for data parallelism (server/data_parallel.py).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
@@ -762,18 +797,15 @@ def create_engine(
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
         simulate_step_ms, log_level, num_threads, core_name,
-    ), ready_timeout_s)
-    core_info = client.info
-    info = EngineInfo(
-        model_name=core_info.model_name,
-        max_model_len=core_info.max_model_len,
-        vocab_size=core_info.vocab_size,
-        policy=core_info.policy,
-        tokenizer=spec.tokenizer,
-        eos_token_ids=frozenset(core_info.eos_token_ids),
-        structured_outputs=core_info.structured_outputs,
-    )
-    engine = Engine(client, info, step_timeout_s=step_timeout_s,
-                    stream_interval=stream_interval, metrics=metrics_factory(info.model_name))
-    engine.start()
-    return engine
+    ))
+    return EngineStart(client, spec.tokenizer, step_timeout_s, stream_interval,
+                       ready_timeout_s)
+
+
+def create_engine(model_config: ModelConfig, scheduler_config: SchedulerConfig,
+                  **options: Any) -> Engine:
+    """`start_engine(model_config, scheduler_config, **options)`, then wait for it: the
+    engine, started, once the core is ready. Loading errors are raised here:
+    FileNotFoundError and ValueError as an in-process load raises them, EngineStartError
+    when the core crashed or was not ready within `ready_timeout_s`."""
+    return start_engine(model_config, scheduler_config, **options).wait()

@@ -209,3 +209,58 @@ def test_metrics_carry_the_engine_label_and_aborts_reach_the_right_core(dp) -> N
         for i in (0, 1))
     assert sum(by_engine) == 3 and all(by_engine) and aborted == 1
     assert engine._owner == {}
+
+
+class FakeStart:
+    """An `EngineStart` of a scripted core that records the order of starts and waits."""
+
+    def __init__(self, events: list[str], name: str, fails: bool) -> None:
+        self.events, self.name, self.fails = events, name, fails
+        self.engine: Engine | None = None
+        events.append(f"start {name}")
+
+    def wait(self, metrics_factory) -> Engine:
+        self.events.append(f"wait {self.name}")
+        if self.fails:
+            raise ValueError(f"{self.name} failed to load")
+        scheduler = Scheduler(SchedulerConfig(policy="priority", max_model_len=128),
+                              CacheConfig(num_blocks=16, block_size=4))
+        info = EngineInfo("fake-model", scheduler.max_request_len, 257, "priority",
+                          ByteTokenizer(), frozenset({BYTE_EOS}))
+        self.engine = Engine.in_process(scheduler, ScriptedRunner(), info,
+                                        metrics_factory("fake-model"))
+        return self.engine
+
+    def cancel(self) -> None:
+        self.events.append(f"cancel {self.name}")
+
+
+@pytest.mark.parametrize("failing", [None, "core1", "core0"])
+def test_every_core_starts_before_any_is_waited_for_and_a_failure_stops_the_rest(
+    failing: str | None,
+) -> None:
+    from model_runner.config import ModelConfig
+    from server.data_parallel import create_data_parallel_engine
+
+    events: list[str] = []
+    starts: list[FakeStart] = []
+
+    def start(core_name: str, num_threads: int, **_: object) -> FakeStart:
+        starts.append(FakeStart(events, core_name, fails=core_name == failing))
+        return starts[-1]
+
+    config = ModelConfig(device="cpu")
+    if failing is None:
+        engine = create_data_parallel_engine(3, start, model_config=config)
+        assert events == ["start core0", "start core1", "start core2",
+                          "wait core0", "wait core1", "wait core2"]
+        engine.shutdown()
+        return
+    with pytest.raises(ValueError, match=f"{failing} failed"):
+        create_data_parallel_engine(3, start, model_config=config)
+    waited = int(failing[-1]) + 1
+    assert events[:3 + waited] == ["start core0", "start core1", "start core2",
+                                   *[f"wait core{i}" for i in range(waited)]]
+    # the ones waited for before are shut down; the failed one and the rest are cancelled
+    assert events[3 + waited:] == [f"cancel core{i}" for i in range(waited - 1, 3)]
+    assert all(not s.engine.is_alive for s in starts[:waited - 1])

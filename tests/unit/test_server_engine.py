@@ -313,6 +313,7 @@ def test_a_command_to_a_dead_core_process_does_not_block() -> None:
         pytest.skip("the default model is not installed")
     client = ProcessCoreClient(CoreConfig(ModelConfig(num_kv_blocks=16), SchedulerConfig(),
                                           simulate_step_ms=1))
+    client.wait_ready()
     deaths: list[str] = []
     died = threading.Event()
     client.start(lambda message: None, lambda reason: (deaths.append(reason), died.set()))
