@@ -4,9 +4,9 @@
 initialised) and binds two pyzmq `ipc://` sockets in a private temp dir (commands out,
 messages in, msgpack-encoded by msgspec); `wait_ready` waits for the core's `Ready` (or
 its `LoadFailed`, raised as the same exception as an in-process load) within a timeout,
-so that several cores (data parallelism) load at once. A
-receiver thread reads the core's messages and hands them to the engine front end; when
-the core process is gone (crash, SIGKILL, OOM) it reports the death within ~0.1 s.
+so that several cores (data parallelism) load at once. A receiver thread reads the
+core's messages and hands them to the engine front end; when the core process is gone
+(crash, SIGKILL, OOM) it reports the death within ~0.1 s.
 
 `core_main` is the core process: it dies with the API process (PR_SET_PDEATHSIG, plus a
 parent check while idle), ignores SIGINT (the API process drains, then sends

@@ -209,19 +209,11 @@ def create_data_parallel_engine(
     engines: list[Engine] = []
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        try:
-            for i in range(data_parallel_size):
-                if gpus is not None:
-                    # the core's, at its spawn
-                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-                        gpus[i * per_core:(i + 1) * per_core])
-                starts.append(start(**kwargs, core_name=f"core{i}", num_threads=threads))
-        finally:
+        for i in range(data_parallel_size):
             if gpus is not None:
-                if parent_gpus is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = parent_gpus
+                # the core's, at its spawn
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per_core:(i + 1) * per_core])
+            starts.append(start(**kwargs, core_name=f"core{i}", num_threads=threads))
         for i, starting in enumerate(starts):
             shared = engines[0].metrics if engines else None
             engines.append(starting.wait(
@@ -234,6 +226,12 @@ def create_data_parallel_engine(
         for starting in starts[len(engines):]:
             starting.cancel()
         raise
+    finally:
+        if gpus is not None:
+            if parent_gpus is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = parent_gpus
     return DataParallelEngine(engines)
 
 
