@@ -292,9 +292,9 @@ class CompletionRequest(SamplingRequest):
         if all(isinstance(p, str) for p in prompt):
             return prompt
         if all(_is_token_id(t) for t in prompt):
-            return [int(t) for t in prompt]
+            return [_integral(t) for t in prompt]
         if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-            return [[int(t) for t in p] for p in prompt]
+            return [[_integral(t) for t in p] for p in prompt]
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids (ints >= 0) "
             "or a list of non-empty lists of token ids"
@@ -322,10 +322,8 @@ class CompletionRequest(SamplingRequest):
 
 
 def _is_token_id(t: Any) -> bool:
-    """An int >= 0; NOTE: or an integral float (JSON's 7.0 is the integer 7, as for every
-    other integer field)."""
-    if isinstance(t, float):
-        return t.is_integer() and t >= 0
+    """An int >= 0, or an integral float (`_integral`, as for every other integer field)."""
+    t = _integral(t)
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
