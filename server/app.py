@@ -70,7 +70,7 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
     app.add_middleware(TenantAuthMiddleware, tenants=tenants)

@@ -27,6 +27,7 @@ from model_runner.config import KV_CACHE_DTYPES, ModelConfig
 from model_runner.cpu_linear import WEIGHT_DTYPES
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
+from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.reasoning import REASONING_PARSERS
 from server.tenants import TenantRegistry, TenantsFileError
 from server.tool_parsers import TOOL_PARSERS
@@ -182,6 +183,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
 
+    limits = parser.add_argument_group(
+        "request limits", "what one request may ask for; beyond each, a 400 (413 for the "
+        "body) naming the limit and its flag"
+    )
+    defaults = RequestLimits()
+    for name, text in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        if isinstance(default, bool):
+            limits.add_argument(flag_of(name), action="store_true", help=text)
+        elif name == "max_body_bytes":
+            limits.add_argument(flag_of(name), type=parse_size, default=default,
+                                help=f"{text} (default 8MiB)")
+        else:
+            limits.add_argument(flag_of(name), type=type(default), default=default,
+                                help=f"{text} (default {default})")
+
 
 def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     """The layers' configs from parsed `serve` flags; ValueError on invalid values."""
@@ -246,6 +263,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         body_timeout_s=args.body_timeout_s,
         limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
+        limits=RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
     )
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
         raise ValueError("--simulate-step-ms must be >= 0")

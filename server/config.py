@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.limits import RequestLimits
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -17,7 +19,7 @@ class ServerConfig:
     `Authorization: Bearer <key>`; it is left out of repr so it never reaches a log.
     max_waiting: new requests get 503 while this many requests wait (None: no limit).
     shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
-    aborted. max_body_bytes: larger request bodies get 413. step_timeout_s: an engine step
+    aborted. limits: what one request may ask for (server/limits.py). step_timeout_s: an engine step
     running longer makes /health and new requests answer 503 (None: no limit).
     snapshot_timeout_s: GET /scheduler/state answers 503 when the core takes longer.
     body_timeout_s: a request body not fully received by then is a 408.
@@ -38,7 +40,7 @@ class ServerConfig:
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
     step_timeout_s: float | None = 300.0
-    max_body_bytes: int = 8 * 1024**2
+    limits: RequestLimits = field(default_factory=RequestLimits)
     retry_after_s: int = 1
     snapshot_timeout_s: float = 5.0
     body_timeout_s: float = 30.0
@@ -60,8 +62,6 @@ class ServerConfig:
             raise ValueError("shutdown_grace_s must be >= 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be >= 1024")
         if self.body_timeout_s <= 0:
             raise ValueError("body_timeout_s must be > 0")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:

@@ -20,6 +20,7 @@ from model_runner.sampler import Sampler
 from scheduler.output import ScheduledRequest
 from server.app import build_app
 from server.config import ServerConfig
+from server.limits import RequestLimits
 from server.protocol import (
     MAX_CHOICES,
     MAX_LOGPROBS,
@@ -41,7 +42,7 @@ USER = {"role": "user", "content": "hi"}
 @pytest.fixture
 def client(make_fake_engine) -> Iterator[TestClient]:
     engine = make_fake_engine(policy="priority", start=False)
-    with TestClient(build_app(engine, ServerConfig(max_body_bytes=64 * 1024))) as test_client:
+    with TestClient(build_app(engine, ServerConfig(limits=RequestLimits(max_body_bytes=64 * 1024)))) as test_client:
         yield test_client
 
 

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from server.app import build_app
 from server.config import ServerConfig
+from server.limits import RequestLimits
 
 SCRIPT = "Hello, wörld! Bye."
 SPEC_METRICS = {
@@ -277,7 +278,7 @@ def test_priority_under_priority_policy(serve) -> None:
 
 
 def test_body_too_large_is_413(serve) -> None:
-    client, _ = serve(max_body_bytes=2048)
+    client, _ = serve(limits=RequestLimits(max_body_bytes=2048))
     assert_error(client.post("/v1/completions", json={"prompt": "x" * 5000}), 413)
 
     def chunks():

@@ -15,6 +15,7 @@ from server.cli import (
     parse_size,
 )
 from server.config import ServerConfig
+from server.limits import RequestLimits
 from server.metrics import OTHER_PRIORITY, PriorityLabels
 
 
@@ -129,11 +130,18 @@ def test_api_key_stays_out_of_repr() -> None:
 @pytest.mark.parametrize(
     "fields",
     [{"port": -1}, {"api_key": ""}, {"served_model_name": " "}, {"shutdown_grace_s": -1},
-     {"max_body_bytes": 10}, {"log_level": "loud"}],
+     {"log_level": "loud"}],
 )
 def test_server_config_validation(fields: dict) -> None:
     with pytest.raises(ValueError):
         ServerConfig(**fields)
+
+
+@pytest.mark.parametrize("fields", [{"max_body_bytes": 10}, {"max_n": 0},
+                                    {"grammar_timeout_s": 0.0}])
+def test_request_limits_validation(fields: dict) -> None:
+    with pytest.raises(ValueError, match="--"):
+        RequestLimits(**fields)
 
 
 def test_bench_flags_build_a_bench_config() -> None:

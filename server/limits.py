@@ -1,0 +1,79 @@
+"""Per-request budgets: every cost a client's input can make grow, with the flag that sets
+it. Each is checked before the work it bounds, and a request over one gets a 400 (413 for
+the body) whose message names the limit and its flag (`over_limit`).
+
+The fields and their flags are listed once, in `LIMIT_FLAGS`: server/cli.py adds a flag
+per entry (the "request limits" group of `pagedserve serve --help`), and the README's
+table lists the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (see LIMIT_FLAGS for each field's meaning)."""
+
+    max_body_bytes: int = 8 * 1024**2
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_prompt_logprobs_entries: int = 100_000
+    max_stop_strings: int = 4
+    max_stop_string_chars: int = 256
+    max_logit_bias: int = 1024
+    max_tools: int = 128
+    max_tools_bytes: int = 256 * 1024
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_depth: int = 64
+    grammar_timeout_s: float = 2.0
+    grammar_step_timeout_s: float = 0.5
+    chat_template_timeout_s: float = 2.0
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if value <= 0:
+                raise ValueError(f"{flag_of(f.name)} must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"{flag_of('max_body_bytes')} must be >= 1024")
+
+
+# field -> (flag help); the flag is the field's name with dashes.
+LIMIT_FLAGS: dict[str, str] = {
+    "max_body_bytes": "request bodies larger than this are a 413",
+    "max_n": "choices per prompt (`n`) at most",
+    "max_logprobs": "top logprobs per token at most (logprobs, top_logprobs, prompt_logprobs)",
+    "max_prompt_logprobs_entries": "prompt_logprobs entries a request may ask for: prompt "
+    "tokens x (k + 1) x choices",
+    "max_stop_strings": "stop strings per request at most",
+    "max_stop_string_chars": "characters per stop string at most",
+    "max_logit_bias": "logit_bias entries at most (allowed_token_ids is capped by the "
+    "vocabulary)",
+    "max_tools": "tools per request at most",
+    "max_tools_bytes": "bytes of the tools' JSON (names, descriptions, schemas) at most",
+    "max_grammar_bytes": "bytes of a structured-output constraint (schema, regex, Lark "
+    "grammar, choices) at most",
+    "max_grammar_depth": "nesting depth of a JSON schema or Lark grammar at most",
+    "grammar_timeout_s": "seconds a grammar may take to compile and compute its first mask "
+    "(a 400 beyond)",
+    "grammar_step_timeout_s": "seconds a step waits for the grammar masks of its requests; "
+    "a request whose mask is later fails alone with an error, the step goes on",
+    "chat_template_timeout_s": "seconds a chat template may take to render (a 400 beyond)",
+    "trust_request_chat_template": "accept a request's own chat template "
+    "(chat_template_kwargs.chat_template); refused by default",
+}
+
+
+def flag_of(field_name: str) -> str:
+    """`max_n` -> `--max-n`."""
+    return "--" + field_name.replace("_", "-")
+
+
+def over_limit(what: str, limit: float, field_name: str) -> str:
+    """The message of a request over a budget: what, the limit and the flag that sets it."""
+    return f"{what}: the limit is {limit} (set by {flag_of(field_name)})."
