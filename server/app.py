@@ -77,7 +77,7 @@ def build_app(
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest], config.limits)
     serving = Serving(engine, config)
     completions_route = Completions(serving)
     chat_route = ChatCompletions(serving)
@@ -86,13 +86,13 @@ def build_app(
               openapi_extra=json_request_body(CompletionRequest),
               responses=generation_responses(CompletionResponse, CompletionStreamResponse))
     async def completions(request: Request) -> Response:
-        return await completions_route(request)
+        return await serving.handle(request, completions_route)
 
     @app.post("/v1/chat/completions", response_model=None,
               openapi_extra=json_request_body(ChatCompletionRequest),
               responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
-        return await chat_route(request)
+        return await serving.handle(request, chat_route)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -4,12 +4,22 @@ the body) whose message names the limit and its flag (`over_limit`).
 
 The fields and their flags are listed once, in `LIMIT_FLAGS`: server/cli.py adds a flag
 per entry (the "request limits" group of `pagedserve serve --help`), and the README's
-table lists the same.
+table lists the same. `check_budgets` checks a parsed request's fields against them (both
+generation routes, before any work); `check_prompt_logprobs` what only its tokens tell.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+
+from server.errors import APIError
+from server.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -77,3 +87,62 @@ def flag_of(field_name: str) -> str:
 def over_limit(what: str, limit: float, field_name: str) -> str:
     """The message of a request over a budget: what, the limit and the flag that sets it."""
     return f"{what}: the limit is {limit} (set by {flag_of(field_name)})."
+
+
+def check_budgets(body: SamplingRequest, limits: RequestLimits) -> None:
+    """A 400 naming the first of `limits` that `body` is over and its flag, checked before
+    any work is done for it (tokens, templates, grammars); then the choices' sanity bound."""
+    for param, what, amount, field_name in _asked(body):
+        limit = getattr(limits, field_name)
+        if amount > limit:
+            raise APIError(400, over_limit(what, limit, field_name), param=param)
+    if isinstance(body, CompletionRequest) and len(body.prompts) * body.n > MAX_CHOICES:
+        num_prompts = len(body.prompts)
+        raise APIError(
+            400, f"at most {MAX_CHOICES} choices (prompts x n) per request: {num_prompts} "
+            f"prompts x n={body.n} is {num_prompts * body.n}.", param="n",
+        )
+
+
+def check_prompt_logprobs(
+    prompts: list[list[int]], body: SamplingRequest, limits: RequestLimits
+) -> None:
+    """A 400 when prompt_logprobs asks for more entries than --max-prompt-logprobs-entries
+    (each prompt's tokens x (k + 1) x its n choices); once tokenized, before submitting."""
+    k = body.prompt_logprobs
+    if k is None:
+        return
+    num_tokens = sum(len(p) for p in prompts)
+    entries = num_tokens * (k + 1) * body.n
+    limit = limits.max_prompt_logprobs_entries
+    if entries > limit:
+        what = (f"prompt_logprobs asks for {entries} entries ({num_tokens} prompt tokens x "
+                f"({k} + 1) x {body.n} choices)")
+        raise APIError(400, over_limit(what, limit, "max_prompt_logprobs_entries"),
+                       param="prompt_logprobs")
+
+
+def _asked(body: SamplingRequest) -> Iterator[tuple[str, str, int, str]]:
+    """(param, what, amount, limit field) of each budgeted part of `body`, in order; each
+    is measured only once those before it passed (the tools' size last)."""
+    yield "n", f"n is {body.n}", body.n, "max_n"
+    ks = {"prompt_logprobs": body.prompt_logprobs}
+    if isinstance(body, CompletionRequest):
+        ks["logprobs"] = body.logprobs
+    if isinstance(body, ChatCompletionRequest):
+        ks["top_logprobs"] = body.top_logprobs
+    for param, k in ks.items():
+        if k is not None:
+            yield param, f"{param} is {k}", k, "max_logprobs"
+    stops = body.stop_strings
+    yield "stop", f"stop has {len(stops)} strings", len(stops), "max_stop_strings"
+    longest = max(map(len, stops), default=0)
+    yield ("stop", f"a stop string has {longest} characters", longest,
+           "max_stop_string_chars")
+    num_bias = len(body.logit_bias or ())
+    yield "logit_bias", f"logit_bias has {num_bias} entries", num_bias, "max_logit_bias"
+    tools = body.tools if isinstance(body, ChatCompletionRequest) else None
+    if tools:
+        yield "tools", f"tools has {len(tools)} entries", len(tools), "max_tools"
+        size = sum(len(tool.model_dump_json().encode()) for tool in tools)
+        yield "tools", f"the tools' JSON has {size} bytes", size, "max_tools_bytes"

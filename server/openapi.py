@@ -1,9 +1,10 @@
 """The OpenAPI schema of the generation routes, whose bodies are parsed by hand
-(server/serving.py): the request models as documented bodies, the SSE chunk models and
-the error answers."""
+(server/serving.py): the request models as documented bodies (bounded by this server's
+request limits), the SSE chunk models and the error answers."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,21 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from server.limits import RequestLimits
 from server.protocol import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
+
+# (request property, limit field, the JSON Schema keyword by the JSON type it bounds): the
+# budgets of server/limits.py a schema can state (a stop list's items are strings too).
+_LIMITED_PROPERTIES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("n", "max_n", {"integer": "maximum"}),
+    ("logprobs", "max_logprobs", {"integer": "maximum"}),
+    ("top_logprobs", "max_logprobs", {"integer": "maximum"}),
+    ("prompt_logprobs", "max_logprobs", {"integer": "maximum"}),
+    ("stop", "max_stop_strings", {"array": "maxItems"}),
+    ("stop", "max_stop_string_chars", {"string": "maxLength"}),
+    ("logit_bias", "max_logit_bias", {"object": "maxProperties"}),
+    ("tools", "max_tools", {"array": "maxItems"}),
+)
 
 
 def json_request_body(model: type[pydantic.BaseModel]) -> dict[str, Any]:
@@ -55,8 +70,11 @@ def generation_responses(
     return responses
 
 
-def install_openapi(app: FastAPI, request_models: Sequence[type[pydantic.BaseModel]]) -> None:
-    """Add the request models (and the chunk models) to the schema's components."""
+def install_openapi(
+    app: FastAPI, request_models: Sequence[type[pydantic.BaseModel]], limits: RequestLimits
+) -> None:
+    """Add the request models (and the chunk models) to the schema's components, their
+    fields bounded by `limits` as the server checks them."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -70,7 +88,30 @@ def install_openapi(app: FastAPI, request_models: Sequence[type[pydantic.BaseMod
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in defs.get("$defs", {}).items():
                 components.setdefault(name, definition)
+            for model in request_models:
+                _bound(components[model.__name__]["properties"], limits)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _bound(properties: dict[str, Any], limits: RequestLimits) -> None:
+    """Write each budget of `limits` into the schema of the property it bounds."""
+    for name, field_name, keywords in _LIMITED_PROPERTIES:
+        if name in properties:
+            # NOTE: a copy: pydantic may hand out a WithJsonSchema's own dict.
+            properties[name] = copy.deepcopy(properties[name])
+            _set_keyword(properties[name], keywords, getattr(limits, field_name))
+
+
+def _set_keyword(schema: dict[str, Any], keywords: dict[str, str], value: int) -> None:
+    """Set the keyword of `schema`'s JSON type (in each anyOf branch, and an array's
+    items) to `value`."""
+    keyword = keywords.get(schema.get("type", ""))
+    if keyword is not None:
+        schema[keyword] = value
+    for branch in schema.get("anyOf", ()):
+        _set_keyword(branch, keywords, value)
+    if isinstance(schema.get("items"), dict):
+        _set_keyword(schema["items"], keywords, value)

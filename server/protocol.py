@@ -3,7 +3,8 @@
 Requests ignore unknown fields, take each field in the JSON type its schema names (strict:
 `true` or "0.5" for a number, or 1 for a boolean, is a 400, as OpenAI answers; an
 integral 7.0 is the integer 7, as JSON Schema has it), and bound every numeric field and
-every list, so that no single request can make the server do unbounded work; a
+list that no flag governs; the bounds an operator sets (`n`, logprobs, stop strings,
+logit_bias, tools: server/limits.py) are checked after parsing, by `check_budgets`. A
 validation error becomes an HTTP 400 in `server/app.py` whose message names the field
 and its limit. `num_preemptions` is our per-choice extension. Structured outputs
 (`response_format`, vLLM's `structured_outputs`), tools and vLLM's extra sampling fields
@@ -30,24 +31,18 @@ from pydantic import (
 
 from scheduler.sampling_params import SamplingParams
 
-MAX_N = 16
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 128  # prompts x n: each choice is a scheduler request of its own
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 4
-MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
-MAX_LOGIT_BIAS = 1024
-MAX_ALLOWED_TOKEN_IDS = 2**17
 MAX_CHOICE_STRINGS = 1024
-MAX_TOOLS = 128
 MIN_REPETITION_PENALTY = 0.01
 # NOTE: a temperature this small is greedy: dividing float32 logits by it gives inf/NaN.
 GREEDY_TEMPERATURE_EPS = 1e-5
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # n > 1 uses seed + i: still a valid seed
+_MAX_TOKEN_ID_DIGITS = 18  # a logit_bias key: any longer is out of every vocabulary
 
 FinishReason = Literal["stop", "length", "abort", "deadline", "tool_calls"]
 
@@ -61,10 +56,10 @@ _PROMPT_SCHEMA = WithJsonSchema({"anyOf": [
     _TOKEN_IDS_SCHEMA,
     {"type": "array", "minItems": 1, "items": _TOKEN_IDS_SCHEMA},
 ]})
-_STOP_STRING_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}
+_STOP_STRING_SCHEMA = {"type": "string", "minLength": 1}
 _STOP_SCHEMA = WithJsonSchema({"anyOf": [
     _STOP_STRING_SCHEMA,
-    {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": _STOP_STRING_SCHEMA},
+    {"type": "array", "items": _STOP_STRING_SCHEMA},
     {"type": "null"},
 ]})
 _STOP_TOKEN_IDS_SCHEMA = WithJsonSchema({"anyOf": [
@@ -152,7 +147,7 @@ class SamplingRequest(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: JsonInt | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
+    n: JsonInt = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
@@ -171,20 +166,19 @@ class SamplingRequest(_Request):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
-    allowed_token_ids: list[JsonInt] | None = Field(
-        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
-    )
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[JsonInt] | None = Field(default=None, min_length=1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: JsonInt | None = Field(default=None, ge=0)
 
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, not {key!r}")
+            # NOTE: isdigit alone takes "²" and "٣", which int() refuses.
+            if not (key.isascii() and key.isdigit()) or len(key) > _MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"keys must be token ids (ASCII decimal digits), not {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError("values must be in [-100, 100]")
         return bias
@@ -192,9 +186,12 @@ class SamplingRequest(_Request):
     @field_validator("allowed_token_ids")
     @classmethod
     def _check_allowed(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and any(i < 0 for i in ids):
+        """Deduplicated (in order): once in range, no more ids than the vocabulary."""
+        if ids is None:
+            return None
+        if any(i < 0 for i in ids):
             raise ValueError("token ids must be >= 0")
-        return ids
+        return list(dict.fromkeys(ids))
 
     @property
     def token_ids_to_check(self) -> list[int]:
@@ -206,12 +203,8 @@ class SamplingRequest(_Request):
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
-        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
-            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @field_validator("stop_token_ids")
@@ -279,7 +272,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of ids."""
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], _PROMPT_SCHEMA]
-    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: JsonInt | None = Field(default=None, ge=0)
     echo: bool = False
 
     @field_validator("prompt", mode="before")
@@ -299,16 +292,6 @@ class CompletionRequest(SamplingRequest):
             "prompt must be a string, a list of strings, a list of token ids (ints >= 0) "
             "or a list of non-empty lists of token ids"
         )
-
-    @model_validator(mode="after")
-    def _check_num_choices(self) -> CompletionRequest:
-        num_prompts = len(self.prompts)
-        if num_prompts * self.n > MAX_CHOICES:
-            raise ValueError(
-                f"at most {MAX_CHOICES} choices (prompts x n) per request: {num_prompts} "
-                f"prompts x n={self.n} is {num_prompts * self.n}"
-            )
-        return self
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
@@ -393,8 +376,8 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0)
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

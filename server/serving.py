@@ -3,13 +3,15 @@ the event loop, submitting to the engine, gathering a non-streamed result, usage
 
 Bodies are parsed here rather than by FastAPI, so that a missing or wrong Content-Type is
 no error and the checks run in a fixed order: key (middleware), body size (middleware),
-JSON, schema, model, priority, load, context length.
+JSON, schema, model, priority, budgets, load, the tenant's seat and rate, then (with the
+work) context length, prompt_logprobs entries and the tenant's exact token charge.
 
 Limits that keep one request from taking the server down: the JSON nesting depth and
-integer size, the protocol's bounds on every field and list, the prompt's characters
-(checked before tokenizing, so that a huge prompt costs no tokenizer time) and tokens
-against the context, and prompt plus max_tokens against the context: each is a 400
-naming the limit.
+integer size, the protocol's bounds, the request budgets (server/limits.py), the
+prompt's characters (checked before tokenizing, so that a huge prompt costs no tokenizer
+time) and tokens against the context, prompt plus max_tokens against the context, and
+the chat template's time: each is a 400 naming the limit. The tenant's seat is taken
+before any work and released on every path (`handle`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import copy
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,8 +45,10 @@ from server.engine import (
     Tenancy,
 )
 from server.errors import APIError, server_error, validation_error
+from server.limits import check_budgets, check_prompt_logprobs, flag_of, over_limit
 from server.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     PromptLogprob,
     PromptLogprobsList,
     PromptTokensDetails,
@@ -50,7 +56,7 @@ from server.protocol import (
     UsageInfo,
 )
 from server.structured_output import GrammarError, request_grammar
-from server.tenants import Tenant, TenantRefused
+from server.tenants import Seat, Tenant, TenantRefused
 
 # A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
 _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -62,12 +68,15 @@ _T = TypeVar("_T")
 
 @dataclass
 class Placement:
-    """What a request's tenant made of it: its priority, deadline and cache salt."""
+    """What a request's tenant made of it: its priority, deadline, cache salt and seat
+    (`submitted` once the engine holds the request, and with it the seat)."""
 
     tenant: Tenant
     priority: int
     deadline: float | None
     cache_salt: str | None
+    seat: Seat
+    submitted: bool = False
 
 
 @dataclass
@@ -110,6 +119,7 @@ class Serving:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool_tokenizer = copy.deepcopy(self.tokenizer)
         self.model_names = (engine.info.model_name, *config.model_aliases)
+        self.clock = time.monotonic  # of the chat template's time limit
 
     @property
     def model_name(self) -> str:
@@ -144,15 +154,28 @@ class Serving:
         except pydantic.ValidationError as exc:
             raise validation_error(exc.errors(include_url=False)) from exc
 
+    async def handle(self, raw: Request, route: Callable[[Request], Awaitable[Response]]
+                     ) -> Response:
+        """`route(raw)`, a generation route; the tenant's seat its `parse` took is released
+        here unless the engine took the request (whose end releases it)."""
+        try:
+            return await route(raw)
+        finally:
+            placement: Placement | None = getattr(raw.state, "placement", None)
+            if placement is not None and not placement.submitted:
+                placement.seat.release()
+
     async def parse(
         self, raw: Request, model: type[_RequestT], arrival: float
     ) -> tuple[_RequestT, Placement]:
         """A generation request's body as `model` and its placement under the request's
-        tenant (403 for a priority beyond the tenant's bound), after the checks that need
-        no tokens."""
+        tenant (403 for a priority beyond the tenant's bound, 429 without a seat or room
+        in its token rate), after the checks that need no tokens: before any work."""
         request = await self.parse_json(raw, model)
         self._check_admission(request)
-        return request, self._place(raw.state.tenant, request, arrival)
+        placement = self._place(raw.state.tenant, request, arrival)
+        raw.state.placement = placement  # for `handle`, which releases its seat
+        return request, placement
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or a name this server serves."""
@@ -174,7 +197,12 @@ class Serving:
         if tenant.cache_salt is not None or body.cache_salt is not None:
             # NOTE: the tenant's part first: no request's own salt can reproduce it.
             salt = f"{tenant.cache_salt or ''}\x00{body.cache_salt or ''}"
-        return Placement(tenant, priority, tenant.deadline(arrival, body.deadline_ms), salt)
+        try:
+            seat = tenant.admit(_tokens_at_least(body))
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
+        return Placement(tenant, priority, tenant.deadline(arrival, body.deadline_ms), salt,
+                         seat)
 
     def _refused(self, tenant: Tenant, refusal: TenantRefused) -> APIError:
         self.engine.metrics.inc_tenant_rejection(tenant.name, refusal.reason)
@@ -195,6 +223,7 @@ class Serving:
                 400, f"priority is not supported under the {info.policy} scheduling policy: "
                 "start the server with `--scheduling-policy priority`.", param="priority",
             )
+        check_budgets(body, self.config.limits)
         if not self.engine.is_alive:
             raise server_error(
                 503, f"The engine is not serving: {self.engine.unavailable_reason()}."
@@ -284,17 +313,36 @@ class Serving:
         self, body: ChatCompletionRequest, add_generation_prompt: bool = True
     ) -> list[int]:
         """The messages (and tools) through the chat template, as tokens; on the tokenizer
-        thread. A 400 when the template rejects them or the text is surely too long."""
+        thread. A 400 when the template rejects them, takes longer than
+        --chat-template-timeout-s, or the text is surely too long; a request's own
+        template (`chat_template_kwargs.chat_template`) only with
+        --trust-request-chat-template."""
+        limits = self.config.limits
         messages = [m.to_template_dict() for m in body.messages]
         kwargs = dict(body.chat_template_kwargs or {})
+        if "chat_template" in kwargs and not limits.trust_request_chat_template:
+            raise APIError(
+                400, "chat_template_kwargs.chat_template: this server does not run a "
+                "request's own chat template; its operator may allow it with "
+                f"{flag_of('trust_request_chat_template')}.", param="chat_template_kwargs",
+            )
         if body.effective_tool_choice != "none" and body.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
         if self.config.chat_template is not None:
-            kwargs["chat_template"] = self.config.chat_template
+            kwargs.setdefault("chat_template", self.config.chat_template)
         try:
-            text = self.pool_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            text = call_with_deadline(
+                lambda: self.pool_tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    **kwargs,
+                ),
+                limits.chat_template_timeout_s, self.clock,
             )
+        except DeadlineExceeded as exc:
+            raise APIError(400, over_limit(
+                "the chat template took too long to render (seconds)",
+                limits.chat_template_timeout_s, "chat_template_timeout_s",
+            ), param="messages") from exc
         except Exception as exc:  # jinja errors: the messages do not fit the template
             raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
         self.check_prompt_chars(text, "rendered chat", "messages")
@@ -341,26 +389,29 @@ class Serving:
         placement: Placement,
         arrival: float,
     ) -> RequestStream:
-        """Into the engine, once the tenant's in-flight cap and token rate allow it (429
-        otherwise); the tenant's seat is released when the request ends."""
+        """Into the engine, once its prompt_logprobs entries are within their budget (400)
+        and the tenant's token rate has room for its exact tokens (429); the engine holds
+        the tenant's seat from then on and releases it when the request ends."""
         tenant = placement.tenant
+        check_prompt_logprobs(prompts, body, self.config.limits)
         asked = sum(len(p) for p in prompts) + params.max_tokens * len(prompts) * body.n
         try:
-            release = tenant.admit(asked)
+            placement.seat.charge(asked)
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
         tenancy = Tenancy(tenant.name, tenant.weight, placement.deadline, placement.cache_salt)
         try:
-            return self.engine.add_request(
+            stream = self.engine.add_request(
                 request_id, prompts, params, n=body.n, stop=body.stop_strings,
                 priority=placement.priority, arrival_time=arrival,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                tenancy=tenancy, on_done=release,
+                tenancy=tenancy, on_done=placement.seat.release,
             )
         except EngineDeadError as exc:
-            release()
             raise server_error(503, str(exc)) from exc
+        placement.submitted = True
+        return stream
 
     async def collect(self, stream: RequestStream, raw: Request) -> list[Choice] | None:
         """Every choice's full output; None when the client went away first (aborted)."""
@@ -389,6 +440,47 @@ class Serving:
             raise APIError(504, "The request's deadline passed before it was computed.",
                            type="timeout_error", code="deadline_exceeded")
         return choices
+
+
+def _tokens_at_least(body: SamplingRequest) -> int:
+    """The tokens (prompt plus max_tokens) a request surely asks for before any work: its
+    max_tokens (or 1) per choice, and its prompts' tokens when they are ids."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.requested_max_tokens or 1) * body.n
+    prompts = body.prompts if isinstance(body, CompletionRequest) else []
+    prompt_ids = sum(len(p) for p in prompts if isinstance(p, list))
+    return prompt_ids + (body.max_tokens or 1) * max(1, len(prompts)) * body.n
+
+
+class DeadlineExceeded(BaseException):
+    """Raised inside a call that ran past its deadline (`call_with_deadline`).
+
+    NOTE: a BaseException, so that no `except Exception` on the way (jinja has some)
+    swallows it."""
+
+
+def call_with_deadline(
+    fn: Callable[[], _T], timeout_s: float, clock: Callable[[], float] = time.monotonic
+) -> _T:
+    """`fn()`, stopped with DeadlineExceeded at its first Python call past `timeout_s`.
+
+    NOTE: a trace hook on this thread that looks only at "call" events (it returns None,
+    so no line is traced): jinja templates compile to Python, whose loops call (range,
+    filters, the output generator), so a template cannot run long without one. A loop of
+    C code alone (a huge string's characters) is not stopped before it ends."""
+    deadline = clock() + timeout_s
+
+    def trace(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and clock() > deadline:
+            raise DeadlineExceeded
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
 
 
 def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:

@@ -15,6 +15,11 @@ The rate limit counts the tokens a tenant's admitted requests asked for over the
 60 seconds (a sliding window): unlike a token bucket that starts full, which lets a
 client that ignores Retry-After take twice the rate in its first minute, no 60-second
 window ever holds more than `tokens_per_minute`.
+
+Admission comes before any work for a request: `Tenant.admit` takes a seat when one is
+free and the window has room for what the request surely asks for (its max_tokens, and
+its prompt when given as token ids); `Seat.charge` counts the exact tokens once the
+prompt is tokenized, just before the request is submitted.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import threading
 import time
 import tomllib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -166,9 +171,11 @@ class Tenant:
         ms = deadline_ms if deadline_ms is not None else self.spec.deadline_ms
         return None if ms is None else arrival + ms / 1000.0
 
-    def admit(self, num_tokens: int, now: float | None = None) -> Callable[[], None]:
-        """Count one request of `num_tokens` (prompt plus max_tokens) against the limits,
-        or TenantRefused (429) if it is over one; returns the release of its seat."""
+    def admit(self, num_tokens: int, now: float | None = None) -> Seat:
+        """A seat for a request that asks for at least `num_tokens` (prompt plus
+        max_tokens, as far as known before any work), or TenantRefused (429) when no seat
+        is free or the rate window has no room for them. Nothing is counted against the
+        rate yet: `Seat.charge` counts the exact tokens."""
         spec = self.spec
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -180,20 +187,28 @@ class Tenant:
                     "limit. Retry when one finishes.", retry_after_s=1.0,
                 )
             if spec.tokens_per_minute is not None:
-                self._charge(num_tokens, now, spec.tokens_per_minute)
+                self._check_rate(num_tokens, now, spec.tokens_per_minute)
             usage.in_flight += 1
-        released = False
+        return Seat(self)
 
-        def release() -> None:
-            nonlocal released
-            with self._lock:
-                if not released:
-                    released = True
-                    self._usage.in_flight -= 1
+    def _charge(self, num_tokens: int, now: float) -> None:
+        """Count `num_tokens` in the rate window, or TenantRefused (429) if over it."""
+        limit = self.spec.tokens_per_minute
+        if limit is None:
+            return
+        with self._lock:
+            self._check_rate(num_tokens, now, limit).append((now, num_tokens))
+            self._usage.window_tokens += num_tokens
 
-        return release
+    def _release(self) -> None:
+        with self._lock:
+            self._usage.in_flight -= 1
 
-    def _charge(self, num_tokens: int, now: float, limit: int) -> None:
+    def _check_rate(
+        self, num_tokens: int, now: float, limit: int
+    ) -> deque[tuple[float, int]]:
+        """The window, its expired entries dropped; TenantRefused unless it has room for
+        `num_tokens`. The caller holds the lock."""
         usage = self._usage
         window = usage.window if usage.window is not None else deque()
         usage.window = window
@@ -220,13 +235,35 @@ class Tenant:
                 f"(prompt plus max_tokens). Retry after {retry_at - now:.1f} s.",
                 retry_after_s=retry_at - now,
             )
-        window.append((now, num_tokens))
-        usage.window_tokens += num_tokens
+        return window
 
     @property
     def in_flight(self) -> int:
         with self._lock:
             return self._usage.in_flight
+
+
+class Seat:
+    """A request's seat among its tenant's requests in flight (`Tenant.admit`): charged
+    its exact tokens before it is submitted, released once, when it ends or fails."""
+
+    def __init__(self, tenant: Tenant) -> None:
+        self._tenant = tenant
+        self._released = False
+        self._lock = threading.Lock()
+
+    def charge(self, num_tokens: int, now: float | None = None) -> None:
+        """Count the request's `num_tokens` (prompt plus max_tokens) against the token
+        rate, or TenantRefused (429) if they do not fit; the seat stays taken."""
+        self._tenant._charge(num_tokens, time.monotonic() if now is None else now)
+
+    def release(self) -> None:
+        """Free the seat; idempotent (the engine's thread and the route may both call)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._tenant._release()
 
 
 class TenantRegistry:

@@ -6,7 +6,6 @@ import pytest
 from pydantic import ValidationError
 
 from server.protocol import (
-    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     CompletionStreamChoice,
@@ -77,27 +76,33 @@ def test_sampling_fields_reach_sampling_params() -> None:
         {"top_k": -2},
         {"min_p": 1.5},
         {"n": 0},
-        {"n": MAX_N + 1},
         {"max_tokens": 0},
-        {"logprobs": 21},
         {"logprobs": -1},
         {"presence_penalty": 3},
         {"frequency_penalty": -3},
         {"repetition_penalty": 0},
         {"min_tokens": -1},
         {"min_tokens": 5, "max_tokens": 4},
-        {"stop": ["a", "b", "c", "d", "e"]},
         {"stop": ""},
         {"stop_token_ids": [-1]},
         {"stream_options": {"include_usage": True}},
         {"priority": 2**40},
         {"seed": 2**70},
         {"echo": "maybe"},
+        {"logit_bias": {"²": 1}},  # passes str.isdigit, fails int()
+        {"logit_bias": {"١٢": 1}},
+        {"logit_bias": {"1" * 19: 1}},
     ],
 )
 def test_out_of_bounds_fields_are_rejected(fields) -> None:
     with pytest.raises(ValidationError):
         completion(**fields)
+
+
+def test_allowed_token_ids_are_deduplicated_in_order() -> None:
+    assert completion(allowed_token_ids=[5, 3, 5, 3, 7]).allowed_token_ids == [5, 3, 7]
+    params = completion(allowed_token_ids=[9, 9]).to_sampling_params(4, None)
+    assert params.allowed_token_ids == (9,)
 
 
 def test_stop_string_or_list() -> None:
@@ -120,7 +125,7 @@ def test_chat_logprobs_and_max_tokens() -> None:
     with pytest.raises(ValidationError):
         chat(top_logprobs=3)
     with pytest.raises(ValidationError):
-        chat(logprobs=True, top_logprobs=21)
+        chat(logprobs=True, top_logprobs=-1)
 
 
 @pytest.mark.parametrize(

@@ -23,17 +23,16 @@ from server.config import ServerConfig
 from server.limits import RequestLimits
 from server.protocol import (
     MAX_CHOICES,
-    MAX_LOGPROBS,
     MAX_MESSAGES,
-    MAX_N,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     CompletionRequest,
 )
 from server.tenants import TenantRegistry
 from tests.reliability_helpers import assert_openai_error
 
+DEFAULTS = RequestLimits()
+MAX_N, MAX_LOGPROBS = DEFAULTS.max_n, DEFAULTS.max_logprobs
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = DEFAULTS.max_stop_strings, DEFAULTS.max_stop_string_chars
 CONTEXT = 128  # the fake engine's max_model_len
 MAX_PROMPT_CHARS = CONTEXT * len("<eos>")  # the ByteTokenizer's longest vocabulary entry
 USER = {"role": "user", "content": "hi"}
@@ -42,7 +41,8 @@ USER = {"role": "user", "content": "hi"}
 @pytest.fixture
 def client(make_fake_engine) -> Iterator[TestClient]:
     engine = make_fake_engine(policy="priority", start=False)
-    with TestClient(build_app(engine, ServerConfig(limits=RequestLimits(max_body_bytes=64 * 1024)))) as test_client:
+    config = ServerConfig(limits=RequestLimits(max_body_bytes=64 * 1024))
+    with TestClient(build_app(engine, config)) as test_client:
         yield test_client
 
 
@@ -53,14 +53,14 @@ def ok(client: TestClient) -> None:
 
 LIMITS = [
     # (route, body, needles): the needles name the limit
-    ("completions", {"prompt": "hi", "n": MAX_N + 1}, ("n", f"{MAX_N}")),
+    ("completions", {"prompt": "hi", "n": MAX_N + 1}, ("n", f"{MAX_N}", "--max-n")),
     ("completions", {"prompt": ["a"] * 9, "n": MAX_N},
      (f"at most {MAX_CHOICES} choices", "9 prompts x n=16")),
     ("completions", {"prompt": [[1]] * (MAX_CHOICES + 1)}, (f"at most {MAX_CHOICES} choices",)),
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
-     (f"at most {MAX_STOP_STRINGS} stop strings",)),
+     ("stop has 5 strings", f"the limit is {MAX_STOP_STRINGS}")),
     ("completions", {"prompt": "hi", "stop": "x" * (MAX_STOP_STRING_CHARS + 1)},
-     ("stop", f"at most {MAX_STOP_STRING_CHARS} characters")),
+     ("stop string", f"the limit is {MAX_STOP_STRING_CHARS}")),
     ("completions", {"prompt": "hi", "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
      ("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} items")),
     ("completions", {"prompt": "hi", "stop_token_ids": [5, 300], "min_tokens": 2},

@@ -179,7 +179,9 @@ def test_the_rate_limit_holds_over_every_minute_against_a_client_that_ignores_it
     now = 0.0
     while now < 300.0:  # five minutes, a request of 30 tokens every 0.25 s
         try:
-            gamma.admit(30, now=now)()
+            seat = gamma.admit(30, now=now)
+            seat.charge(30, now=now)
+            seat.release()
             admitted.append((now, 30))
         except TenantRefused:
             pass
@@ -302,15 +304,15 @@ def test_reload_carries_seats_over_and_keeps_the_old_tenants_on_a_bad_file(
         tenants_file) -> None:
     tenants = TenantRegistry.from_file(tenants_file)
     alpha = tenants.identify(KEY_A.encode())
-    release = alpha.admit(10)
+    seat = alpha.admit(10)
     tenants_file.write_text(TENANTS_YAML.replace("max_in_flight: 4", "max_in_flight: 1"))
     tenants.reload(tenants_file)
     alpha = tenants.identify(KEY_A.encode())
     assert alpha.spec.max_in_flight == 1 and alpha.in_flight == 1  # the seat carried over
     with pytest.raises(TenantRefused, match="1 requests in flight"):
         alpha.admit(10)
-    release()
-    alpha.admit(10)()
+    seat.release()
+    alpha.admit(10).release()
     tenants_file.write_text(TENANTS_YAML.replace("max_in_flight: 4", "max_in_flight: 0"))
     with pytest.raises(TenantsFileError, match=r"tenants\.0\.max_in_flight"):
         tenants.reload(tenants_file)
