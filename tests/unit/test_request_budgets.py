@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,7 +20,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.app import build_app
 from server.config import ServerConfig
-from server.limits import RequestLimits, flag_of
+from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.protocol import ChatTool
 from server.serving import DeadlineExceeded, call_with_deadline
 from server.tenants import TenantRegistry, TenantSpec
@@ -290,3 +291,13 @@ def test_call_with_deadline_stops_at_the_first_call_past_it() -> None:
     with pytest.raises(DeadlineExceeded):
         call_with_deadline(forever, 0.5, clock)
     assert sys.gettrace() is before  # whatever was tracing this thread traces it again
+
+
+def test_the_readme_lists_every_limit_with_its_default() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## Request limits", 1)[1].split("\n## ", 1)[0]
+    defaults = RequestLimits()
+    for name in LIMIT_FLAGS:
+        default = getattr(defaults, name)
+        shown = "off" if default is False else "8MiB" if name == "max_body_bytes" else default
+        assert f"| `{flag_of(name)}` | {shown} |" in section, name
