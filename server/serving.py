@@ -119,7 +119,6 @@ class Serving:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool_tokenizer = copy.deepcopy(self.tokenizer)
         self.model_names = (engine.info.model_name, *config.model_aliases)
-        self.clock = time.monotonic  # of the chat template's time limit
 
     @property
     def model_name(self) -> str:
@@ -336,7 +335,7 @@ class Serving:
                     messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                     **kwargs,
                 ),
-                limits.chat_template_timeout_s, self.clock,
+                limits.chat_template_timeout_s,
             )
         except DeadlineExceeded as exc:
             raise APIError(400, over_limit(
@@ -445,11 +444,13 @@ class Serving:
 def _tokens_at_least(body: SamplingRequest) -> int:
     """The tokens (prompt plus max_tokens) a request surely asks for before any work: its
     max_tokens (or 1) per choice, and its prompts' tokens when they are ids."""
+    if isinstance(body, CompletionRequest):
+        prompts = body.prompts
+        prompt_ids = sum(len(p) for p in prompts if isinstance(p, list))
+        return prompt_ids + (body.max_tokens or 1) * len(prompts) * body.n
     if isinstance(body, ChatCompletionRequest):
         return (body.requested_max_tokens or 1) * body.n
-    prompts = body.prompts if isinstance(body, CompletionRequest) else []
-    prompt_ids = sum(len(p) for p in prompts if isinstance(p, list))
-    return prompt_ids + (body.max_tokens or 1) * max(1, len(prompts)) * body.n
+    return (body.max_tokens or 1) * body.n
 
 
 class DeadlineExceeded(BaseException):
