@@ -13,6 +13,7 @@ device (`TokenMasks`), not rebuilt per step.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -144,22 +145,26 @@ class TokenMasks:
     """allowed_token_ids and logit_bias of each request as one additive row [vocab] float32
     on the device: -inf for a token not allowed, else the token's bias (0 without one).
 
-    A row is built the first time a request samples and kept until the request finishes
-    (`forget`; a preempted request keeps it for its resumption). NOTE: the choices of one
-    HTTP request share their params' token lists (the very same tuples: the core receives
-    them once), so a row is keyed by the identity of those tuples and serves every choice;
-    the entry holds the tuples, so that no other list can take their ids while it lives.
+    A row is built the first time a request samples and kept while it runs (a preempted
+    request keeps it for its resumption). NOTE: the choices of one HTTP request share their
+    params' token lists (the very same tuples: the core receives them once), so a row is
+    keyed by the identity of those tuples and serves every choice; the entry holds the
+    tuples, so that no other list can take their ids while it lives. Once its last user
+    finished (`forget`), a row is kept among the last `max_released` released ones, for a
+    choice that starts after its siblings finished (n > seats), then dropped.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_released: int = 4) -> None:
         self.device = device
+        self.max_released = max_released
         self.num_builds = 0  # rows built so far (tests count them)
         self._keys: dict[str, tuple[int, int]] = {}  # request id -> key of its row
         self._rows: dict[tuple[int, int], _MaskRow] = {}
+        self._released: OrderedDict[tuple[int, int], None] = OrderedDict()  # no users, LRU
 
     @property
     def num_rows(self) -> int:
-        """Distinct rows held."""
+        """Rows held (in use or released)."""
         return len(self._rows)
 
     def rows(self, requests: Sequence[ScheduledRequest], vocab: int) -> torch.Tensor:
@@ -173,8 +178,7 @@ class TokenMasks:
         return torch.stack(rows)
 
     def forget(self, request_ids: Sequence[str]) -> None:
-        """Release the rows of finished requests (ids without one are ignored); a row goes
-        with its last user."""
+        """Release the rows of finished requests (ids without one are ignored)."""
         for request_id in request_ids:
             key = self._keys.pop(request_id, None)
             if key is None:
@@ -182,7 +186,9 @@ class TokenMasks:
             entry = self._rows[key]
             entry.num_users -= 1
             if not entry.num_users:
-                del self._rows[key]
+                self._released[key] = None
+                if len(self._released) > self.max_released:
+                    del self._rows[self._released.popitem(last=False)[0]]
 
     def _add(self, params: SamplingParams, vocab: int) -> tuple[int, int]:
         key = (id(params.allowed_token_ids), id(params.logit_bias))
@@ -191,6 +197,7 @@ class TokenMasks:
             row = _mask_row(params, vocab).to(self.device, non_blocking=True)
             entry = self._rows[key] = _MaskRow(params.allowed_token_ids, params.logit_bias, row)
             self.num_builds += 1
+        self._released.pop(key, None)
         entry.num_users += 1
         return key
 
