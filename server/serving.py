@@ -1,5 +1,7 @@
 """What the two generation routes share: parsing and checking a request, tokenizing off
-the event loop, submitting to the engine, gathering a non-streamed result, usage.
+the event loop, submitting to the engine, gathering a non-streamed result, usage, and
+writing a response with logprobs off the event loop (prompt logprobs as JSON once per
+prompt, shared by its choices).
 
 Bodies are parsed here rather than by FastAPI, so that a missing or wrong Content-Type is
 no error and the checks run in a fixed order: key (middleware), body size (middleware),

@@ -4,8 +4,9 @@ A stream is a prelude (echoed prompts, or each choice's role), one chunk per eng
 output that carries text, logprobs or a finish reason, an optional usage chunk, and
 `data: [DONE]`, after an error event when a step failed. A chunk without logprobs (the
 common case) is encoded with orjson from a head encoded once per stream; a chunk with
-logprobs goes through the pydantic chunk models. A client that goes away mid-stream
-aborts its request.
+logprobs goes through the pydantic chunk models, and one with prompt logprobs is written
+on a render thread, their JSON (written once per prompt) spliced in. A client that goes
+away mid-stream aborts its request.
 """
 
 from __future__ import annotations
