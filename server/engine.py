@@ -431,7 +431,8 @@ class Engine:
             raise EngineDeadError(self.unavailable_reason())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, len(prompts) * n)
-        choices, new_requests = [], []
+        choices: list[_Choice] = []
+        new_requests: list[NewRequest] = []
         for p, prompt in enumerate(prompts):
             shared = _Prompt()
             for i in range(n):
