@@ -6,11 +6,14 @@ repetition penalty (Hugging Face: over prompt and output), frequency and presenc
 penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
 Everything stays on the device (the sampled ids too, until read; logprobs are read at
 once). The penalties read per-request
-token counts kept on the device between steps (`TokenCounts`), not the whole history.
+token counts kept on the device between steps (`TokenCounts`), not the whole history;
+allowed_token_ids and logit_bias are one row per request built once and kept on the
+device (`TokenMasks`), not rebuilt per step.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,6 +131,91 @@ class TokenCounts:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
 
+@dataclass
+class _MaskRow:
+    """One additive row and what it was built from (held, so that their ids stay theirs)."""
+
+    allowed_token_ids: tuple[int, ...] | None
+    logit_bias: tuple[tuple[int, float], ...]
+    row: torch.Tensor
+    num_users: int = 0
+
+
+class TokenMasks:
+    """allowed_token_ids and logit_bias of each request as one additive row [vocab] float32
+    on the device: -inf for a token not allowed, else the token's bias (0 without one).
+
+    A row is built the first time a request samples and kept while it runs (a preempted
+    request keeps it for its resumption). NOTE: the choices of one HTTP request share their
+    params' token lists (the very same tuples: the core receives them once), so a row is
+    keyed by the identity of those tuples and serves every choice; the entry holds the
+    tuples, so that no other list can take their ids while it lives. Once its last user
+    finished (`forget`), a row is kept among the last `max_released` released ones, for a
+    choice that starts after its siblings finished (n > seats), then dropped.
+    """
+
+    def __init__(self, device: torch.device, max_released: int = 4) -> None:
+        self.device = device
+        self.max_released = max_released
+        self.num_builds = 0  # rows built so far (tests count them)
+        self._keys: dict[str, tuple[int, int]] = {}  # request id -> key of its row
+        self._rows: dict[tuple[int, int], _MaskRow] = {}
+        self._released: OrderedDict[tuple[int, int], None] = OrderedDict()  # no users, LRU
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held (in use or released)."""
+        return len(self._rows)
+
+    def rows(self, requests: Sequence[ScheduledRequest], vocab: int) -> torch.Tensor:
+        """The rows of `requests` in order: [n, vocab] float32."""
+        rows = []
+        for request in requests:
+            key = self._keys.get(request.request_id)
+            if key is None:
+                key = self._keys[request.request_id] = self._add(request.sampling_params, vocab)
+            rows.append(self._rows[key].row)
+        return torch.stack(rows)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Release the rows of finished requests (ids without one are ignored)."""
+        for request_id in request_ids:
+            key = self._keys.pop(request_id, None)
+            if key is None:
+                continue
+            entry = self._rows[key]
+            entry.num_users -= 1
+            if not entry.num_users:
+                self._released[key] = None
+                if len(self._released) > self.max_released:
+                    del self._rows[self._released.popitem(last=False)[0]]
+
+    def _add(self, params: SamplingParams, vocab: int) -> tuple[int, int]:
+        key = (id(params.allowed_token_ids), id(params.logit_bias))
+        entry = self._rows.get(key)
+        if entry is None:
+            row = _mask_row(params, vocab).to(self.device, non_blocking=True)
+            entry = self._rows[key] = _MaskRow(params.allowed_token_ids, params.logit_bias, row)
+            self.num_builds += 1
+        self._released.pop(key, None)
+        entry.num_users += 1
+        return key
+
+
+def _mask_row(params: SamplingParams, vocab: int) -> torch.Tensor:
+    """The additive row of `params` on the host (a token listed twice in logit_bias gets
+    both biases)."""
+    row = torch.zeros(vocab)
+    if params.allowed_token_ids is not None:
+        row.fill_(float("-inf"))
+        row[torch.tensor(params.allowed_token_ids, dtype=torch.int64)] = 0.0
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64)
+        bias = torch.tensor([b for _, b in params.logit_bias])  # NOTE: float32, as the logits
+        row.index_add_(0, ids, bias)
+    return row
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 
@@ -140,10 +228,12 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.token_counts = TokenCounts(device)
+        self.token_masks = TokenMasks(device)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the per-request state of finished requests."""
         self.token_counts.forget(request_ids)
+        self.token_masks.forget(request_ids)
 
     def __call__(
         self,
@@ -185,20 +275,17 @@ class Sampler:
             return SamplerOutput(sampled, [None] * len(params))
         return SamplerOutput(sampled, self._logprobs(logprobs, sampled, params))
 
-    @staticmethod
-    def _apply_token_masks(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
-        """allowed_token_ids, then logit_bias (OpenAI: added to the logits)."""
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if p.allowed_token_ids is not None:
-                keep = torch.tensor(p.allowed_token_ids, device=logits.device)
-                kept = logits[i, keep]
-                logits[i].fill_(float("-inf"))
-                logits[i, keep] = kept
-            if p.logit_bias:
-                ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-                bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
-                logits[i].index_add_(0, ids, bias.to(logits.dtype))
+    def _apply_token_masks(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+    ) -> None:
+        """allowed_token_ids, then logit_bias (OpenAI: added to the logits), as each masked
+        row's additive row of `TokenMasks`."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.has_token_mask]
+        masks = self.token_masks.rows([requests[i] for i in rows], logits.shape[1])
+        if len(rows) == len(requests):
+            logits.add_(masks)
+        else:
+            logits.index_add_(0, torch.tensor(rows, device=logits.device), masks)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
         for i, r in enumerate(requests):

@@ -86,6 +86,9 @@ class Request:
         self.prompt_logprobs = (
             PromptLogprobs(1) if sampling_params.prompt_logprobs is not None else None
         )
+        # Its prompt logprobs are its prompt leader's, complete (n > 1), whose first output
+        # token came with them: they need not be reported again.
+        self.shares_prompt_logprobs = False
         self.num_computed_tokens = 0
         # Tokens being sampled by a step that is scheduled but not yet updated (0 or 1):
         # with overlapped steps the next step is scheduled before they are known.

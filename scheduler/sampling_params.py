@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -74,3 +75,13 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def unique_token_lists(
+    allowed_token_ids: Iterable[int] | None, logit_bias: Iterable[tuple[int, float]]
+) -> tuple[tuple[int, ...] | None, tuple[tuple[int, float], ...]]:
+    """A request's allowed_token_ids without repeats (ascending) and its logit_bias with one
+    entry per token (the last given wins, as in vLLM): the one place they are deduplicated,
+    once per request, before anything copies or builds on them."""
+    allowed = None if allowed_token_ids is None else tuple(sorted(set(allowed_token_ids)))
+    return allowed, tuple(dict(logit_bias).items())

@@ -912,3 +912,4 @@ def _share_prompt_logprobs(leader: Request, request: Request) -> None:
         not leader.needs_prompt_logprobs
     ):
         request.prompt_logprobs = leader.prompt_logprobs
+        request.shares_prompt_logprobs = True

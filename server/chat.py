@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
+from orjson import Fragment
 
 from scheduler.output import SampleLogprobs
 from server.chat_output import (
@@ -33,13 +34,14 @@ from server.protocol import (
     DeltaMessage,
     random_id,
 )
-from server.serving import Choice, Serving, json_response, usage
+from server.serving import Choice, Serving, json_response, response_json, usage
 from server.streaming import (
     Event,
     chunk_head,
     delta_events,
     event_stream,
     fast_chunk,
+    model_event,
     sse_data,
 )
 from server.tool_parsers import ToolParser
@@ -68,16 +70,24 @@ class ChatCompletions:
         choices = await serving.collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        return json_response(ChatCompletionResponse(
-            id=request_id,
-            model=serving.model_name,
-            choices=[self._choice(i, c, body, prompt, self._output_parser(body, tool_parser))
-                     for i, c in enumerate(choices)],
-            usage=usage([prompt], choices),
-        ))
+        prompt_logprobs = serving.prompt_logprobs_json([prompt], body.n)
+
+        def render() -> bytes:
+            response = ChatCompletionResponse(
+                id=request_id,
+                model=serving.model_name,
+                choices=[self._choice(i, c, body, self._output_parser(body, tool_parser))
+                         for i, c in enumerate(choices)],
+                usage=usage([prompt], choices),
+            )
+            return response_json(
+                response, [prompt_logprobs(i, c.prompt_logprobs) for i, c in enumerate(choices)]
+            )
+
+        return json_response(await serving.render(params, render))
 
     def _choice(
-        self, index: int, choice: Choice, body: ChatCompletionRequest, prompt: list[int],
+        self, index: int, choice: Choice, body: ChatCompletionRequest,
         parser: ChatOutputParser | None,
     ) -> ChatCompletionChoice:
         message = ChatResponseMessage(content=choice.text)
@@ -95,7 +105,6 @@ class ChatCompletions:
             logprobs=self._logprobs(choice.token_ids, choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
-            prompt_logprobs=self.serving.prompt_logprobs(prompt, choice.prompt_logprobs),
         )
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
@@ -122,10 +131,11 @@ class ChatCompletions:
         choices = {i: Choice() for i in range(body.n)}
         parsers = {i: self._output_parser(body, tool_parser) for i in choices}
         head = chunk_head(request_id, "chat.completion.chunk", created, model)
+        prompt_logprobs = self.serving.prompt_logprobs_json([prompt], body.n)
 
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice, fragment: Fragment | None = None) -> Event:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
-            return sse_data(c.model_dump_json())
+            return model_event(c, fragment)
 
         def prelude() -> Iterator[Event]:
             for i in choices:
@@ -160,15 +170,14 @@ class ChatCompletions:
                 logprobs=logprobs,
                 finish_reason=finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
-                prompt_logprobs=self.serving.prompt_logprobs(prompt, output.prompt_logprobs),
-            ))
+            ), prompt_logprobs(output.index, output.prompt_logprobs))
 
         def usage_event() -> str:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                     usage=usage([prompt], list(choices.values())))
             return sse_data(c.model_dump_json())
 
-        deltas = delta_events(stream, choices, logprobs_of, event_of)
+        deltas = delta_events(stream, choices, logprobs_of, event_of, self.serving.off_loop)
         return event_stream(self.serving.engine, stream, prelude(), deltas,
                             usage_event if body.include_usage_in_stream else None)
 

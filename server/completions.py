@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
+from orjson import Fragment
 
 from scheduler.output import SampleLogprobs
 from server.engine import RequestOutput, RequestStream
@@ -20,13 +21,14 @@ from server.protocol import (
     CompletionStreamResponse,
     random_id,
 )
-from server.serving import Choice, Serving, json_response, usage
+from server.serving import Choice, Serving, json_response, response_json, usage
 from server.streaming import (
     Event,
     chunk_head,
     delta_events,
     event_stream,
     fast_chunk,
+    model_event,
     sse_data,
 )
 
@@ -66,15 +68,23 @@ class Completions:
         choices = await serving.collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        return json_response(CompletionResponse(
-            id=request_id,
-            model=serving.model_name,
-            choices=[
-                self._choice(i, c, body, prompts[i // body.n], echo)
-                for i, c in enumerate(choices)
-            ],
-            usage=usage(prompts, choices),
-        ))
+        prompt_logprobs = serving.prompt_logprobs_json(prompts, body.n)
+
+        def render() -> bytes:
+            response = CompletionResponse(
+                id=request_id,
+                model=serving.model_name,
+                choices=[
+                    self._choice(i, c, body, prompts[i // body.n], echo)
+                    for i, c in enumerate(choices)
+                ],
+                usage=usage(prompts, choices),
+            )
+            return response_json(
+                response, [prompt_logprobs(i, c.prompt_logprobs) for i, c in enumerate(choices)]
+            )
+
+        return json_response(await serving.render(params, render))
 
     def _stream(
         self,
@@ -88,11 +98,12 @@ class Completions:
         model = self.serving.model_name
         choices = {i: Choice() for i in range(len(prompts) * body.n)}
         head = chunk_head(request_id, "text_completion", created, model)
+        prompt_logprobs = self.serving.prompt_logprobs_json(prompts, body.n)
 
-        def chunk(choice: CompletionStreamChoice) -> str:
+        def chunk(choice: CompletionStreamChoice, fragment: Fragment | None = None) -> Event:
             response = CompletionStreamResponse(id=request_id, created=created, model=model,
                                                 choices=[choice])
-            return sse_data(response.model_dump_json())
+            return model_event(response, fragment)
 
         def prelude() -> Iterator[Event]:
             if echo is None:
@@ -118,10 +129,7 @@ class Completions:
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
-                prompt_logprobs=self.serving.prompt_logprobs(
-                    prompts[output.index // body.n], output.prompt_logprobs
-                ),
-            ))
+            ), prompt_logprobs(output.index, output.prompt_logprobs))
 
         def usage_event() -> str:
             response = CompletionStreamResponse(
@@ -130,7 +138,7 @@ class Completions:
             )
             return sse_data(response.model_dump_json())
 
-        deltas = delta_events(stream, choices, logprobs_of, event_of)
+        deltas = delta_events(stream, choices, logprobs_of, event_of, self.serving.off_loop)
         return event_stream(self.serving.engine, stream, prelude(), deltas,
                             usage_event if body.include_usage_in_stream else None)
 
@@ -154,7 +162,6 @@ class Completions:
             logprobs=logprobs,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
-            prompt_logprobs=self.serving.prompt_logprobs(prompt, choice.prompt_logprobs),
         )
 
     def _logprobs(

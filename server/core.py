@@ -153,16 +153,16 @@ class EngineCore:
         return None
 
     def _add(self, command: AddRequests) -> None:
-        for new in command.requests:
+        for new, params in zip(command.requests, command.sampling_params(), strict=True):
             request = Request(
-                new.request_id, new.prompt_token_ids, new.sampling_params,
+                new.request_id, new.prompt_token_ids, params,
                 eos_token_ids=self.eos_token_ids, priority=new.priority,
                 arrival_time=new.arrival_time, prompt_leader_id=new.prompt_leader_id,
                 tenant=new.tenant, weight=new.weight, deadline=new.deadline,
                 cache_salt=new.cache_salt,
             )
             self._num_added += 1
-            if new.sampling_params.grammar is not None:
+            if params.grammar is not None:
                 try:
                     if not self._constrain(request):
                         self._num_sent[new.request_id] = 0
@@ -321,13 +321,15 @@ class EngineCore:
         if request.sampling_params.logprobs is not None:
             logprobs = request.output_logprobs[sent:]
         prompt_logprobs = request.prompt_logprobs if sent == 0 and new_ids else None
+        shared = prompt_logprobs is not None and request.shares_prompt_logprobs
         self._num_sent[request_id] = len(request.output_token_ids)
         finish_reason = request.finish_reason if request.is_finished else None
         if request.is_finished:
             self._forget(request_id)
         return RequestDelta(request_id, new_ids, request.num_preemptions,
                             request.num_cached_tokens, logprobs, finish_reason,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=None if shared else prompt_logprobs,
+                            shares_prompt_logprobs=shared)
 
     def _forget(self, request_id: str) -> None:
         self._num_sent.pop(request_id, None)

@@ -69,7 +69,8 @@ class RequestOutput:
 
     `text` and `token_ids` are new since the previous output. `finish_reason` is set on
     the choice's last output; `error` is set instead when a step failed.
-    `prompt_logprobs` (when asked for) comes whole with the first output that has tokens.
+    `prompt_logprobs` (when asked for) comes whole with the first output that has tokens;
+    the choices of a prompt that share them (n > 1) hold the very same object.
     """
 
     index: int
@@ -152,6 +153,14 @@ def _deliver(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 
 @dataclass
+class _Prompt:
+    """What the choices of one prompt share: its prompt logprobs, which the core sends
+    once, with the first of those choices to get tokens."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
 class _Choice:
     """Front-end state of one scheduler request (one choice of an HTTP request)."""
 
@@ -164,6 +173,7 @@ class _Choice:
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer
     arrival_time: float  # time.monotonic() when the HTTP request arrived
+    prompt: _Prompt
     num_output_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -421,25 +431,32 @@ class Engine:
             raise EngineDeadError(self.unavailable_reason())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, len(prompts) * n)
-        choices, new_requests = [], []
+        choices: list[_Choice] = []
+        new_requests: list[NewRequest] = []
         for p, prompt in enumerate(prompts):
+            shared = _Prompt()
             for i in range(n):
                 params = sampling_params
                 if i > 0 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
+                shares_token_lists = bool(new_requests) and params.has_token_mask
+                if shares_token_lists:  # sent once, with the first choice
+                    params = replace(params, allowed_token_ids=None, logit_bias=())
                 index = p * n + i
                 scheduler_id = f"{request_id}-{index}"
                 new_requests.append(NewRequest(
                     scheduler_id, list(prompt), params, priority, arrival,
                     f"{request_id}-{p * n}" if i > 0 else None,
                     tenancy.tenant, tenancy.weight, tenancy.deadline, tenancy.cache_salt,
+                    shares_token_lists,
                 ))
                 detokenizer = IncrementalDetokenizer(
                     self._decode_tokenizer, prompt, stop, skip_special_tokens,
                     include_stop_str_in_output,
                 )
                 choices.append(_Choice(scheduler_id, stream, request_id, index, priority,
-                                       tenancy.tenant, len(prompt), detokenizer, arrival))
+                                       tenancy.tenant, len(prompt), detokenizer, arrival,
+                                       shared))
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError(self.unavailable_reason())
@@ -570,10 +587,15 @@ class Engine:
             elif delta.finish_reason is not None:
                 text += choice.detokenizer.flush()
                 finish_reason = delta.finish_reason
+            prompt_logprobs = delta.prompt_logprobs
+            if prompt_logprobs is not None:
+                choice.prompt.prompt_logprobs = prompt_logprobs
+            elif delta.shares_prompt_logprobs:
+                prompt_logprobs = choice.prompt.prompt_logprobs
             output = self._output(choice, text, new_ids, delta.logprobs, finish_reason,
                                   num_preemptions=delta.num_preemptions,
                                   num_cached_tokens=delta.num_cached_tokens,
-                                  prompt_logprobs=delta.prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs)
             output = self._hold_back(choice, output)
             if output is not None:
                 outputs.append((choice.stream, output))

@@ -10,6 +10,7 @@ pyzmq sockets between the two processes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -31,10 +32,24 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     weight: float = 1.0
     deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
     cache_salt: str | None = None
+    # Its allowed_token_ids and logit_bias are left out of `sampling_params`: they are
+    # those of the first request of its AddRequests (the lists travel once per HTTP request).
+    shares_token_lists: bool = False
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[NewRequest]
+
+    def sampling_params(self) -> list[SamplingParams]:
+        """Each request's params, with the first request's token lists where it shares
+        them: the very same tuples, so that the runner builds one mask for them all."""
+        first = self.requests[0].sampling_params if self.requests else None
+        return [
+            replace(new.sampling_params, allowed_token_ids=first.allowed_token_ids,
+                    logit_bias=first.logit_bias)
+            if new.shares_token_lists and first is not None else new.sampling_params
+            for new in self.requests
+        ]
 
 
 class FinishRequests(msgspec.Struct, tag=True, array_like=True):
@@ -90,6 +105,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" or "length" (EOS, stop ids, max_tokens)
     error: str | None = None  # the step failed; the core aborted the request
     prompt_logprobs: PromptLogprobs | None = None  # whole, with the first new tokens
+    # Instead of `prompt_logprobs`: they are those an earlier delta of another choice of
+    # the same prompt carried (n > 1: sent once per prompt).
+    shares_prompt_logprobs: bool = False
 
 
 class StepScheduled(msgspec.Struct, tag=True, array_like=True):

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, unique_token_lists
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_CACHE_SALT_CHARS = 256
@@ -243,6 +243,9 @@ class SamplingRequest(_Request):
         temperature = 1.0 if self.temperature is None else self.temperature
         if temperature < GREEDY_TEMPERATURE_EPS:
             temperature = 0.0
+        allowed_token_ids, logit_bias = unique_token_lists(
+            self.allowed_token_ids, [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
+        )
         return SamplingParams(
             temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -261,10 +264,8 @@ class SamplingRequest(_Request):
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
             grammar=grammar,
-            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
-            allowed_token_ids=(
-                tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None
-            ),
+            logit_bias=logit_bias,
+            allowed_token_ids=allowed_token_ids,
         )
 
 

@@ -1,5 +1,7 @@
 """What the two generation routes share: parsing and checking a request, tokenizing off
-the event loop, submitting to the engine, gathering a non-streamed result, usage.
+the event loop, submitting to the engine, gathering a non-streamed result, usage, and
+writing a response with logprobs off the event loop (prompt logprobs as JSON once per
+prompt, shared by its choices).
 
 Bodies are parsed here rather than by FastAPI, so that a missing or wrong Content-Type is
 no error and the checks run in a fixed order: key (middleware), body size (middleware),
@@ -28,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import orjson
 import pydantic
 from fastapi import Request
 from fastapi.responses import Response
@@ -49,8 +52,6 @@ from server.limits import check_budgets, check_prompt_logprobs, flag_of, over_li
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    PromptLogprob,
-    PromptLogprobsList,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -64,6 +65,8 @@ _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
 _ModelT = TypeVar("_ModelT", bound=pydantic.BaseModel)
 _T = TypeVar("_T")
+
+_RENDER_THREADS = 2  # responses with logprobs written at once, off the event loop
 
 
 @dataclass
@@ -118,6 +121,11 @@ class Serving:
         # tokenizer, as a fast tokenizer is not thread-safe.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool_tokenizer = copy.deepcopy(self.tokenizer)
+        # NOTE: the JSON of a response with logprobs is written off the event loop too
+        # (`render`): prompt logprobs of n choices can be tens of megabytes.
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(
+            _RENDER_THREADS, thread_name_prefix="render"
+        )
         self.model_names = (engine.info.model_name, *config.model_aliases)
 
     @property
@@ -348,34 +356,25 @@ class Serving:
         return self.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text (on the event loop)."""
+        """One token's text (on the event loop or a render thread: decoding only reads the
+        tokenizer)."""
         return str(self.tokenizer.decode([token_id]))
 
-    def prompt_logprobs(
-        self, prompt: list[int], logprobs: PromptLogprobs | None
-    ) -> PromptLogprobsList | None:
-        """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
-        token {token id: {logprob, rank, decoded_token}} of the token itself and its
-        top-k (None when the request asked for none)."""
-        if logprobs is None:
-            return None
-        texts: dict[int, str] = {}
+    def prompt_logprobs_json(self, prompts: list[list[int]], n: int) -> PromptLogprobsJSON:
+        """The writer of a request's prompt logprobs (`n` choices per prompt)."""
+        return PromptLogprobsJSON(self.token_text, prompts, n)
 
-        def entry(token_id: int, logprob: float, rank: int) -> PromptLogprob:
-            if token_id not in texts:
-                texts[token_id] = self.token_text(token_id)
-            return PromptLogprob(logprob=logprob, rank=rank, decoded_token=texts[token_id])
+    async def render(self, params: SamplingParams, build: Callable[[], _T]) -> _T:
+        """`build()` (a response's JSON): on the event loop when the request asked for no
+        logprobs, else on a render thread, as its JSON can be megabytes."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return build()
+        return await self.off_loop(build)
 
-        result: PromptLogprobsList = [None]
-        for i, (logprob, rank, top) in enumerate(
-            zip(logprobs.logprobs, logprobs.ranks, logprobs.top, strict=True)
-        ):
-            token_id = prompt[logprobs.start + i]
-            tokens = {str(token_id): entry(token_id, logprob, rank)}
-            for j, (top_id, top_logprob) in enumerate(top):
-                tokens.setdefault(str(top_id), entry(top_id, top_logprob, j + 1))
-            result.append(tokens)
-        return result
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on a render thread (NOTE: not the tokenizer's, so that a large
+        response waits for no tokenizing, nor a prompt for a large response)."""
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
 
     # ------------------------------------------------------ engine
 
@@ -499,10 +498,70 @@ def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:
     )
 
 
-def json_response(model: pydantic.BaseModel) -> Response:
-    """`model` as JSON; NOTE: pydantic writes a NaN or infinite float as null, where
-    JSONResponse would raise (a 500 after the work was done)."""
-    return Response(model.model_dump_json(), media_type="application/json")
+def json_response(model: pydantic.BaseModel | bytes) -> Response:
+    """`model` (or its JSON) as JSON; NOTE: pydantic writes a NaN or infinite float as
+    null, where JSONResponse would raise (a 500 after the work was done)."""
+    content = model if isinstance(model, bytes) else model.model_dump_json()
+    return Response(content, media_type="application/json")
+
+
+class PromptLogprobsJSON:
+    """vLLM's `prompt_logprobs` of a request's choices as JSON: None for the first prompt
+    token, then per token {token id: {logprob, rank, decoded_token}} of the token itself
+    and its top-k. Written once per prompt: the choices of a prompt that share their
+    prompt logprobs (n > 1: the very same object) share its JSON too."""
+
+    def __init__(self, token_text: Callable[[int], str], prompts: list[list[int]], n: int):
+        self._token_text = token_text
+        self._prompts = prompts
+        self._n = n
+        self._texts: dict[int, str] = {}
+        self._written: dict[int, tuple[PromptLogprobs, orjson.Fragment]] = {}  # by prompt
+
+    def __call__(self, index: int, logprobs: PromptLogprobs | None) -> orjson.Fragment | None:
+        """Choice `index`'s (None when the request asked for none)."""
+        if logprobs is None:
+            return None
+        p = index // self._n
+        written = self._written.get(p)
+        if written is None or written[0] is not logprobs:
+            entries = self._entries(self._prompts[p], logprobs)
+            written = self._written[p] = (logprobs, orjson.Fragment(orjson.dumps(entries)))
+        return written[1]
+
+    def _entries(self, prompt: list[int], logprobs: PromptLogprobs) -> list[Any]:
+        result: list[Any] = [None]
+        for i, (logprob, rank, top) in enumerate(
+            zip(logprobs.logprobs, logprobs.ranks, logprobs.top, strict=True)
+        ):
+            token_id = prompt[logprobs.start + i]
+            tokens = {str(token_id): self._entry(token_id, logprob, rank)}
+            for j, (top_id, top_logprob) in enumerate(top):
+                tokens.setdefault(str(top_id), self._entry(top_id, top_logprob, j + 1))
+            result.append(tokens)
+        return result
+
+    def _entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        """A `PromptLogprob` (server/protocol.py) as a dict."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._token_text(token_id)
+        return {"logprob": logprob, "rank": rank, "decoded_token": text}
+
+
+def response_json(
+    model: pydantic.BaseModel, prompt_logprobs: Sequence[orjson.Fragment | None]
+) -> bytes:
+    """`model` (a response or a chunk) as JSON, its choice i with `prompt_logprobs[i]` (the
+    JSON written once per prompt, spliced in as it is). NaN and infinities are null, as
+    pydantic writes them."""
+    if all(p is None for p in prompt_logprobs):
+        return model.model_dump_json().encode()
+    data = model.model_dump(mode="json")
+    for choice, fragment in zip(data["choices"], prompt_logprobs, strict=True):
+        if fragment is not None:
+            choice["prompt_logprobs"] = fragment
+    return orjson.dumps(data)
 
 
 def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:

@@ -4,23 +4,25 @@ A stream is a prelude (echoed prompts, or each choice's role), one chunk per eng
 output that carries text, logprobs or a finish reason, an optional usage chunk, and
 `data: [DONE]`, after an error event when a step failed. A chunk without logprobs (the
 common case) is encoded with orjson from a head encoded once per stream; a chunk with
-logprobs goes through the pydantic chunk models. A client that goes away mid-stream
-aborts its request.
+logprobs goes through the pydantic chunk models, and one with prompt logprobs is written
+on a render thread, their JSON (written once per prompt) spliced in. A client that goes
+away mid-stream aborts its request.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
+import pydantic
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server.data_parallel import DataParallelEngine
 from server.engine import Engine, EngineStepError, RequestOutput, RequestStream
 from server.protocol import ErrorInfo, ErrorResponse
-from server.serving import Choice
+from server.serving import Choice, response_json
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -29,6 +31,14 @@ Event = str | bytes
 
 def sse_data(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+def model_event(chunk: pydantic.BaseModel, prompt_logprobs: orjson.Fragment | None) -> Event:
+    """The SSE event of a chunk model; its one choice with `prompt_logprobs` (JSON written
+    once per prompt: server/serving.py's PromptLogprobsJSON) when given."""
+    if prompt_logprobs is None:
+        return sse_data(chunk.model_dump_json())
+    return b"data: " + response_json(chunk, [prompt_logprobs]) + b"\n\n"
 
 
 def chunk_head(request_id: str, kind: str, created: int, model: str) -> bytes:
@@ -53,13 +63,15 @@ async def delta_events(
     choices: dict[int, Choice],
     logprobs_of: Callable[[RequestOutput, int], Any | None],
     event_of: Callable[[RequestOutput, Any], Event | None],
+    off_loop: Callable[..., Awaitable[Event | None]],
 ) -> AsyncIterator[Event]:
     """One event per output of `stream` worth sending, each output added to its choice.
 
     `logprobs_of(output, text_offset)` gives an output's logprobs in the route's shape
     (None when the request asked for none); `event_of(output, logprobs)` the event of a
-    chunk (None: nothing to send). An output with no text, no logprobs (nor prompt
-    logprobs) and no finish is never sent.
+    chunk (None: nothing to send), called through `off_loop(event_of, output, logprobs)`
+    (a render thread) for an output with prompt logprobs, whose JSON can be megabytes.
+    An output with no text, no logprobs (nor prompt logprobs) and no finish is never sent.
     """
     async for output in stream:
         choice = choices[output.index]
@@ -71,7 +83,10 @@ async def delta_events(
             and not output.finished
         ):
             continue
-        event = event_of(output, logprobs)
+        if output.prompt_logprobs is None:
+            event = event_of(output, logprobs)
+        else:
+            event = await off_loop(event_of, output, logprobs)
         if event is not None:
             yield event
 
