@@ -35,6 +35,7 @@ from server.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("pagedserve")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+METRICS_API_KEY_ENV = "PAGEDSERVE_METRICS_API_KEY"
 _CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 512
 _CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -162,6 +163,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                       help="require `Authorization: Bearer KEY` (not on /health, /metrics); "
                       f"default: ${API_KEY_ENV}, which keeps the key out of `ps`")
+    http.add_argument("--metrics-api-key", metavar="KEY",
+                      default=os.environ.get(METRICS_API_KEY_ENV) or None,
+                      help="require `Authorization: Bearer KEY` on /metrics (default: open, "
+                      f"as Prometheus expects; or ${METRICS_API_KEY_ENV})")
     http.add_argument("--tenants", default=None, metavar="FILE",
                       help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
                       "in-flight caps, token rates, fair-share weights, deadlines; "
@@ -256,6 +261,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         api_key=args.api_key,
+        metrics_api_key=args.metrics_api_key,
         tenants_file=args.tenants,
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,

@@ -123,14 +123,15 @@ def test_invalid_values_raise_value_error(flags: list[str]) -> None:
 
 
 def test_api_key_stays_out_of_repr() -> None:
-    config = ServerConfig(api_key="top-secret")
-    assert "top-secret" not in repr(config) and "top-secret" not in str(config)
+    config = ServerConfig(api_key="top-secret", metrics_api_key="scrape-secret")
+    for secret in ("top-secret", "scrape-secret"):
+        assert secret not in repr(config) and secret not in str(config)
 
 
 @pytest.mark.parametrize(
     "fields",
-    [{"port": -1}, {"api_key": ""}, {"served_model_name": " "}, {"shutdown_grace_s": -1},
-     {"log_level": "loud"}],
+    [{"port": -1}, {"api_key": ""}, {"metrics_api_key": ""}, {"served_model_name": " "},
+     {"shutdown_grace_s": -1}, {"log_level": "loud"}],
 )
 def test_server_config_validation(fields: dict) -> None:
     with pytest.raises(ValueError):
@@ -186,6 +187,13 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     assert configs().server.api_key == "from-env"
     assert configs("--api-key", "flag").server.api_key == "flag"
+
+
+def test_metrics_api_key_from_the_flag_or_the_environment(monkeypatch) -> None:
+    assert configs().server.metrics_api_key is None  # /metrics open by default
+    assert configs("--metrics-api-key", "m").server.metrics_api_key == "m"
+    monkeypatch.setenv("PAGEDSERVE_METRICS_API_KEY", "from-env")
+    assert configs().server.metrics_api_key == "from-env"
 
 
 def test_simulate_step_ms_reaches_the_configs() -> None:
