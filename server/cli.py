@@ -135,6 +135,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        f"CPU, {_CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
     sched.add_argument("--priority-aging-s", type=float, default=None,
                        help="a waiting request gains one priority level per S seconds")
+    sched.add_argument("--priority-aging-floor", type=int, default=0, metavar="P",
+                       help="aging never takes a request past priority P, nor past its "
+                       "tenant's max_priority (default: 0, the default priority: waiting "
+                       "lifts background work to ordinary traffic, never above urgent)")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
                        help="a step that carries decodes computes at most max(N, 2 per "
                        "request of the batch) prefill tokens in all (a token at context c "
@@ -234,6 +238,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         priority_aging_s=args.priority_aging_s,
+        priority_aging_floor=args.priority_aging_floor,
         watermark=args.watermark,
         # NOTE: on the CPU a prefill token costs about what a decode does (both are
         # compute-bound rows of the same matmuls), so fewer go beside the decodes

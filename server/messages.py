@@ -31,6 +31,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     weight: float = 1.0
     deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
     cache_salt: str | None = None
+    priority_bound: int | None = None  # the tenant's max_priority: aging stops there
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

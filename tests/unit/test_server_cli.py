@@ -64,6 +64,7 @@ def test_every_flag_reaches_its_config() -> None:
         "--gpu-memory-utilization", "0.5", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--max-model-len", "512",
         "--no-enable-prefix-caching", "--priority-aging-s", "2.5", "--max-waiting", "10",
+        "--priority-aging-floor", "-3",
         "--api-key", "k", "--enforce-eager", "--attention-backend", "torch", "--seed", "3",
         "--shutdown-grace-s", "1", "--log-level", "warning", "--weight-dtype", "float16",
         "--kv-cache-dtype", "bfloat16",
@@ -77,6 +78,7 @@ def test_every_flag_reaches_its_config() -> None:
         True, "torch", 3, "float16", "bfloat16")
     assert (s.policy, s.max_num_seqs, s.max_num_batched_tokens, s.priority_aging_s) == (
         "priority", 4, 256, 2.5)
+    assert s.priority_aging_floor == -3
     assert (srv.served_model_name, srv.host, srv.port, srv.api_key, srv.max_waiting) == (
         "m", "0.0.0.0", 9, "k", 10)
     assert (srv.shutdown_grace_s, srv.log_level) == (1.0, "warning")
@@ -187,6 +189,10 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     assert configs().server.api_key == "from-env"
     assert configs("--api-key", "flag").server.api_key == "flag"
+
+
+def test_aging_stops_at_the_default_priority_by_default() -> None:
+    assert configs("--priority-aging-s", "5").scheduler.priority_aging_floor == 0
 
 
 def test_metrics_api_key_from_the_flag_or_the_environment(monkeypatch) -> None:

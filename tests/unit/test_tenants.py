@@ -400,3 +400,15 @@ def test_a_tenants_file_that_is_not_utf8_is_one_clear_line(tenants_file, caplog)
         assert main(["serve", "--tenants", str(tenants_file), "--simulate-step-ms", "1"]) == 1
     (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "not UTF-8" in record.getMessage() and record.exc_info is None
+
+
+def test_requests_carry_their_tenants_priority_bound_into_the_scheduler(serve) -> None:
+    """The bound aging stops at (scheduler/request_queue.py)."""
+    server = serve()
+    core = server.engine._in_process_core()
+    bounds: dict[str, int | None] = {}
+    server.engine.fault_hook = lambda _: bounds.update(
+        {r.tenant: r.priority_bound for r in core.scheduler.requests.values()})
+    for key in (KEY_A, KEY_B, KEY_D):
+        assert post(server, key).status_code == 200
+    assert bounds == {"alpha": -5, "beta": 0, "delta": None}
