@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -421,12 +422,6 @@ def _reload_tenants(tenants: TenantRegistry, path: str) -> None:
 
 def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
-    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
-    from server.app import GracefulServer, build_app
-    from server.core_process import EngineStartError
-    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
-    from server.engine import Engine, create_engine, start_engine
-
     logger.info("starting: %s", configs)
     tenants_file = configs.server.tenants_file
     try:
@@ -435,6 +430,39 @@ def serve(configs: ServeConfigs) -> int:
     except TenantsFileError as exc:
         logger.error("%s", exc)
         return 1
+    host, port = configs.server.host, configs.server.port
+    try:
+        listener = _bind(host, port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s (set by --host and --port)", host, port,
+                     exc.strerror or exc)
+        return 1
+    with listener:
+        return _serve_on(listener, configs, tenants)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a taken port fails the
+    start at once. NOTE: it listens only once uvicorn serves: until then connections are
+    refused rather than left waiting in the backlog while the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantRegistry) -> int:
+    """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
+    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
+    from server.app import GracefulServer, build_app
+    from server.core_process import EngineStartError
+    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
+    from server.engine import Engine, create_engine, start_engine
+
     engine_kwargs = dict(
         model_config=configs.model,
         scheduler_config=configs.scheduler,
@@ -460,16 +488,17 @@ def serve(configs: ServeConfigs) -> int:
     # abort the rest (each client gets finish_reason "abort"), then exit.
     server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
-                configs.server.host, configs.server.port)
+                configs.server.host, listener.getsockname()[1])
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped
     # it; with the default handlers SIGTERM would then kill the process (status -15)
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
+    tenants_file = configs.server.tenants_file
     if tenants_file is not None:
         signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(tenants, tenants_file))
     try:
-        server.run()  # the app's lifespan stops the engine core on shutdown
+        server.run(sockets=[listener])  # the app's lifespan stops the engine core on shutdown
     finally:
         engine.shutdown()  # idempotent; also when uvicorn failed to start
     return 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -227,3 +230,22 @@ def test_async_scheduling_is_on_with_cuda_and_off_on_the_cpu() -> None:
     assert not configs("--no-async-scheduling", cuda=True).scheduler.async_scheduling
     with pytest.raises(ValueError, match="tensor-parallel"):
         configs("--async-scheduling", "-tp", "2")
+
+
+def test_a_taken_port_fails_the_start_before_the_model_loads() -> None:
+    """Exit 1 with one line naming the port, and nothing loaded first: the port is bound
+    before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "--simulate-step-ms", "1",
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line for line in lines if "starting:" not in line] == [
+        next(line for line in lines if "ERROR" in line)]
+    assert f"127.0.0.1:{port}" in lines[-1] and "Address already in use" in lines[-1]
