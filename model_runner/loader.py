@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
@@ -198,8 +198,24 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
     folder = cache_root() / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if (folder / "config.json").is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to %s (once; about half a minute)", gguf, folder)
+    try:
+        _convert_gguf_into(gguf, folder)
+    except (OSError, SafetensorError) as exc:
+        # NOTE: a full disk, most likely (the GGUF itself was read: that is a ValueError)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(
+            f"cannot write the model converted from {gguf.name} under {folder.parent}: "
+            f"{reason}. Free space there, or point $PAGEDSERVE_CACHE at another folder."
+        ) from exc
+    return folder
+
+
+def _convert_gguf_into(gguf: Path, folder: Path) -> None:
+    """Convert into a folder aside, renamed to `folder` once whole; the folder aside is
+    removed whatever happens, so that a failed conversion leaves nothing to mistake for a
+    finished one."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}-", dir=folder.parent))
     try:
         _convert_gguf(gguf, tmp)
@@ -211,7 +227,6 @@ def gguf_to_cached_folder(gguf: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -12,7 +12,10 @@ class SchedulerConfig:
     policy: "fcfs" or "priority". max_num_batched_tokens is the per-step token budget
     (chunked prefill splits prompts longer than what is left of it); max_num_seqs is the
     seat limit. priority_aging_s: a waiting request's effective priority improves by one
-    level every that many seconds waited (None: off). watermark: fraction of KV blocks
+    level every that many seconds waited (None: off), but never past priority_aging_floor
+    (nor past its tenant's bound): by default 0, the default priority, so that aging lifts
+    background work to the level of ordinary traffic, never above requests that asked to be
+    urgent. watermark: fraction of KV blocks
     kept free when admitting waiting requests (running requests may use them).
     long_prefill_token_threshold: a step that carries decodes computes at most
     max(long_prefill_token_threshold, 2 x the batch) prefill tokens in all, a token at a
@@ -30,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     priority_aging_s: float | None = None
+    priority_aging_floor: int = 0
     watermark: float = 0.0
     long_prefill_token_threshold: int = 0
     fair_share: bool = False

@@ -70,6 +70,7 @@ class Request:
         weight: float = 1.0,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        priority_bound: int | None = None,
     ) -> None:
         if weight <= 0:
             raise ValueError("weight must be > 0")
@@ -105,6 +106,8 @@ class Request:
         self.weight = weight
         self.deadline = deadline
         self.cache_salt = cache_salt
+        # The most urgent priority its tenant may ask for: aging stops there (None: none).
+        self.priority_bound = priority_bound
         # Order within a priority level, set once by the scheduler's fair share (None: by
         # arrival time).
         self.fair_tag: float | None = None

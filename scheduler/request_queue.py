@@ -11,9 +11,10 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from scheduler.request import Request
 
@@ -175,30 +176,48 @@ class PriorityRequestQueue(RequestQueue):
     first.
 
     With `aging_s`, a request's effective priority improves continuously, by one level per
-    `aging_s` seconds waited (`effective_priority`). NOTE: since every waiting request ages
-    at the same rate, the order of two requests never changes while they wait, so the heap
-    is ordered by a static key, priority - (seconds waited before now) / aging_s taken at a
-    common instant: no re-heapify, ever. A second heap in base-priority order answers
-    `peek_most_urgent` (which request may preempt), since aging grants no preemption.
+    `aging_s` seconds waited (`effective_priority`), but never past its limit: the less
+    urgent of `aging_floor` and its tenant's bound (`Request.priority_bound`), and never
+    past its own base priority either (a request more urgent than its limit does not age).
+    NOTE: since every request ages at the same rate until it reaches its limit, the order
+    of two aging requests never changes while they wait, so their heap is ordered by a
+    static key, priority - (seconds waited before now) / aging_s taken at a common instant:
+    no re-heapify, ever. A request whose key says it reached its limit moves, when it comes
+    to the top, to a second heap ordered by (limit, tag or arrival): the one at the top of
+    the aging heap has the lowest key, so none below it can be further than it is. A third
+    heap in base-priority order answers `peek_most_urgent` (which request may preempt),
+    since aging grants no preemption. `clock` tells the time for peek and iteration.
     """
 
-    def __init__(self, aging_s: float | None = None) -> None:
+    def __init__(self, aging_s: float | None = None, aging_floor: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if aging_s is not None and aging_s <= 0:
             raise ValueError("aging_s must be > 0")
         super().__init__()
         self.aging_s = aging_s
-        self._heap: list[_HeapEntry] = []
+        self.aging_floor = aging_floor
+        self._clock = clock
+        self._heap: list[_HeapEntry] = []  # with aging: the requests still aging
+        self._settled: list[_HeapEntry] = []  # only with aging: at their limit, by it
         self._by_base: list[_HeapEntry] = []  # only with aging; same entries, base order
 
     def add(self, request: Request) -> None:
         """Add by priority order."""
         seq = self._enter(request)
         order = request.arrival_time if request.fair_tag is None else request.fair_tag
-        entry = (self._key(request), order, request.request_id, seq, request)
-        heapq.heappush(self._heap, entry)
-        if self.aging_s is not None:
-            base = (request.priority, request.arrival_time, request.request_id, seq, request)
-            heapq.heappush(self._by_base, base)
+        if self.aging_s is None:
+            heapq.heappush(self._heap, (request.priority, order, request.request_id, seq,
+                                        request))
+            return
+        limit = self._limit(request)
+        if limit is not None and limit >= request.priority:
+            heapq.heappush(self._settled, (request.priority, order, request.request_id, seq,
+                                           request))
+        else:
+            heapq.heappush(self._heap, (self._key(request), order, request.request_id, seq,
+                                        request))
+        base = (request.priority, request.arrival_time, request.request_id, seq, request)
+        heapq.heappush(self._by_base, base)
 
     def prepend(self, request: Request) -> None:
         """A heap has no front: add by priority order."""
@@ -206,7 +225,15 @@ class PriorityRequestQueue(RequestQueue):
 
     def peek(self) -> Request:
         """The most urgent request (aging counted); IndexError when empty."""
-        return self._top(self._heap)
+        if self.aging_s is None:
+            return self._top(self._heap)
+        shift = self._settle(self._clock())
+        aging, settled = self._top_entry(self._heap), self._top_entry(self._settled)
+        tops = [(e[0] - shift, *e[1:]) for e in (aging,) if e is not None]
+        tops += [e for e in (settled,) if e is not None]
+        if not tops:
+            raise IndexError("peek at an empty request queue")
+        return min(tops)[-1]
 
     def peek_most_urgent(self) -> Request:
         """The request of the best base priority (aging not counted); IndexError when
@@ -214,10 +241,13 @@ class PriorityRequestQueue(RequestQueue):
         return self._top(self._by_base if self.aging_s is not None else self._heap)
 
     def effective_priority(self, request: Request, now: float) -> int:
-        """`request`'s priority at `now` after aging: one level better per aging_s waited."""
+        """`request`'s priority at `now` after aging: one level better per aging_s waited,
+        down to its limit."""
         if self.aging_s is None:
             return request.priority
-        return request.priority - int(request.time_waited(now) // self.aging_s)
+        aged = request.priority - int(request.time_waited(now) // self.aging_s)
+        limit = self._limit(request)
+        return aged if limit is None else max(aged, min(limit, request.priority))
 
     def __iter__(self) -> Iterator[Request]:
         """Requests in pop order (a sorted copy: the heap is left as it is)."""
@@ -227,42 +257,78 @@ class PriorityRequestQueue(RequestQueue):
         """The first `num_requests` requests in pop order, in O(n log num_requests)."""
         return [e[-1] for e in heapq.nsmallest(num_requests, self._live_entries())]
 
+    def _limit(self, request: Request) -> int | None:
+        """The most urgent priority aging may take `request` to (None: no limit)."""
+        bounds = [b for b in (self.aging_floor, request.priority_bound) if b is not None]
+        return max(bounds) if bounds else None
+
     def _key(self, request: Request) -> float:
-        if self.aging_s is None:
-            return request.priority
+        assert self.aging_s is not None
         # priority - time_waited(t) / aging_s, less the -t / aging_s all requests share
         return request.priority + (request.waiting_since - request.waited_s) / self.aging_s
 
-    def _top(self, heap: list[_HeapEntry]) -> Request:
+    def _settle(self, now: float) -> float:
+        """Move the aging requests at the top that reached their limit by `now` to the
+        settled heap; returns the shift from a static key to the priority at `now`."""
+        assert self.aging_s is not None
+        shift = now / self.aging_s
+        while (entry := self._top_entry(self._heap)) is not None:
+            limit = self._limit(entry[-1])
+            if limit is None or entry[0] - shift > limit:
+                break
+            heapq.heappop(self._heap)
+            heapq.heappush(self._settled, (limit, *entry[1:]))
+        return shift
+
+    def _top_entry(self, heap: list[_HeapEntry]) -> _HeapEntry | None:
         while heap and not self._is_live(heap[0][-1], heap[0][3]):
             heapq.heappop(heap)
-        if not heap:
+        return heap[0] if heap else None
+
+    def _top(self, heap: list[_HeapEntry]) -> Request:
+        entry = self._top_entry(heap)
+        if entry is None:
             raise IndexError("peek at an empty request queue")
-        return heap[0][-1]
+        return entry[-1]
 
     def _live_entries(self) -> Iterator[_HeapEntry]:
-        return (e for e in self._heap if self._is_live(e[-1], e[3]))
+        """Every live entry, keyed by its priority now (aging counted)."""
+        if self.aging_s is None:
+            return (e for e in self._heap if self._is_live(e[-1], e[3]))
+        shift = self._settle(self._clock())
+        aging = (e for e in self._heap if self._is_live(e[-1], e[3]))
+        settled = (e for e in self._settled if self._is_live(e[-1], e[3]))
+        return itertools.chain(
+            ((self._aged(e, shift), *e[1:]) for e in aging), settled)
+
+    def _aged(self, entry: _HeapEntry, shift: float) -> float:
+        limit = self._limit(entry[-1])
+        return entry[0] - shift if limit is None else max(entry[0] - shift, limit)
 
     def _num_entries(self) -> int:
-        return max(len(self._heap), len(self._by_base))
+        return max(len(self._heap) + len(self._settled), len(self._by_base))
 
     def _compact(self) -> None:
-        for heap in (self._heap, self._by_base):
+        for heap in (self._heap, self._settled, self._by_base):
             heap[:] = [e for e in heap if self._is_live(e[-1], e[3])]
             heapq.heapify(heap)
 
 
 def create_request_queue(
-    policy: SchedulingPolicy | str, aging_s: float | None = None
+    policy: SchedulingPolicy | str,
+    aging_s: float | None = None,
+    aging_floor: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> RequestQueue:
     """A queue for `policy` ("fcfs" or "priority"); ValueError on an unknown policy.
 
-    `aging_s` turns on aging in a priority queue; FCFS ignores priorities, so it ignores it.
+    `aging_s` turns on aging in a priority queue, down to `aging_floor` at most, timed by
+    `clock`; FCFS ignores priorities, so it ignores them.
     """
     try:
         policy = SchedulingPolicy(policy)
     except ValueError:
         raise ValueError(f"unknown scheduling policy {policy!r}: use fcfs or priority") from None
     if policy is SchedulingPolicy.PRIORITY:
-        return PriorityRequestQueue(aging_s)
+        return PriorityRequestQueue(aging_s, aging_floor, clock)
     return FCFSRequestQueue()

@@ -231,10 +231,10 @@ class Scheduler:
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
-    waiter gets ahead of newer, more urgent requests. It grants no power to preempt: only
-    a strictly better base priority preempts. A request keeps the effective priority it
-    was admitted with, which shields it from preemption-for-admission by requests whose
-    base priority is not better (or newcomers would throw every aged request out again).
+    waiter gets ahead of newer, more urgent requests, down to priority_aging_floor or its
+    tenant's bound at most. It grants no power to preempt nor shields from it: only a
+    strictly better base priority preempts, and victims go by base priority. A request
+    keeps the effective priority it was admitted with for the order of its prefill chunks.
 
     A request with a deadline still unfinished when it passes is finished with
     FINISHED_DEADLINE at the next schedule(), before anything is computed for it (and
@@ -257,7 +257,10 @@ class Scheduler:
         self.cache_config = cache_config
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache = KVCacheManager(cache_config)
-        self.waiting = create_request_queue(self.policy, scheduler_config.priority_aging_s)
+        self.waiting = create_request_queue(
+            self.policy, scheduler_config.priority_aging_s,
+            scheduler_config.priority_aging_floor, clock,
+        )
         self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -642,7 +645,7 @@ class Scheduler:
         else:
             assert isinstance(self.waiting, PriorityRequestQueue)
             candidate = self.waiting.peek_most_urgent()
-            worst_running = max((r.effective_priority for r in self.running), default=None)
+            worst_running = max((r.priority for r in self.running), default=None)
             if worst_running is None or candidate.priority >= worst_running:
                 return None
         if candidate in step.preempted:
@@ -769,16 +772,18 @@ class Scheduler:
         """Priority admission: preempt the worst running requests of strictly worse
         priority until `request` fits; preempt none if even all of them would not make room.
 
-        "Strictly worse": the running request's admitted (effective) priority is larger
-        than `request`'s base priority. NOTE: so every such preemption goes to a strictly
-        better base priority, and two requests can never preempt each other in turn.
-        A request admitted earlier in this step is never a candidate: it left the queue
-        before `request`, so its priority is at least as good. Nor can a victim come back
+        "Strictly worse": the running request's base priority is larger than `request`'s
+        (its aged priority shields it from nothing). NOTE: so every such preemption goes to
+        a strictly better base priority, and two requests can never preempt each other in
+        turn.
+        A request admitted earlier in this step is a candidate only if aging put it first
+        (its base priority is worse): it is then preempted before anything is computed for
+        it. Nor can a victim come back
         in this step: `request` takes the room it freed. NOTE: the room check counts every
         block of the request as needed (prefix hits ignored), so it never preempts in vain,
         at the cost of sometimes waiting instead.
         """
-        candidates = [r for r in self.running if r.effective_priority > request.priority]
+        candidates = [r for r in self.running if r.priority > request.priority]
         if not candidates:
             return False
         num_needed = cdiv(request.num_tokens, self.kv_cache.block_size)

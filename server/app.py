@@ -73,7 +73,8 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
-    app.add_middleware(TenantAuthMiddleware, tenants=tenants)
+    app.add_middleware(TenantAuthMiddleware, tenants=tenants,
+                       metrics_key=config.metrics_api_key)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)

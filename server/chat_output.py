@@ -1,15 +1,17 @@
 """A chat choice's text as OpenAI's message: reasoning, content and tool calls.
 
 `ChatOutputParser.parse` reads a finished choice (non-streamed responses); `feed` reads a
-stream's text deltas and returns what is new in each part: the parsers (server/
-reasoning.py, server/tool_parsers.py) are run on the text so far, and the difference to
-what was sent is the delta, so the streamed parts reassemble exactly to the parsed
-message. A tool call goes out as OpenAI streams it: a first delta (index, id, type, name,
-arguments "") once its name is complete and its arguments have begun, then the fragments
-of its arguments as they are generated (the first in the same chunk). NOTE: a call
-whose text breaks after its first delta (bad JSON, cut off by max_tokens) cannot be
-taken back: the stream ends with what was sent, and the text also goes out as content,
-which is what the whole response holds.
+stream's text deltas and returns what is new in each part: the parsers' streams (server/
+reasoning.py, server/tool_parsers.py) read each delta once and keep their state, so a
+delta costs what it adds, not what came before it. The last delta parses the whole text
+as `parse` does and sends what is still missing of it, so the streamed parts reassemble
+exactly to the parsed message (content that ends in whitespace is held back meanwhile:
+it is dropped when it is all there is beside tool calls). A tool call goes out as OpenAI
+streams it: a first delta (index, id, type, name, arguments "") once its name is
+complete and its arguments have begun, then the fragments of its arguments as they are
+generated (the first in the same chunk). NOTE: a call whose text breaks after its first
+delta (bad JSON, cut off by max_tokens) cannot be taken back: the stream ends with what
+was sent, and the text also goes out as content, which is what the whole response holds.
 Whitespace-only content between tool calls is dropped.
 """
 
@@ -24,13 +26,14 @@ from server.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    random_id,
 )
 from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
 from server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     ParsedToolCall,
-    ToolCallStream,
+    ToolCallDelta,
     ToolParser,
 )
 
@@ -54,22 +57,25 @@ class ChatOutputParser:
         self.reasoning = reasoning
         self.tools = tools
         self.parallel_tool_calls = parallel_tool_calls
-        self._text = ""
+        self._chunks: list[str] = []  # the stream's text
+        self._reasoning_stream = reasoning.stream() if reasoning else None
+        self._tool_stream = tools.stream() if tools else None
         self._num_reasoning_sent = 0
+        self._num_answer_read = 0  # of the answer, by the tool stream
         self._num_content_sent = 0
-        self._call_stream: ToolCallStream | None = tools.stream() if tools else None
+        self._held_space: list[str] = []  # the content's trailing whitespace so far
         self._call_index: dict[int, int] = {}  # a call of the stream -> its tool call index
-        self._num_arguments_sent: list[int] = []
+        self._num_calls_sent = 0
 
-    def _parts(self, text: str, final: bool) -> tuple[str, str, str, list[ParsedToolCall]]:
+    def _parts(self, text: str) -> tuple[str, str, str, list[ParsedToolCall]]:
         """(reasoning, answer, content, calls): the answer is the text after reasoning, its
         content what is not a call."""
         reasoning, answer = "", text
         if self.reasoning is not None:
-            reasoning, answer = self.reasoning.split(text, final)
+            reasoning, answer = self.reasoning.split(text)
         content, calls = answer, []
         if self.tools is not None:
-            content, calls = self.tools.parse(answer, final)
+            content, calls = self.tools.parse(answer)
             if not self.parallel_tool_calls:
                 calls = calls[:1]
         if calls and not content.strip():
@@ -78,7 +84,7 @@ class ChatOutputParser:
 
     def parse(self, text: str) -> ParsedChat:
         """The message of a finished choice."""
-        reasoning, _, content, calls = self._parts(text, final=True)
+        reasoning, _, content, calls = self._parts(text)
         tool_calls = [_tool_call(c) for c in calls]
         return ParsedChat(
             reasoning=reasoning if self.reasoning is not None and reasoning else None,
@@ -89,47 +95,66 @@ class ChatOutputParser:
     @property
     def called_tools(self) -> bool:
         """Whether the stream has sent a tool call."""
-        return bool(self._num_arguments_sent)
+        return self._num_calls_sent > 0
 
     def feed(self, text: str, finished: bool) -> DeltaMessage:
         """The delta of a stream's next text (`finished`: the choice's last)."""
-        self._text += text
-        reasoning, answer, content, calls = self._parts(self._text, final=finished)
-        if not finished:
-            content = content.rstrip() if calls or self.tools is not None else content
+        self._chunks.append(text)
+        if finished:
+            reasoning, answer, content, _ = self._parts("".join(self._chunks))
+            reasoning = reasoning[self._num_reasoning_sent :]
+            answer = answer[self._num_answer_read :]
+            content = content[self._num_content_sent :]
+        else:
+            reasoning, answer = (self._reasoning_stream.feed(text)
+                                 if self._reasoning_stream is not None else ("", text))
+        calls: list[ToolCallDelta] = []
+        if self._tool_stream is not None:
+            tool_content, calls = self._tool_stream.feed(answer)
+            if not finished:
+                content = self._hold_space(tool_content)
+        elif not finished:
+            content = answer
+        self._num_answer_read += len(answer)
         delta = DeltaMessage()
-        if len(reasoning) > self._num_reasoning_sent:
-            delta.reasoning_content = reasoning[self._num_reasoning_sent :]
-            self._num_reasoning_sent = len(reasoning)
-        if len(content) > self._num_content_sent:
-            delta.content = content[self._num_content_sent :]
-            self._num_content_sent = len(content)
-        if self._call_stream is not None:
-            delta.tool_calls = self._tool_call_deltas(self._call_stream.update(answer)) or None
+        if reasoning:
+            delta.reasoning_content = reasoning
+            self._num_reasoning_sent += len(reasoning)
+        if content:
+            delta.content = content
+            self._num_content_sent += len(content)
+        if self._tool_stream is not None:
+            delta.tool_calls = self._tool_call_deltas(calls) or None
         return delta
 
-    def _tool_call_deltas(self, calls: list[ParsedToolCall | None]) -> list[DeltaToolCall]:
-        """The first delta of each call whose name is new, and the new arguments of every
-        call."""
+    def _hold_space(self, content: str) -> str:
+        """`content` less the whitespace it ends with, which goes out before what follows
+        it."""
+        kept = content.rstrip()
+        if not kept:
+            self._held_space.append(content)
+            return ""
+        out = "".join(self._held_space) + kept
+        self._held_space = [content[len(kept) :]]
+        return out
+
+    def _tool_call_deltas(self, calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
+        """The first delta of each call that shows, and the new arguments of every call."""
         deltas = []
-        for k, call in enumerate(calls):
-            if call is None:
-                continue
-            index = self._call_index.get(k)
-            if index is None:
-                if not self.parallel_tool_calls and self._num_arguments_sent:
+        for call in calls:
+            index = self._call_index.get(call.index)
+            if call.name is not None:
+                if not self.parallel_tool_calls and self._num_calls_sent:
                     continue
-                index = self._call_index[k] = len(self._num_arguments_sent)
-                self._num_arguments_sent.append(0)
+                index = self._call_index[call.index] = self._num_calls_sent
+                self._num_calls_sent += 1
                 deltas.append(DeltaToolCall(
-                    index=index, id=_tool_call(call).id, type="function",
+                    index=index, id=random_id("call"), type="function",
                     function=DeltaFunctionCall(name=call.name, arguments=""),
                 ))
-            new = call.arguments[self._num_arguments_sent[index] :]
-            if new:
-                self._num_arguments_sent[index] = len(call.arguments)
+            if index is not None and call.arguments:
                 deltas.append(DeltaToolCall(index=index,
-                                            function=DeltaFunctionCall(arguments=new)))
+                                            function=DeltaFunctionCall(arguments=call.arguments)))
         return deltas
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from server.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("pagedserve")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+METRICS_API_KEY_ENV = "PAGEDSERVE_METRICS_API_KEY"
 _CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 512
 _CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -134,6 +136,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        f"CPU, {_CUDA_MAX_NUM_BATCHED_TOKENS} on CUDA)")
     sched.add_argument("--priority-aging-s", type=float, default=None,
                        help="a waiting request gains one priority level per S seconds")
+    sched.add_argument("--priority-aging-floor", type=int, default=0, metavar="P",
+                       help="aging never takes a request past priority P, nor past its "
+                       "tenant's max_priority (default: 0, the default priority: waiting "
+                       "lifts background work to ordinary traffic, never above urgent)")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
                        help="a step that carries decodes computes at most max(N, 2 per "
                        "request of the batch) prefill tokens in all (a token at context c "
@@ -162,6 +168,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                       help="require `Authorization: Bearer KEY` (not on /health, /metrics); "
                       f"default: ${API_KEY_ENV}, which keeps the key out of `ps`")
+    http.add_argument("--metrics-api-key", metavar="KEY",
+                      default=os.environ.get(METRICS_API_KEY_ENV) or None,
+                      help="require `Authorization: Bearer KEY` on /metrics (default: open, "
+                      f"as Prometheus expects; or ${METRICS_API_KEY_ENV})")
     http.add_argument("--tenants", default=None, metavar="FILE",
                       help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
                       "in-flight caps, token rates, fair-share weights, deadlines; "
@@ -229,6 +239,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         priority_aging_s=args.priority_aging_s,
+        priority_aging_floor=args.priority_aging_floor,
         watermark=args.watermark,
         # NOTE: on the CPU a prefill token costs about what a decode does (both are
         # compute-bound rows of the same matmuls), so fewer go beside the decodes
@@ -256,6 +267,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         api_key=args.api_key,
+        metrics_api_key=args.metrics_api_key,
         tenants_file=args.tenants,
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_s,
@@ -410,12 +422,6 @@ def _reload_tenants(tenants: TenantRegistry, path: str) -> None:
 
 def serve(configs: ServeConfigs) -> int:
     """Load the model, run the server until SIGTERM/SIGINT; 0 on a clean shutdown."""
-    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
-    from server.app import GracefulServer, build_app
-    from server.core_process import EngineStartError
-    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
-    from server.engine import Engine, create_engine, start_engine
-
     logger.info("starting: %s", configs)
     tenants_file = configs.server.tenants_file
     try:
@@ -424,6 +430,39 @@ def serve(configs: ServeConfigs) -> int:
     except TenantsFileError as exc:
         logger.error("%s", exc)
         return 1
+    host, port = configs.server.host, configs.server.port
+    try:
+        listener = _bind(host, port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s (set by --host and --port)", host, port,
+                     exc.strerror or exc)
+        return 1
+    with listener:
+        return _serve_on(listener, configs, tenants)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a taken port fails the
+    start at once. NOTE: it listens only once uvicorn serves: until then connections are
+    refused rather than left waiting in the backlog while the model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantRegistry) -> int:
+    """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
+    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
+    from server.app import GracefulServer, build_app
+    from server.core_process import EngineStartError
+    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
+    from server.engine import Engine, create_engine, start_engine
+
     engine_kwargs = dict(
         model_config=configs.model,
         scheduler_config=configs.scheduler,
@@ -449,16 +488,17 @@ def serve(configs: ServeConfigs) -> int:
     # abort the rest (each client gets finish_reason "abort"), then exit.
     server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
-                configs.server.host, configs.server.port)
+                configs.server.host, listener.getsockname()[1])
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped
     # it; with the default handlers SIGTERM would then kill the process (status -15)
     # after a clean drain. These handlers only log, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _log_stop_signal)
+    tenants_file = configs.server.tenants_file
     if tenants_file is not None:
         signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(tenants, tenants_file))
     try:
-        server.run()  # the app's lifespan stops the engine core on shutdown
+        server.run(sockets=[listener])  # the app's lifespan stops the engine core on shutdown
     finally:
         engine.shutdown()  # idempotent; also when uvicorn failed to start
     return 0

@@ -17,6 +17,8 @@ class ServerConfig:
     names from server/tool_parsers.py and server/reasoning.py (None: off).
     api_key: when set, every route but /health and /metrics needs
     `Authorization: Bearer <key>`; it is left out of repr so it never reaches a log.
+    metrics_api_key: when set, GET /metrics needs it as its bearer key (else it is open,
+    as Prometheus expects); left out of repr too.
     max_waiting: new requests get 503 while this many requests wait (None: no limit).
     shutdown_grace_s: on SIGTERM, how long in-flight requests may run before they are
     aborted. limits: what one request may ask for (server/limits.py). step_timeout_s: an engine step
@@ -36,6 +38,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    metrics_api_key: str | None = field(default=None, repr=False)
     tenants_file: str | None = None
     max_waiting: int | None = None
     shutdown_grace_s: float = 30.0
@@ -54,6 +57,8 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.metrics_api_key is not None and not self.metrics_api_key:
+            raise ValueError("metrics_api_key must not be empty")
         if self.api_key is not None and self.tenants_file is not None:
             raise ValueError("give either an API key or a tenants file (its tenants have keys)")
         if self.max_waiting is not None and self.max_waiting < 1:

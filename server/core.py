@@ -159,7 +159,7 @@ class EngineCore:
                 eos_token_ids=self.eos_token_ids, priority=new.priority,
                 arrival_time=new.arrival_time, prompt_leader_id=new.prompt_leader_id,
                 tenant=new.tenant, weight=new.weight, deadline=new.deadline,
-                cache_salt=new.cache_salt,
+                cache_salt=new.cache_salt, priority_bound=new.priority_bound,
             )
             self._num_added += 1
             if params.grammar is not None:

@@ -184,12 +184,14 @@ class _Choice:
 @dataclass(frozen=True)
 class Tenancy:
     """Whose a request is (server/tenants.py): the tenant and its fair-share weight, the
-    deadline (time.monotonic()) and the prefix-cache salt."""
+    deadline (time.monotonic()), the prefix-cache salt and the tenant's priority bound
+    (aging stops there)."""
 
     tenant: str = DEFAULT_TENANT
     weight: float = 1.0
     deadline: float | None = None
     cache_salt: str | None = None
+    priority_bound: int | None = None
 
 
 NO_TENANCY = Tenancy()
@@ -448,7 +450,7 @@ class Engine:
                     scheduler_id, list(prompt), params, priority, arrival,
                     f"{request_id}-{p * n}" if i > 0 else None,
                     tenancy.tenant, tenancy.weight, tenancy.deadline, tenancy.cache_salt,
-                    shares_token_lists,
+                    shares_token_lists, tenancy.priority_bound,
                 ))
                 detokenizer = IncrementalDetokenizer(
                     self._decode_tokenizer, prompt, stop, skip_special_tokens,

@@ -10,7 +10,9 @@ output. That is what lets a streamed tool call send its arguments as they are ge
 and still reassemble to exactly the non-streamed call's arguments.
 
 The members of a top-level object are recorded as spans of the output (the first of
-duplicate keys), so that a call's name and arguments can be read while it streams.
+duplicate keys), so that a call's name and arguments can be read while it streams. Each
+character fed is read once, and `text(start)` costs what it returns: a stream's work is
+linear in its text however finely it is fed.
 """
 
 from __future__ import annotations
@@ -49,12 +51,11 @@ class JsonStream:
         self.failed = False
         self.num_read = 0
         self.members: dict[str, Member] = {}
-        self._out: list[str] = []
-        self._len = 0
+        self._out: list[str] = []  # NOTE: one character a slot, so that a span is cheap
         self._stack: list[str] = []  # "{" or "[" of each open container
         # what comes next: value, value_or_close, key, key_or_close, colon, comma_or_close
         self._expect = "value"
-        self._token: str | None = None  # a number or literal being read
+        self._token: list[str] | None = None  # a number or literal being read
         self._in_string = False
         self._is_key = False
         self._key: list[str] = []  # a top-level key's characters
@@ -66,9 +67,15 @@ class JsonStream:
     @property
     def output(self) -> str:
         """The canonical text of what has been read so far."""
-        if len(self._out) > 1:
-            self._out = ["".join(self._out)]
-        return self._out[0] if self._out else ""
+        return "".join(self._out)
+
+    @property
+    def output_len(self) -> int:
+        return len(self._out)
+
+    def text(self, start: int, end: int | None = None) -> str:
+        """`output[start:end]`, at the cost of the span alone."""
+        return "".join(self._out[start:end])
 
     def feed(self, text: str) -> None:
         """Read `text`, which follows what was fed before."""
@@ -82,8 +89,7 @@ class JsonStream:
     # ---- internals
 
     def _emit(self, text: str) -> None:
-        self._out.append(text)
-        self._len += len(text)
+        self._out.extend(text)
 
     def _fail(self) -> None:
         self.failed = True
@@ -129,7 +135,7 @@ class JsonStream:
 
     def _start_value(self, char: str) -> None:
         if self._stack == ["{"]:
-            self._member = Member(self._len)
+            self._member = Member(len(self._out))
             assert self._member_key is not None
             self.members.setdefault(self._member_key, self._member)
         if char in "{[":
@@ -139,7 +145,7 @@ class JsonStream:
         elif char == '"':
             self._start_string(is_key=False)
         elif char == "-" or char.isdigit() or char in "tfn":
-            self._token = char
+            self._token = [char]
         else:
             self._fail()
 
@@ -150,15 +156,16 @@ class JsonStream:
         assert token is not None
         is_number = token[0] not in "tfn"
         if (char in _NUMBER_CHARS) if is_number else char.isalpha():
-            self._token = token + char
-            if not is_number and not any(lit.startswith(self._token) for lit in _LITERALS):
+            token.append(char)
+            if not is_number and not any(lit.startswith("".join(token)) for lit in _LITERALS):
                 self._fail()
             return True
         self._token = None
-        if is_number and _NUMBER_RE.fullmatch(token):
-            self._emit(json.dumps(json.loads(token)))
-        elif token in _LITERALS:
-            self._emit(token)
+        text = "".join(token)
+        if is_number and _NUMBER_RE.fullmatch(text):
+            self._emit(json.dumps(json.loads(text)))
+        elif text in _LITERALS:
+            self._emit(text)
         else:
             self._fail()
             return False
@@ -253,7 +260,7 @@ class JsonStream:
             return
         self._expect = "comma_or_close"
         if len(self._stack) == 1 and self._member is not None:
-            self._member.end = self._len
+            self._member.end = len(self._out)
             self._member = None
 
 

@@ -35,6 +35,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Its allowed_token_ids and logit_bias are left out of `sampling_params`: they are
     # those of the first request of its AddRequests (the lists travel once per HTTP request).
     shares_token_lists: bool = False
+    priority_bound: int | None = None  # the tenant's max_priority: aging stops there
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -7,6 +7,8 @@ Each answers in OpenAI's error shape (server/errors.py) before a route runs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 
@@ -57,27 +59,45 @@ class InternalErrorMiddleware:
 class TenantAuthMiddleware:
     """Who is asking: the tenant of `Authorization: Bearer <key>` goes into the request's
     state (`request.state.tenant`); 401 for every path but /health and /metrics without
-    a known key when keys are required (server/tenants.py).
+    a known key when keys are required (server/tenants.py). /metrics stays open (what
+    Prometheus expects) unless `metrics_key` is given: then it takes that key alone.
 
     A key is looked up by its sha256, never compared or logged as it is.
     """
 
-    def __init__(self, app: ASGIApp, tenants: TenantRegistry) -> None:
+    def __init__(self, app: ASGIApp, tenants: TenantRegistry,
+                 metrics_key: str | None = None) -> None:
         self.app = app
         self._tenants = tenants
+        self._metrics_digest = (hashlib.sha256(metrics_key.encode()).digest()
+                                if metrics_key is not None else None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if path == "/metrics" and self._metrics_digest is not None:
+            given = hashlib.sha256(_bearer_token(scope) or b"").digest()
+            if not hmac.compare_digest(given, self._metrics_digest):
+                await _unauthorized("Invalid or missing metrics key: send 'Authorization: "
+                                    "Bearer <key>' with the key of --metrics-api-key.",
+                                    scope, receive, send)
+                return
+        elif path not in OPEN_PATHS:
             tenant = self._tenants.identify(_bearer_token(scope))
             if tenant is None:
-                error = APIError(
-                    401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-                )
-                await error.response()(scope, receive, send)
+                await _unauthorized("Invalid or missing API key: send 'Authorization: "
+                                    "Bearer <key>'.", scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+async def _unauthorized(message: str, scope: Scope, receive: Receive, send: Send) -> None:
+    error = APIError(401, message, code="invalid_api_key",
+                     headers={"WWW-Authenticate": "Bearer"})
+    await error.response()(scope, receive, send)
 
 
 def _bearer_token(scope: Scope) -> bytes | None:

@@ -397,7 +397,8 @@ class Serving:
             placement.seat.charge(asked)
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
-        tenancy = Tenancy(tenant.name, tenant.weight, placement.deadline, placement.cache_salt)
+        tenancy = Tenancy(tenant.name, tenant.weight, placement.deadline, placement.cache_salt,
+                          tenant.spec.max_priority)
         try:
             stream = self.engine.add_request(
                 request_id, prompts, params, n=body.n, stop=body.stop_strings,

@@ -8,6 +8,11 @@ fair-share weight, a default deadline and a prefix-cache salt. The file is valid
 with pydantic at start (an error names the bad field) and reloaded on SIGHUP: requests
 in flight keep running, and a tenant's counters carry over by name.
 
+Each tenant's prefix cache is its own: its requests are salted with its name, so that
+`cached_tokens` cannot tell one tenant what another sent. `share_cache: true` shares the
+unsalted cache (with every tenant that says so), and `cache_salt: S` shares the cache of
+the tenants with the same salt.
+
 `--api-key K` is the one-tenant shorthand (tenant "default", no limits); with neither,
 every request is the open tenant "default" and no key is asked for.
 
@@ -62,6 +67,7 @@ class TenantSpec(BaseModel):
     weight: float = Field(default=1.0, gt=0, le=1e6)
     deadline_ms: int | None = Field(default=None, ge=1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    share_cache: bool = False
     # May read what the server knows of every tenant's requests (GET /scheduler/state).
     admin: bool = False
 
@@ -82,6 +88,8 @@ class TenantSpec(BaseModel):
     def _consistent(self) -> TenantSpec:
         if not self.api_key_sha256 and not self.api_key_env:
             raise ValueError("a tenant needs api_key_sha256 or api_key_env")
+        if self.share_cache and self.cache_salt is not None:
+            raise ValueError("share_cache and cache_salt: a tenant's cache is one or the other")
         if self.max_priority is not None and self.default_priority < self.max_priority:
             raise ValueError(
                 f"default_priority {self.default_priority} is more urgent than max_priority "
@@ -143,7 +151,11 @@ class Tenant:
 
     @property
     def cache_salt(self) -> str | None:
-        return self.spec.cache_salt
+        """The salt of its requests' prefix cache: its own (None: the shared cache)."""
+        spec = self.spec
+        if spec.cache_salt is not None or spec.share_cache:
+            return spec.cache_salt
+        return spec.name
 
     @property
     def is_admin(self) -> bool:
@@ -289,6 +301,7 @@ class TenantRegistry:
         digest = [hashlib.sha256(api_key.encode()).hexdigest()] if api_key is not None else []
         # NOTE: model_construct: the open tenant has no key, which a file's tenant must have.
         spec = TenantSpec.model_construct(name=DEFAULT_TENANT, api_key_sha256=digest,
+                                          share_cache=True,  # nobody to keep apart
                                           admin=True)  # the one key is the operator's
         return cls([spec], keys_required=api_key is not None)
 
@@ -342,9 +355,14 @@ def load_tenants_file(path: str | Path) -> list[TenantSpec]:
     """The file's tenants, validated; TenantsFileError naming the file and the field."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TenantsFileError(f"cannot read the tenants file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise TenantsFileError(
+            f"the tenants file {path} is not UTF-8 text: byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}"
+        ) from exc
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:

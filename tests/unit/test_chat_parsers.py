@@ -7,11 +7,14 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llguidance import LLMatcher
 
+from server import json_stream, tool_parsers
 from server.chat_output import ChatOutputParser, chat_output_parser, tool_parser_for
 from server.protocol import ChatCompletionRequest, DeltaMessage, FunctionDefinition
-from server.reasoning import Qwen3ReasoningParser
+from server.reasoning import Qwen3ReasoningParser, ReasoningStream
 from server.tool_parsers import HermesToolParser, Llama3JsonToolParser, closed_schema
 from tests.structured_helpers import allowed_tokens, byte_ll_tokenizer
 
@@ -190,6 +193,112 @@ def test_a_call_broken_after_its_first_delta_ends_as_content_too(tool_name, text
     assert parsed.tool_calls == [] and parsed.content == text
     _, content, calls = _reassemble(_char_by_char(make(), text))
     assert content == text and [name for name, _ in calls] == ["add"]
+
+
+_WORDS = ["Sure.", " ", "\n", "\n\n", "a < b", "<tool", "<think", "é😀", "{", "tool_call>", "x"]
+_ARGUMENTS = st.recursive(
+    st.one_of(st.integers(-10**6, 10**6), st.booleans(), st.none(), st.floats(allow_nan=False,
+              allow_infinity=False), st.text(alphabet='ab"\\\n é😀<>{}', max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text("kéy", max_size=3), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@st.composite
+def _chat_texts(draw) -> tuple[str, str | None, bool, str]:
+    """(tool parser, reasoning parser, parallel, text): well-formed calls among content."""
+    tool_name = draw(st.sampled_from(["hermes", "llama3_json", None]))
+    reasoning = draw(st.sampled_from(["qwen3", None] if tool_name else ["qwen3"]))
+    calls = [json.dumps({"name": draw(st.sampled_from(["add", "get_weather"])),
+                         ("parameters" if tool_name == "llama3_json" else "arguments"):
+                         draw(st.dictionaries(st.text("ab", max_size=2), _ARGUMENTS, max_size=3))},
+                        ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1])))
+             for _ in range(draw(st.integers(0, 3)))]
+    words = st.lists(st.sampled_from(_WORDS), max_size=4).map("".join)
+    if tool_name == "llama3_json" and calls:
+        answer = draw(st.sampled_from(["", "<|python_tag|>", " "])) + "; ".join(calls)
+    elif tool_name == "hermes":
+        answer = draw(words) + "".join(f"<tool_call>{c}</tool_call>" + draw(words) for c in calls)
+    else:
+        answer = draw(words)
+    if reasoning and draw(st.booleans()):
+        answer = f"<think>{draw(words)}</think>{draw(st.sampled_from(['', chr(10)]))}{answer}"
+    return tool_name, reasoning, draw(st.booleans()), answer
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(case=_chat_texts(), cuts=st.lists(st.integers(0, 400), max_size=40))
+def test_deltas_on_any_split_reassemble_to_the_complete_parse(case, cuts) -> None:
+    tool_name, reasoning_name, parallel, text = case
+
+    def make() -> ChatOutputParser:
+        tools = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+        return ChatOutputParser(Qwen3ReasoningParser() if reasoning_name else None,
+                                tools[tool_name]() if tool_name else None, parallel)
+
+    parsed, parser = make().parse(text), make()
+    ends = sorted({c for c in cuts if 0 < c < len(text)} | {len(text)})
+    deltas = [parser.feed(text[start:end], finished=end == len(text))
+              for start, end in zip([0, *ends], ends, strict=False)]
+    reasoning, content, calls = _reassemble(deltas)
+    assert reasoning == (parsed.reasoning or "")
+    assert content == (parsed.content or "")
+    assert calls == [(c.function.name, c.function.arguments) for c in parsed.tool_calls]
+
+
+class _Reads:
+    """Counts the characters handed to every reader of a stream's text: the parsers'
+    streams and the JSON reader take each piece, `parse`/`split` a whole text."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.chars = 0
+        for owner, name in [(tool_parsers._HermesCallStream, "feed"),
+                            (tool_parsers._Llama3CallStream, "feed"), (ReasoningStream, "feed"),
+                            (json_stream.JsonStream, "feed"), (HermesToolParser, "parse"),
+                            (Llama3JsonToolParser, "parse"), (Qwen3ReasoningParser, "split")]:
+            monkeypatch.setattr(owner, name, self._counting(getattr(owner, name)))
+        text = json_stream.JsonStream.text
+        monkeypatch.setattr(json_stream.JsonStream, "text", lambda s, *a: self._count(text(s, *a)))
+
+    def _count(self, text: str) -> str:
+        self.chars += len(text)
+        return text
+
+    def _counting(self, method):
+        def counted(obj, text: str, *args):
+            self._count(text)
+            return method(obj, text, *args)
+        return counted
+
+
+@pytest.mark.parametrize("tool_name, reasoning_name", [
+    ("hermes", "qwen3"), ("llama3_json", None), (None, "qwen3")])
+def test_a_stream_reads_each_delta_once_however_many_deltas(
+        monkeypatch, tool_name, reasoning_name) -> None:
+    """The characters read for a stream are a few times its length, whether it comes in
+    a thousand deltas or in four thousand (re-reading the text so far would read ~n^2/2
+    of them: four times as many for four times the deltas)."""
+    arguments = json.dumps({f"k{i}": ["v", i, {"s": "é\n"}] for i in range(250)})
+    call = {"hermes": f'<tool_call>{{"name": "add", "arguments": {arguments}}}</tool_call>',
+            "llama3_json": f'{{"name": "add", "parameters": {arguments}}}', None: ""}[tool_name]
+    thought = "<think>" + "let me think. " * 300 + "</think>\n" if reasoning_name else ""
+    text = thought + ("Sure.  " * 100 if tool_name != "llama3_json" else "") + call
+    assert len(text) >= 4000
+    tools = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+    reads = _Reads(monkeypatch)
+    work = {}
+    for size in (4, 1):
+        parser = ChatOutputParser(Qwen3ReasoningParser() if reasoning_name else None,
+                                  tools[tool_name]() if tool_name else None)
+        reads.chars = 0
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        deltas = [parser.feed(p, finished=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        expected = json.dumps(json.loads(arguments), ensure_ascii=False)
+        assert _reassemble(deltas)[2] == ([("add", expected)] if tool_name else [])
+        work[size] = reads.chars
+    assert work[1] <= 1.25 * work[4], work
+    assert work[1] <= 8 * len(text), work
 
 
 # ------------------------------------------------------------------ forced calls

@@ -7,6 +7,7 @@ through the loader, and driven by the minimal engine loop of tests/model_helpers
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from model_runner import loader
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
@@ -250,6 +252,46 @@ def test_loader_errors(tmp_path: Path):
     ).save_pretrained(gpt2)
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         load_model(ModelConfig(model=str(gpt2)))
+
+
+def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, monkeypatch):
+    """A ValueError (what `serve` reports as one line, exit 1) that says what to do, and no
+    folder left that a later start could take for a finished conversion."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def full_disk(_: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")  # written before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    with pytest.raises(ValueError, match="No space left on device.*PAGEDSERVE_CACHE"):
+        loader.gguf_to_cached_folder(gguf)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(loader, "_convert_gguf",
+                        lambda _, out: (out / "config.json").write_text("{}"))
+    folder = loader.gguf_to_cached_folder(gguf)  # the next start converts again
+    assert (folder / "config.json").read_text() == "{}"
+
+
+def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from server.cli import main
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def full_disk(_: Path, out: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    with caplog.at_level(logging.INFO):
+        assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
+    (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "No space left on device" in error.getMessage() and error.exc_info is None
 
 
 # --- the sampler on hand-made logits -------------------------------------------------------

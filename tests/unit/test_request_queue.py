@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from scheduler.request import Request, RequestStatus
@@ -13,6 +15,7 @@ from scheduler.request_queue import (
     create_request_queue,
 )
 from scheduler.sampling_params import SamplingParams
+from tests.unit.scheduler_helpers import FakeClock
 
 
 def req(request_id: str, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -261,6 +264,57 @@ def test_aging_counts_only_time_spent_waiting() -> None:
     fresh = req("fresh", priority=3, arrival=120.0)  # 3 at 120 s; r is 5 - 2 = 3 then
     queue.add(fresh)
     assert ids(queue) == ["r", "fresh"]  # r waited 20 s more: 0.0 - 2 < 0.0
+
+
+def test_aging_stops_at_the_floor_and_the_bound_and_the_order_follows() -> None:
+    """At its limit a long waiter ties with the requests of that level (first by arrival),
+    and a fresh request of a better level goes before it; a request more urgent than the
+    floor does not age at all."""
+    clock = FakeClock(0.0)
+    queue = PriorityRequestQueue(aging_s=1.0, aging_floor=0, clock=clock)
+    old, bounded = req("old", priority=9, arrival=0.0), req("bounded", priority=9, arrival=1.0)
+    bounded.priority_bound = 4
+    urgent = req("urgent", priority=-3, arrival=0.0)
+    for r in (old, bounded, urgent):
+        queue.add(r)
+    clock.now = 100.0
+    peer, better = req("peer", priority=0, arrival=50.0), req("better", priority=-1, arrival=99)
+    queue.add(peer)
+    queue.add(better)
+    assert [queue.effective_priority(r, 100.0) for r in (old, bounded, urgent)] == [0, 4, -3]
+    order = ["urgent", "better", "old", "peer", "bounded"]
+    assert ids(queue) == order and [queue.pop().request_id for _ in range(5)] == order
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_aging_with_limits_pops_in_the_order_of_the_priorities_now(seed: int) -> None:
+    """Against a sort by (effective priority now, arrival) over random requests, floors,
+    bounds and times (continuous aging, as the heap orders it)."""
+    rng = random.Random(seed)
+    clock = FakeClock(0.0)
+    floor = rng.choice([None, 0, -5])
+    queue = PriorityRequestQueue(aging_s=2.0, aging_floor=floor, clock=clock)
+    live: list[Request] = []
+    for i in range(200):
+        clock.now += rng.random() * 3
+        if live and rng.random() < 0.3:
+            popped = queue.pop()
+            expected = min(live, key=lambda r: _aged_key(r, clock.now, 2.0, floor))
+            assert popped is expected
+            live.remove(popped)
+        else:
+            r = req(f"r{i}", priority=rng.randint(-8, 8), arrival=clock.now)
+            r.priority_bound = rng.choice([None, -2, 3])
+            queue.add(r)
+            live.append(r)
+
+
+def _aged_key(r: Request, now: float, aging_s: float, floor: int | None) -> tuple:
+    bounds = [b for b in (floor, r.priority_bound) if b is not None]
+    aged = r.priority - (now - r.arrival_time) / aging_s
+    if bounds:
+        aged = max(aged, min(max(bounds), r.priority))
+    return (aged, r.arrival_time, r.request_id)
 
 
 def test_aging_rejects_non_positive_period() -> None:

@@ -378,7 +378,9 @@ def test_aging_lets_a_long_waiting_request_go_first(aging_s: float | None, first
     assert scheduled_ids(out) == [first]  # old: 3 - 50 // 10 = -2 beats 1
 
 
-def test_aged_priority_is_kept_while_running() -> None:
+def test_an_aged_request_is_preempted_by_a_strictly_better_base_priority() -> None:
+    """Its aged priority shields a running request from nothing: victims go by base
+    priority, and only a strictly better one preempts."""
     clock = FakeClock(30.0)
     scheduler = make_scheduler(
         policy="priority", max_num_seqs=1, priority_aging_s=10.0, clock=clock
@@ -386,14 +388,50 @@ def test_aged_priority_is_kept_while_running() -> None:
     (old,) = make_requests(1, 4, 5, priorities=[3], first_arrival=0.0)
     scheduler.add_request(old)
     step(scheduler)  # admitted with effective priority 0
-    (peer,) = make_requests(1, 4, 1, priorities=[0], first_id=1, first_arrival=30.0)
+    assert old.effective_priority == 0
+    (peer,) = make_requests(1, 4, 1, priorities=[3], first_id=1, first_arrival=30.0)
     scheduler.add_request(peer)
     out, _ = step(scheduler)
-    assert out.preempted_ids == []  # 0 vs 0: equal, not strictly better
-    (urgent,) = make_requests(1, 4, 1, priorities=[-1], first_id=2, first_arrival=30.0)
-    scheduler.add_request(urgent)
+    assert out.preempted_ids == []  # 3 vs 3: equal, not strictly better
+    (fresh,) = make_requests(1, 4, 1, priorities=[0], first_id=2, first_arrival=30.0)
+    scheduler.add_request(fresh)
     out, _ = step(scheduler)
     assert out.preempted_ids == ["r0"] and scheduled_ids(out) == ["r2"]
+
+
+@pytest.mark.parametrize(("floor", "bound", "limit"), [
+    (0, None, 0),  # the default floor: the default priority
+    (-10, None, -10),
+    (-10, 5, 5),  # the tenant's bound, when less urgent than the floor
+    (5, -3, 5),
+])
+def test_aging_stops_at_the_floor_or_the_tenant_bound(floor, bound, limit) -> None:
+    """A priority-10 request that waited an hour ages to its limit and no further: a
+    fresh -10 request goes first, and preempts it once it runs."""
+    clock = FakeClock(3600.0)
+    scheduler = make_scheduler(policy="priority", max_num_seqs=1, priority_aging_s=1.0,
+                               priority_aging_floor=floor, clock=clock)
+
+    def waiter(i: int) -> Request:
+        (low,) = make_requests(1, 4, 3, priorities=[10], first_id=i, first_arrival=0.0)
+        low.priority_bound = bound
+        return low
+
+    def urgent(i: int) -> Request:
+        return make_requests(1, 4, 1, priorities=[-10], first_id=i, first_arrival=3600.0)[0]
+
+    low = waiter(0)
+    add_all(scheduler, [low, urgent(1)])
+    assert scheduler.waiting.effective_priority(low, clock.now) == limit
+    out, _ = step(scheduler)
+    assert scheduled_ids(out) == ["r1"]
+    run_until_done(scheduler)
+    scheduler.add_request(low := waiter(2))
+    step(scheduler)
+    assert low.effective_priority == limit  # admitted at its limit
+    scheduler.add_request(urgent(3))
+    out, _ = step(scheduler)
+    assert out.preempted_ids == ["r2"] and scheduled_ids(out) == ["r3"]
 
 
 def test_aging_orders_the_queue_but_grants_no_preemption() -> None:

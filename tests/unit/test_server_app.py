@@ -305,6 +305,19 @@ def test_api_key(serve) -> None:
     assert response.status_code == 200
 
 
+def test_a_metrics_key_closes_metrics_alone(serve) -> None:
+    """/metrics takes the metrics key and no other (a scrape-only key for Prometheus); the
+    API key and /health are not affected."""
+    client, _ = serve(api_key="s3cret", metrics_api_key="scrape")
+    assert_error(client.get("/metrics"), 401)
+    assert_error(client.get("/metrics", headers={"Authorization": "Bearer s3cret"}), 401)
+    scraped = client.get("/metrics", headers={"Authorization": "Bearer scrape"})
+    assert scraped.status_code == 200 and "pagedserve_num_requests_running" in scraped.text
+    assert client.get("/health").status_code == 200
+    assert_error(client.get("/v1/models", headers={"Authorization": "Bearer scrape"}), 401)
+    assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
 def test_failed_step_is_500_and_the_next_request_works(serve, caplog) -> None:
     client, engine = serve()
     calls = []

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -64,6 +67,7 @@ def test_every_flag_reaches_its_config() -> None:
         "--gpu-memory-utilization", "0.5", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--max-model-len", "512",
         "--no-enable-prefix-caching", "--priority-aging-s", "2.5", "--max-waiting", "10",
+        "--priority-aging-floor", "-3",
         "--api-key", "k", "--enforce-eager", "--attention-backend", "torch", "--seed", "3",
         "--shutdown-grace-s", "1", "--log-level", "warning", "--weight-dtype", "float16",
         "--kv-cache-dtype", "bfloat16",
@@ -77,6 +81,7 @@ def test_every_flag_reaches_its_config() -> None:
         True, "torch", 3, "float16", "bfloat16")
     assert (s.policy, s.max_num_seqs, s.max_num_batched_tokens, s.priority_aging_s) == (
         "priority", 4, 256, 2.5)
+    assert s.priority_aging_floor == -3
     assert (srv.served_model_name, srv.host, srv.port, srv.api_key, srv.max_waiting) == (
         "m", "0.0.0.0", 9, "k", 10)
     assert (srv.shutdown_grace_s, srv.log_level) == (1.0, "warning")
@@ -123,14 +128,15 @@ def test_invalid_values_raise_value_error(flags: list[str]) -> None:
 
 
 def test_api_key_stays_out_of_repr() -> None:
-    config = ServerConfig(api_key="top-secret")
-    assert "top-secret" not in repr(config) and "top-secret" not in str(config)
+    config = ServerConfig(api_key="top-secret", metrics_api_key="scrape-secret")
+    for secret in ("top-secret", "scrape-secret"):
+        assert secret not in repr(config) and secret not in str(config)
 
 
 @pytest.mark.parametrize(
     "fields",
-    [{"port": -1}, {"api_key": ""}, {"served_model_name": " "}, {"shutdown_grace_s": -1},
-     {"log_level": "loud"}],
+    [{"port": -1}, {"api_key": ""}, {"metrics_api_key": ""}, {"served_model_name": " "},
+     {"shutdown_grace_s": -1}, {"log_level": "loud"}],
 )
 def test_server_config_validation(fields: dict) -> None:
     with pytest.raises(ValueError):
@@ -188,6 +194,17 @@ def test_api_key_from_the_environment(monkeypatch) -> None:
     assert configs("--api-key", "flag").server.api_key == "flag"
 
 
+def test_aging_stops_at_the_default_priority_by_default() -> None:
+    assert configs("--priority-aging-s", "5").scheduler.priority_aging_floor == 0
+
+
+def test_metrics_api_key_from_the_flag_or_the_environment(monkeypatch) -> None:
+    assert configs().server.metrics_api_key is None  # /metrics open by default
+    assert configs("--metrics-api-key", "m").server.metrics_api_key == "m"
+    monkeypatch.setenv("PAGEDSERVE_METRICS_API_KEY", "from-env")
+    assert configs().server.metrics_api_key == "from-env"
+
+
 def test_simulate_step_ms_reaches_the_configs() -> None:
     assert configs().simulate_step_ms is None
     assert configs("--simulate-step-ms", "2.5").simulate_step_ms == 2.5
@@ -213,3 +230,22 @@ def test_async_scheduling_is_on_with_cuda_and_off_on_the_cpu() -> None:
     assert not configs("--no-async-scheduling", cuda=True).scheduler.async_scheduling
     with pytest.raises(ValueError, match="tensor-parallel"):
         configs("--async-scheduling", "-tp", "2")
+
+
+def test_a_taken_port_fails_the_start_before_the_model_loads() -> None:
+    """Exit 1 with one line naming the port, and nothing loaded first: the port is bound
+    before the model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "server.cli", "serve", "--simulate-step-ms", "1",
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line for line in lines if "starting:" not in line] == [
+        next(line for line in lines if "ERROR" in line)]
+    assert f"127.0.0.1:{port}" in lines[-1] and "Address already in use" in lines[-1]

@@ -353,3 +353,64 @@ def test_keys_from_the_environment_and_toml_files(tmp_path: Path) -> None:
                       f"  - name: b\n    api_key_sha256: {sha('k')}\n")
     with pytest.raises(TenantsFileError, match="share an API key"):
         TenantRegistry.from_file(shared)
+
+
+def test_each_tenant_has_its_own_prefix_cache_unless_it_shares(serve, tenants_file) -> None:
+    """cached_tokens tells a tenant nothing of the prompts another tenant sent, unless both
+    say share_cache: true."""
+    prompt = list(range(40, 60))  # 20 tokens: 4 full blocks of 4 a later request can hit
+
+    def cached(server: LiveServer, key: str) -> int:
+        usage = post(server, key, prompt=prompt, max_tokens=2).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    apart = serve()
+    assert [cached(apart, KEY_B), cached(apart, KEY_D), cached(apart, KEY_B)] == [0, 0, 16]
+    tenants_file.write_text(TENANTS_YAML.replace("    weight: 1\n",
+                                                 "    weight: 1\n    share_cache: true\n")
+                            .replace("    weight: 2\n", "    weight: 2\n    share_cache: true\n"))
+    shared = serve()
+    assert [cached(shared, KEY_B), cached(shared, KEY_D)] == [0, 16]
+
+
+def test_cache_salts_from_the_file_and_the_single_tenant(tenants_file) -> None:
+    tenants = TenantRegistry.from_file(tenants_file)
+    assert tenants.identify(KEY_C.encode()).cache_salt == "gamma"  # the file's own salt
+    assert tenants.identify(KEY_D.encode()).cache_salt == "delta"  # its name
+    assert TenantRegistry.single(None).identify(None).cache_salt is None  # as before
+    assert TenantRegistry.single("k").identify(b"k").cache_salt is None
+    tenants_file.write_text(TENANTS_YAML.replace("cache_salt: gamma",
+                                                 "cache_salt: gamma\n    share_cache: true"))
+    with pytest.raises(TenantsFileError, match="share_cache and cache_salt"):
+        tenants.reload(tenants_file)
+
+
+def test_a_tenants_file_that_is_not_utf8_is_one_clear_line(tenants_file, caplog) -> None:
+    """At start: exit 1 before anything loads; on SIGHUP: the old tenants stay. Either
+    way one error line naming the file, no traceback."""
+    from server.cli import _reload_tenants, main
+
+    tenants = TenantRegistry.from_file(tenants_file)
+    tenants_file.write_bytes(TENANTS_YAML.encode().replace(b"delta", b"d\xe9lta"))
+    with caplog.at_level(logging.INFO):
+        _reload_tenants(tenants, str(tenants_file))
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "not UTF-8" in record.getMessage() and str(tenants_file) in record.getMessage()
+    assert record.exc_info is None and tenants.identify(KEY_D.encode()).name == "delta"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert main(["serve", "--tenants", str(tenants_file), "--simulate-step-ms", "1"]) == 1
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "not UTF-8" in record.getMessage() and record.exc_info is None
+
+
+def test_requests_carry_their_tenants_priority_bound_into_the_scheduler(serve) -> None:
+    """The bound aging stops at (scheduler/request_queue.py)."""
+    server = serve()
+    core = server.engine._in_process_core()
+    bounds: dict[str, int | None] = {}
+    server.engine.fault_hook = lambda _: bounds.update(
+        {r.tenant: r.priority_bound for r in core.scheduler.requests.values()})
+    for key in (KEY_A, KEY_B, KEY_D):
+        assert post(server, key).status_code == 200
+    assert bounds == {"alpha": -5, "beta": 0, "delta": None}
