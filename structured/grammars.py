@@ -12,11 +12,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLParserLimits
 
 # NOTE: compact JSON (no free whitespace): a small model allowed to write whitespace can
 # spend its whole max_tokens on newlines inside an object.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+# NOTE: llguidance's defaults let the first mask of `(a{1000}){1000}` take 2 s (1M of
+# initial lexer fuel) and a grammar hold 250k lexer states (1-2 kB each); these bound a
+# grammar's lexer to a fifth of that, far above what JSON schemas and tool calls use. A
+# grammar over them fails to compile, or fails its request when a later mask needs more.
+# Errors leave out the parser's state dump (they reach the client).
+PARSER_LIMITS = LLParserLimits(
+    initial_lexer_fuel=200_000, max_lexer_states=50_000, verbose_errors=False
+)
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
@@ -57,6 +66,6 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 def check_grammar(grammar: str) -> None:
     """ValueError saying why, when the engine could not compile `grammar`."""
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, limits=PARSER_LIMITS)
     if error:
         raise ValueError(error)
