@@ -89,5 +89,11 @@ class GrammarCompiler:
             mask = np.empty(words, dtype=np.int32)
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
         if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+            raise ValueError(f"the grammar does not compile: {matcher_error(matcher)}")
         return matcher
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """Why a matcher is in its error state, without the marker that errors without the
+    parser's state end with (PARSER_LIMITS)."""
+    return str(matcher.get_error()).removesuffix("<non-verbose/>").strip()

@@ -27,7 +27,7 @@ from llguidance import LLMatcher
 
 from scheduler.output import GrammarBitmask, SchedulerOutput
 from scheduler.request import Request
-from structured.compiler import GrammarCompiler
+from structured.compiler import GrammarCompiler, matcher_error
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class StructuredOutputs:
         mask = np.empty(words, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
         if matcher.is_error():
-            raise ValueError(f"its grammar failed: {matcher.get_error()}")
+            raise ValueError(f"its grammar failed: {matcher_error(matcher)}")
         return mask
 
     def _collect(
@@ -191,4 +191,4 @@ class StructuredOutputs:
 
     def error(self, request_id: str) -> str:
         """Why a request's matcher failed (after a VIOLATED)."""
-        return f"its output left its grammar: {self._matchers[request_id].get_error()}"
+        return f"its grammar failed: {matcher_error(self._matchers[request_id])}"
