@@ -6,7 +6,6 @@ others (llguidance on a byte vocabulary)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import threading
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.structured_output import GrammarError, json_depth, lark_depth, request_grammar
 from structured.compiler import GrammarCompiler
 from structured.grammars import choice_grammar, regex_grammar
-from structured.matchers import StructuredOutputs
+from structured.matchers import StepMasks, StructuredOutputs
 from tests.conftest import BYTE_EOS
 from tests.structured_helpers import MaskedRandomRunner, make_structured
 
@@ -240,20 +239,6 @@ class _FailingMatcher(_SlowMatcher):
         return "lexer error: too many expressions constructed"
 
 
-def _wait_but_one(
-    futures: Any, timeout: float | None
-) -> tuple[set[concurrent.futures.Future], set[concurrent.futures.Future]]:
-    """concurrent.futures.wait as if the deadline passed once all rows but one were done."""
-    pending = set(futures)
-    done: set[concurrent.futures.Future] = set()
-    assert timeout is not None
-    while len(pending) > 1:
-        finished = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED").done
-        done |= finished
-        pending -= finished
-    return done, pending
-
-
 def _core(structured: StructuredOutputs) -> EngineCore:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
@@ -289,20 +274,28 @@ def _run_out(core: EngineCore) -> dict[str, str]:
     return ends
 
 
-def test_a_late_mask_fails_only_its_request_and_the_step_goes_on() -> None:
+def test_a_late_mask_fails_only_its_request_and_the_step_goes_on(monkeypatch) -> None:
     structured = make_structured()
     structured.step_timeout_s = 0.5
-    structured._wait = _wait_but_one  # the deadline passes with the slow row still out
     core = _core(structured)
     grammar = regex_grammar("[a-c]{20}")
     _start(core, {"slow": grammar, "fast": grammar, "free": None})
     gate = threading.Event()
     structured._matchers["slow"] = _SlowMatcher(structured._matchers["slow"], gate)
+    deadlines = []
+
+    def wait(masks: StepMasks, deadline: float | None) -> None:
+        deadlines.append(deadline)  # it passes once every row but the slow one is done
+        wait_all(masks, None, max_pending=1)
+
+    wait_all = StepMasks.wait
+    monkeypatch.setattr(StepMasks, "wait", wait)
     try:
         deltas = _by_id(core.step())
     finally:
         gate.set()
-        structured._wait = concurrent.futures.wait
+        monkeypatch.undo()
+    assert len(deadlines) == 1 and deadlines[0] is not None
     assert deltas["slow"].error and "--grammar-step-timeout-s" in deltas["slow"].error
     assert not deltas["slow"].new_token_ids and deltas["slow"].finish_reason is None
     assert len(deltas["fast"].new_token_ids) == 1 and not deltas["fast"].error
