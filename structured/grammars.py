@@ -2,9 +2,10 @@
 
 Every kind of structured output (a JSON schema, any JSON object, a regex, a choice of
 strings, a Lark grammar, the tool-call formats of server/tool_parsers.py) becomes one
-grammar string. The engine core compiles it for its tokenizer (structured/compiler.py);
-`check_grammar` validates it here first, without a tokenizer, so that a grammar the
-engine cannot compile is a 400 that says why.
+grammar string, compiled for the model's tokenizer (structured/compiler.py) by the API
+process before the request is admitted and by the engine core; `check_grammar` validates
+it first, without a tokenizer, so that a malformed grammar is a 400 that says why at once.
+Both run under `PARSER_LIMITS`.
 """
 
 from __future__ import annotations
