@@ -181,10 +181,15 @@ class StepMasks:
             except IndexError:
                 return
             row = self.bitmask[index]
-            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            try:
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                error = matcher_error(matcher) if matcher.is_error() else None
+            except Exception as exc:  # NOTE: a row is never left undone
+                logger.exception("grammar mask failed")
+                error = str(exc)
             with self._cond:
-                if matcher.is_error():
-                    self._errors[index] = f"its grammar failed: {matcher_error(matcher)}"
+                if error is not None:
+                    self._errors[index] = f"its grammar failed: {error}"
                 self._done.add(index)
                 if self._num_pending() <= self._max_pending:
                     self._cond.notify_all()

@@ -239,6 +239,13 @@ class _FailingMatcher(_SlowMatcher):
         return "lexer error: too many expressions constructed"
 
 
+class _RaisingMatcher(_SlowMatcher):
+    """A matcher whose mask raises (llguidance's API errors)."""
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        raise RuntimeError("too many expressions")
+
+
 def _core(structured: StructuredOutputs) -> EngineCore:
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
@@ -308,12 +315,13 @@ def test_a_late_mask_fails_only_its_request_and_the_step_goes_on(monkeypatch) ->
     assert core.scheduler.kv_cache.usage == 0 and not structured._matchers
 
 
-def test_a_matcher_error_mid_generation_ends_its_request_with_an_error() -> None:
+@pytest.mark.parametrize("failing", [_FailingMatcher, _RaisingMatcher])
+def test_a_matcher_error_mid_generation_ends_its_request_with_an_error(failing: type) -> None:
     structured = make_structured()
     core = _core(structured)
     grammar = choice_grammar(["yes", "no"])
     _start(core, {"bad": grammar, "good": grammar})
-    structured._matchers["bad"] = _FailingMatcher(structured._matchers["bad"], threading.Event())
+    structured._matchers["bad"] = failing(structured._matchers["bad"], threading.Event())
     deltas = _by_id(core.step())
     assert "too many expressions" in (deltas["bad"].error or "")
     assert deltas["bad"].finish_reason is None and deltas["good"].new_token_ids
