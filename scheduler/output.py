@@ -83,11 +83,14 @@ class SchedulerOutput:
 @dataclass
 class GrammarBitmask:
     """Token masks of a step's constrained rows: `rows` maps a request id to its row of
-    `bitmask`, an int32 array [len(rows), ceil(vocab / 32)] (numpy) in which bit t of a
-    row allows token t."""
+    `bitmask`, an int32 array [n >= len(rows), ceil(vocab / 32)] (numpy) in which bit t of
+    a row allows token t (rows that `rows` does not name are unused). `failed` names the
+    constrained rows that have no mask (it was late, or the grammar failed), with why:
+    the engine core fails their requests after the step, whatever they sample."""
 
     rows: dict[str, int]
     bitmask: Any
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -61,7 +61,7 @@ class ChatCompletions:
         prompt = await serving.in_pool(serving.render_chat, body)
         serving.check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
-        grammar = await serving.grammar(body, forced_tool_grammar(body, tool_parser))
+        grammar = await serving.grammar(body, lambda: forced_tool_grammar(body, tool_parser))
         params = serving.sampling_params(body, max_tokens, body.num_logprobs, grammar)
         request_id = random_id("chatcmpl")
         stream = serving.submit(request_id, [prompt], params, body, placement, arrival)

@@ -472,6 +472,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
         simulate_step_ms=configs.simulate_step_ms,
         stream_interval=configs.stream_interval,
         log_level=configs.server.log_level,
+        grammar_step_timeout_s=configs.server.limits.grammar_step_timeout_s,
     )
     engine: Engine | DataParallelEngine
     try:

@@ -16,7 +16,9 @@ freeing their blocks; the loop goes on. Any other exception ends the loop.
 
 Requests with a grammar go through `StructuredOutputs` (structured/matchers.py): they
 reach the scheduler once their grammar is compiled, each step's plan carries the masks of
-their sampling rows, and a request whose grammar is complete stops there.
+their sampling rows, and a request whose grammar is complete stops there. A request whose
+mask missed the step's deadline, or whose grammar failed, ends with an `error` delta
+alone; the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -285,20 +287,41 @@ class EngineCore:
         """Wait for a launched step's tokens and apply them: the deltas of its requests."""
         runner_output = in_flight.launched.result()
         updated = self.scheduler.update(in_flight.plan, runner_output)
+        failed: dict[str, str] = {}
         if self.structured is not None:
-            self._advance_grammars(self.structured, updated)
-        return [self._delta(request) for request in updated]
+            failed = self._advance_grammars(self.structured, in_flight.plan, updated)
+        deltas = [self._delta(request) for request in updated
+                  if request.request_id not in failed]
+        return deltas + self._fail(failed)
 
-    def _advance_grammars(self, structured: StructuredOutputs, updated: list[Request]) -> None:
-        """Feed the new tokens to the matchers; stop the requests whose grammar ended (or
-        was left: a runner that ignores masks)."""
+    def _advance_grammars(
+        self, structured: StructuredOutputs, plan: SchedulerOutput, updated: list[Request]
+    ) -> dict[str, str]:
+        """Feed the new tokens to the matchers and stop the requests whose grammar ended;
+        returns the requests to fail, with why: their mask was missing in this step (late,
+        or the grammar failed), or their matcher failed on the new tokens."""
+        failed = {} if plan.grammar_bitmask is None else dict(plan.grammar_bitmask.result().failed)
         done = []
         for request in updated:
-            if structured.is_constrained(request.request_id) and not request.is_finished:
-                if structured.accept(request) is not GrammarState.OPEN:
-                    done.append(request.request_id)
+            request_id = request.request_id
+            if (request_id in failed or request.is_finished
+                    or not structured.is_constrained(request_id)):
+                continue
+            state = structured.accept(request)
+            if state is GrammarState.ENDED:
+                done.append(request_id)
+            elif state is GrammarState.VIOLATED:
+                failed[request_id] = structured.error(request_id)
         if done:
             self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        return failed
+
+    def _fail(self, errors: dict[str, str]) -> list[RequestDelta]:
+        """End these requests with an error (not a finish reason), freeing their blocks;
+        the token a step sampled for them is not sent."""
+        ids = [request_id for request_id in errors if request_id in self._num_sent]
+        self._finish(ids, RequestStatus.FINISHED_ABORTED)
+        return [RequestDelta(request_id, [], error=errors[request_id]) for request_id in ids]
 
     def idle_message(self) -> StepOutputs | None:
         """Between steps: the errors and stats that commands produced, if any."""

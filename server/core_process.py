@@ -74,6 +74,7 @@ class CoreConfig:
     log_level: str = "info"
     num_threads: int | None = None  # torch's CPU threads (None: its default)
     name: str = "core"  # in the core's log lines (data parallelism: core0, core1, ...)
+    grammar_step_timeout_s: float | None = None  # the steps' grammar-mask deadline
 
 
 class ProcessCoreClient:
@@ -249,6 +250,7 @@ def core_main(
             config.model, config.scheduler, enable_prefix_caching=config.enable_prefix_caching,
             served_model_name=config.served_model_name,
             simulate_step_ms=config.simulate_step_ms,
+            grammar_step_timeout_s=config.grammar_step_timeout_s,
         )
     except Exception as exc:
         send(LoadFailed(type(exc).__name__, str(exc)))

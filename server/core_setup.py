@@ -30,6 +30,7 @@ def build_core_parts(
     enable_prefix_caching: bool = True,
     served_model_name: str | None = None,
     simulate_step_ms: float | None = None,
+    grammar_step_timeout_s: float | None = None,
 ) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo, StructuredOutputs | None]:
     """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
     SimulatedRunner), size the KV cache and build the scheduler that matches it. With
@@ -39,6 +40,7 @@ def build_core_parts(
 
     The context length is the model's (or model_config.max_model_len), capped to what
     the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
+    `grammar_step_timeout_s` is the steps' grammar-mask deadline (StructuredOutputs).
     """
     runner: ModelRunner | SimulatedRunner
     if simulate_step_ms is not None:
@@ -80,12 +82,14 @@ def build_core_parts(
         policy=scheduler_config.policy,
         eos_token_ids=sorted(eos_token_ids),
     )
-    structured = _structured_outputs(tokenizer, info)
+    structured = _structured_outputs(tokenizer, info, grammar_step_timeout_s)
     info.structured_outputs = structured is not None
     return scheduler, runner, info, structured
 
 
-def _structured_outputs(tokenizer: Any, info: CoreInfo) -> StructuredOutputs | None:
+def _structured_outputs(
+    tokenizer: Any, info: CoreInfo, step_timeout_s: float | None
+) -> StructuredOutputs | None:
     """Grammar state on the model's tokenizer; None (constrained requests then fail)
     when llguidance cannot read the tokenizer (it needs a fast one)."""
     try:
@@ -93,4 +97,4 @@ def _structured_outputs(tokenizer: Any, info: CoreInfo) -> StructuredOutputs | N
     except ValueError as exc:
         logger.warning("structured outputs are off: %s", exc)
         return None
-    return StructuredOutputs(GrammarCompiler(ll_tokenizer))
+    return StructuredOutputs(GrammarCompiler(ll_tokenizer), step_timeout_s)

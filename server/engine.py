@@ -50,6 +50,7 @@ from server.messages import (
 )
 from server.metrics import ServerMetrics
 from server.tenants import DEFAULT_TENANT
+from structured.compiler import build_ll_tokenizer
 from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,9 @@ class EngineInfo:
     tokenizer: Any = field(repr=False)
     eos_token_ids: frozenset[int] = frozenset()
     structured_outputs: bool = False  # the core can enforce grammars
+    # the llguidance tokenizer the API process compiles grammars with (server/serving.py);
+    # None without structured outputs
+    grammar_tokenizer: Any = field(default=None, repr=False)
 
 
 class CoreClient(Protocol):
@@ -343,7 +347,10 @@ class Engine:
         stream_interval: int = 1,
         structured: StructuredOutputs | None = None,
     ) -> Engine:
-        """An engine whose core runs on a thread of this process (not started)."""
+        """An engine whose core runs on a thread of this process (not started); the
+        core's grammar tokenizer is this process's too."""
+        if structured is not None:
+            info = replace(info, grammar_tokenizer=structured.compiler.tokenizer)
         core = EngineCore(scheduler, runner, info.eos_token_ids, structured=structured)
         return cls(InProcessCoreClient(core), info, metrics, step_timeout_s, stream_interval)
 
@@ -774,6 +781,10 @@ class EngineStart:
         """The engine, started, once the core is ready (`metrics_factory`: the metrics
         for the served model's name). Raises what `create_engine` raises."""
         core_info = self._client.wait_ready(self._ready_timeout_s)
+        grammar_tokenizer = None
+        if core_info.structured_outputs:  # the core read this tokenizer: so can we
+            grammar_tokenizer = build_ll_tokenizer(self._tokenizer, core_info.vocab_size,
+                                                   core_info.eos_token_ids)
         info = EngineInfo(
             model_name=core_info.model_name,
             max_model_len=core_info.max_model_len,
@@ -782,6 +793,7 @@ class EngineStart:
             tokenizer=self._tokenizer,
             eos_token_ids=frozenset(core_info.eos_token_ids),
             structured_outputs=core_info.structured_outputs,
+            grammar_tokenizer=grammar_tokenizer,
         )
         engine = Engine(self._client, info, step_timeout_s=self._step_timeout_s,
                         stream_interval=self._stream_interval,
@@ -807,20 +819,22 @@ def start_engine(
     log_level: str = "info",
     core_name: str = "core",
     num_threads: int | None = None,
+    grammar_step_timeout_s: float | None = None,
 ) -> EngineStart:
     """Start the engine core in its own process (it loads the model, sizes the KV cache
     and builds the matching scheduler; see `build_core_parts`); `EngineStart.wait` gives
     the engine once the core is ready.
 
     The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
-    `core_name` and `num_threads` are for data parallelism (server/data_parallel.py).
+    `core_name` and `num_threads` are for data parallelism (server/data_parallel.py);
+    `grammar_step_timeout_s` is the steps' grammar-mask deadline (--grammar-step-timeout-s).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
     spec = load_model_spec(model_config)
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
-        simulate_step_ms, log_level, num_threads, core_name,
+        simulate_step_ms, log_level, num_threads, core_name, grammar_step_timeout_s,
     ))
     return EngineStart(client, spec.tokenizer, step_timeout_s, stream_interval,
                        ready_timeout_s)

@@ -56,8 +56,9 @@ from server.protocol import (
     SamplingRequest,
     UsageInfo,
 )
-from server.structured_output import GrammarError, request_grammar
+from server.structured_output import Constraint, GrammarError, request_grammar
 from server.tenants import Seat, Tenant, TenantRefused
+from structured.compiler import GrammarCompiler
 
 # A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
 _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -126,6 +127,11 @@ class Serving:
         self._render_pool = concurrent.futures.ThreadPoolExecutor(
             _RENDER_THREADS, thread_name_prefix="render"
         )
+        # NOTE: grammars compile (and compute their first mask) on threads of their own, not
+        # the tokenizer's: a slow grammar delays no prompt.
+        grammar_tokenizer = engine.info.grammar_tokenizer
+        self.grammars = (None if grammar_tokenizer is None
+                         else GrammarCompiler(grammar_tokenizer, num_threads=2))
         self.model_names = (engine.info.model_name, *config.model_aliases)
 
     @property
@@ -296,17 +302,42 @@ class Serving:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    async def grammar(self, body: SamplingRequest, tool_grammar: str | None = None) -> str | None:
-        """The request's output grammar (server/structured_output.py), built and checked
-        on the tokenizer thread; a 400 naming why it cannot be."""
+    async def grammar(
+        self, body: SamplingRequest, forced_tool: Callable[[], str | None] | None = None
+    ) -> str | None:
+        """The request's output grammar (server/structured_output.py; `forced_tool` builds
+        a forced tool call's), within the grammar budgets and checked on the tokenizer
+        thread, then compiled for the model's tokenizer with its first mask; a 400 naming
+        why it cannot be."""
         try:
-            grammar = await self.in_pool(request_grammar, body, tool_grammar)
+            constraint = await self.in_pool(request_grammar, body, self.config.limits,
+                                            forced_tool)
         except GrammarError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
-        if grammar is not None and not self.engine.info.structured_outputs:
+        if constraint is None:
+            return None
+        if self.grammars is None:
             raise APIError(400, "Structured outputs and forced tool calls are not available "
                            "on this server (its tokenizer is not one llguidance reads).")
-        return grammar
+        await self._compile(self.grammars, constraint)
+        return constraint.grammar
+
+    async def _compile(self, grammars: GrammarCompiler, constraint: Constraint) -> None:
+        """Compile the grammar and compute its first mask (cached by grammar) within
+        --grammar-timeout-s; a 400 when it fails or takes longer (the compile then runs on,
+        within llguidance's limits, and stays cached)."""
+        limit = self.config.limits.grammar_timeout_s
+        compiled = asyncio.wrap_future(grammars.compile(constraint.grammar))
+        done, _ = await asyncio.wait({compiled}, timeout=limit)
+        param = constraint.param
+        if not done:
+            compiled.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise APIError(400, f"{param}: " + over_limit(
+                "the grammar took too long to compile and compute its first token mask",
+                limit, "grammar_timeout_s"), param=param)
+        error = compiled.exception()
+        if error is not None:
+            raise APIError(400, f"{param}: {error}", param=param) from error
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """On the tokenizer thread."""

@@ -1,4 +1,4 @@
-"""Grammar compilation for the engine core: off the step loop, cached by grammar.
+"""Grammar compilation for a tokenizer: off the caller's thread, cached by grammar.
 
 `GrammarCompiler.compile(grammar)` returns a future of a compiled grammar: an llguidance
 matcher in its start state, which every request constrained by that grammar copies. The
@@ -6,6 +6,12 @@ compile runs on a thread pool (llguidance drops the GIL while it builds the gram
 the futures are kept in an LRU cache keyed by the grammar string, so the choices of an
 n > 1 request and repeated schemas compile once. A grammar that fails to compile is
 cached too: its future raises the ValueError again.
+
+A compile includes the first token mask (computed on the start-state matcher, whose
+lexer states its copies then share), and both run under llguidance's resource limits
+(`PARSER_LIMITS` of structured/grammars.py): a grammar too costly for them fails here,
+not in a step. The API process compiles each grammar before admitting its request
+(bounded in time by --grammar-timeout-s), the engine core again for its own matchers.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 from llguidance import LLMatcher
+
+from structured.grammars import PARSER_LIMITS
 
 DEFAULT_CACHE_SIZE = 256
 
@@ -74,7 +83,17 @@ class GrammarCompiler:
             return future
 
     def _compile(self, grammar: str) -> LLMatcher:
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+        if not matcher.is_error():
+            words = (self.vocab_size + 31) // 32
+            mask = np.empty(words, dtype=np.int32)
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
         if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+            raise ValueError(f"the grammar does not compile: {matcher_error(matcher)}")
         return matcher
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """Why a matcher is in its error state, without the marker that errors without the
+    parser's state end with (PARSER_LIMITS)."""
+    return str(matcher.get_error()).removesuffix("<non-verbose/>").strip()

@@ -2,9 +2,10 @@
 
 Every kind of structured output (a JSON schema, any JSON object, a regex, a choice of
 strings, a Lark grammar, the tool-call formats of server/tool_parsers.py) becomes one
-grammar string. The engine core compiles it for its tokenizer (structured/compiler.py);
-`check_grammar` validates it here first, without a tokenizer, so that a grammar the
-engine cannot compile is a 400 that says why.
+grammar string, compiled for the model's tokenizer (structured/compiler.py) by the API
+process before the request is admitted and by the engine core; `check_grammar` validates
+it first, without a tokenizer, so that a malformed grammar is a 400 that says why at once.
+Both run under `PARSER_LIMITS`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLParserLimits
 
 # NOTE: compact JSON (no free whitespace): a small model allowed to write whitespace can
 # spend its whole max_tokens on newlines inside an object.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+# NOTE: llguidance's defaults let the first mask of `(a{1000}){1000}` take 2 s (1M of
+# initial lexer fuel) and a grammar hold 250k lexer states (1-2 kB each); these bound a
+# grammar's lexer to a fifth of that, far above what JSON schemas and tool calls use. A
+# grammar over them fails to compile, or fails its request when a later mask needs more.
+# Errors leave out the parser's state dump (they reach the client).
+PARSER_LIMITS = LLParserLimits(
+    initial_lexer_fuel=200_000, max_lexer_states=50_000, verbose_errors=False
+)
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
@@ -57,6 +67,6 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 def check_grammar(grammar: str) -> None:
     """ValueError saying why, when the engine could not compile `grammar`."""
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, limits=PARSER_LIMITS)
     if error:
         raise ValueError(error)

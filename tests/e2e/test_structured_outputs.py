@@ -181,12 +181,35 @@ def test_json_object_and_lark_grammar_and_chat_json_schema(server) -> None:
     ({"structured_outputs": {"regex": "(unclosed"}}, "regex"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "undefined_rule"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    # what only the compile for the model's tokenizer rejects, and the budgets
+    ({"structured_outputs": {"grammar": "start: <|nope|>"}}, "<|nope|>"),
+    ({"structured_outputs": {"grammar": "start: <[999999]>"}}, "999999"),
+    ({"structured_outputs": {"json": '{"items":' * 50_000 + "{}" + "}" * 50_000}},
+     "--max-grammar-bytes"),
+    ({"structured_outputs": {"json": '{"items":' * 65 + "{}" + "}" * 65}},
+     "--max-grammar-depth"),
 ])
 def test_uncompilable_constraints_are_400_saying_why(server, body, needle) -> None:
     response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
     assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_costly_grammar_fails_alone_and_never_with_stop(server) -> None:
+    costly = {"prompt": "aaaa", "max_tokens": 64,
+              "structured_outputs": {"regex": "(a{1000}){1000}"}}
+    with ThreadPoolExecutor(2) as pool:
+        hostile = pool.submit(post, server, "/v1/completions", costly)
+        other = _constrained(server, SCHEMAS[0], 0.0)
+        response = hostile.result()
+    jsonschema.validate(json.loads(other[0]), SCHEMAS[0])
+    if response.status_code == 400:  # its compile and first mask outlived the time limit
+        assert "--grammar-timeout-s" in response.json()["error"]["message"]
+    else:  # its lexer gives up on a later mask: an error, not finish_reason "stop"
+        assert response.status_code == 500, response.text
+        assert "grammar" in response.json()["error"]["message"]
+    assert scheduler_state(server)["integrity"] == "ok"
 
 
 # ------------------------------------------------------------------ tools

@@ -21,6 +21,7 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.core import EngineCore
+from server.limits import RequestLimits
 from server.messages import AddRequests, FinishRequests, NewRequest
 from server.protocol import CompletionRequest
 from server.structured_output import GrammarError, request_grammar
@@ -34,6 +35,8 @@ from tests.structured_helpers import (
     byte_ll_tokenizer,
     make_structured,
 )
+
+LIMITS = RequestLimits()
 
 PERSON = {
     "type": "object",
@@ -302,18 +305,18 @@ def _completion(**fields) -> CompletionRequest:
 ])
 def test_uncompilable_constraints_name_the_field(fields, param) -> None:
     with pytest.raises(GrammarError) as info:
-        request_grammar(_completion(**fields))
+        request_grammar(_completion(**fields), LIMITS)
     assert info.value.param == param
 
 
 def test_constraint_kinds_become_grammars() -> None:
-    assert request_grammar(_completion()) is None
-    assert request_grammar(_completion(response_format={"type": "text"})) is None
+    assert request_grammar(_completion(), LIMITS) is None
+    assert request_grammar(_completion(response_format={"type": "text"}), LIMITS) is None
     for so in ({"json": {"type": "integer"}}, {"json": '{"type": "integer"}'},
                {"regex": "[a-z]+"}, {"choice": ["a", "b"]}, {"json_object": True},
                {"grammar": 'start: "x"'}):
-        assert request_grammar(_completion(structured_outputs=so))
-    assert request_grammar(_completion(response_format={"type": "json_object"}))
+        assert request_grammar(_completion(structured_outputs=so), LIMITS)
+    assert request_grammar(_completion(response_format={"type": "json_object"}), LIMITS)
 
 
 def test_structured_outputs_take_exactly_one_kind() -> None:
