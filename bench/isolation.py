@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import statistics
@@ -215,20 +216,21 @@ async def post(context: Context, route: str, body: Body, *, stream: bool = False
 async def _read_stream(client: httpx.AsyncClient, route: str, content: bytes,
                        headers: dict[str, str], stream_s: float) -> Answer:
     finish_reasons: list[str] = []
-    deadline = time.monotonic() + stream_s
     async with client.stream("POST", route, content=content, headers=headers) as response:
         if response.status_code != 200:
             await response.aread()
             return Answer((response.status_code,), _error_message(response))
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    return Answer((200,), stream_error=str(event["error"].get("message")))
-                finish_reasons += [c["finish_reason"] for c in event.get("choices", ())
-                                   if c.get("finish_reason")]
-            if time.monotonic() > deadline:
-                break  # long enough: the client goes away (the server aborts it)
+        # NOTE: by time, not by events: an open tool call may send nothing for long.
+        with contextlib.suppress(TimeoutError):  # long enough: the client goes away
+            async with asyncio.timeout(stream_s):
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        return Answer((200,), stream_error=str(event["error"].get("message")))
+                    finish_reasons += [c["finish_reason"] for c in event.get("choices", ())
+                                       if c.get("finish_reason")]
     return Answer((200,), finish_reasons=tuple(finish_reasons))
 
 
@@ -280,7 +282,7 @@ async def _slowloris(context: Context) -> Answer:
 
 async def _slow_reader(context: Context) -> Answer:
     """A stream whose client reads nothing for stream_s, then reads it to the end."""
-    body = {"prompt": "Tell a long story.", "max_tokens": 48, "ignore_eos": True,
+    body = {"prompt": "Tell a long story.", "max_tokens": 32, "ignore_eos": True,
             "stream": True}
     client = context.clients["attacker"]
     async with client.stream("POST", COMPLETIONS, json=body) as response:
@@ -294,7 +296,7 @@ async def _slow_reader(context: Context) -> Answer:
 
 async def _in_flight_flood(context: Context) -> Answer:
     """Twice the attacker's seats at once: the ones beyond are 429s, the others served."""
-    body = {"prompt": "Count to ten:", "max_tokens": 4, "ignore_eos": True}
+    body = {"prompt": "Count to ten:", "max_tokens": 8, "ignore_eos": True}
     responses = await asyncio.gather(*(
         context.clients["attacker"].post(COMPLETIONS, json=body)
         for _ in range(2 * ATTACKER_MAX_IN_FLIGHT)))
@@ -533,6 +535,8 @@ async def run_attack(url: str, pids: dict[str, int], attack: Attack,
                                             config.timeout_s + 5)
         except TimeoutError:
             answer = Answer((0,), f"no answer within {config.timeout_s + 5:g} s")
+        except httpx.HTTPError as exc:  # the connection broke, or a probe's status
+            answer = Answer((0,), f"{type(exc).__name__}: {exc}")
         measure.duration_s = time.perf_counter() - started
         await asyncio.sleep(max(0.0, config.min_window_s - measure.duration_s))
         for task in tasks:
