@@ -170,14 +170,14 @@ Body = dict[str, Any] | bytes
 
 @dataclass(frozen=True)
 class Attack:
-    """One hostile request: POST `body` (or `body()`) to `route` as the attacker,
-    streamed when `stream`; or `send(context)` for what is not one POST."""
+    """One hostile request: POST `body` (or `body()`) to `route` as the attacker (read
+    as a stream when the body asks for one); or `send(context)` for what is not one
+    POST."""
 
     name: str
     expect: Expect
     route: str = COMPLETIONS
     body: Body | Callable[[], Body] | None = None
-    stream: bool = False
     send: Callable[[Context], Awaitable[Answer]] | None = None
 
     async def run(self, context: Context) -> Answer:
@@ -185,7 +185,7 @@ class Attack:
             return await self.send(context)
         body = self.body() if callable(self.body) else self.body
         assert body is not None, self.name
-        return await post(context, self.route, body, stream=self.stream)
+        return await post(context, self.route, body)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -195,14 +195,13 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:300]
 
 
-async def post(context: Context, route: str, body: Body, *, stream: bool = False,
-               tenant: str = "attacker") -> Answer:
-    """`body` to `route` as `tenant`; a stream is read until its end or stream_s."""
-    client = context.clients[tenant]
+async def post(context: Context, route: str, body: Body) -> Answer:
+    """`body` to `route` as the attacker; a stream is read until its end or stream_s."""
+    client = context.clients["attacker"]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     try:
-        if not stream:
+        if not (isinstance(body, dict) and body.get("stream")):
             response = await client.post(route, content=content, headers=headers)
             if response.status_code != 200:
                 return Answer((response.status_code,), _error_message(response))
@@ -343,8 +342,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("hermes_tool_stream", served(), CHAT,
            {"messages": [{"role": "user", "content": "Echo a long text."}],
             "tools": [_ECHO_TOOL], "tool_choice": "auto", "max_tokens": 4000,
-            "ignore_eos": True, "stream": True, "structured_outputs": {"regex": _ENDLESS_CALL}},
-           stream=True),
+            "ignore_eos": True, "stream": True, "structured_outputs": {"regex": _ENDLESS_CALL}}),
     Attack("cross_tenant_cache_probe", served(), send=_cross_tenant_cache),
     Attack("logit_bias_superscript_key", refused(400),
            body={"prompt": "Hi", "max_tokens": 2, "logit_bias": {"²": 1}}),
@@ -459,8 +457,15 @@ def _p99(values: Sequence[float]) -> float | None:
 async def _victim(client: httpx.AsyncClient, running: asyncio.Event, attacked: asyncio.Event,
                   measure: Measure) -> None:
     """Streams VICTIM_BODY back to back until cancelled: the gaps and TTFTs seen after the
-    attack began (a gap still open when cancelled counts too)."""
-    last: float | None = None
+    attack began (a gap or a first token still awaited when cancelled counts too: a stalled
+    stream shows)."""
+    sent, last = time.perf_counter(), None
+
+    def record(now: float) -> None:
+        if attacked.is_set():
+            (measure.ttft_s if last is None else measure.itl_s).append(
+                now - (sent if last is None else last))
+
     try:
         while True:
             sent, last = time.perf_counter(), None
@@ -469,17 +474,12 @@ async def _victim(client: httpx.AsyncClient, running: asyncio.Event, attacked: a
                     measure.victim_error = f"{response.status_code}: {await response.aread()!r}"
                     return
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.perf_counter()
-                    if attacked.is_set():
-                        (measure.ttft_s if last is None else measure.itl_s).append(
-                            now - (sent if last is None else last))
-                    last = now
-                    running.set()
+                    if line.startswith("data: {"):
+                        record(now := time.perf_counter())
+                        last = now
+                        running.set()
     except asyncio.CancelledError:
-        if last is not None and attacked.is_set():
-            measure.itl_s.append(time.perf_counter() - last)
+        record(time.perf_counter())
         raise
     except httpx.HTTPError as exc:
         measure.victim_error = repr(exc)
