@@ -6,7 +6,7 @@ against what is expected (a 4xx naming the limit and its flag, or served within 
 the victim's inter-token latency (p50/p99/max) and TTFT against the unattacked run of
 the same server, /health latency, the RSS growth of the server's processes (the API
 process and the engine core), the API process's CPU seconds, and the pool idle afterwards
-(read by the `operator` tenant). `bounds_violations` holds the bounds the isolation
+(read by the `operator` tenant). `Measure.violations` holds the bounds the isolation
 issue set: the victim's largest gap within max(1 s, 8x its unattacked median), /health
 within 1 s, no process growing more than 400 MB, the pool idle.
 
@@ -81,9 +81,9 @@ def auth(tenant: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Answer:
-    """What the attacker got: every status (0: no answer in time), the error message of a
-    refusal or of an error event in a stream, the finish reasons, and a violation the
-    attack's own function found."""
+    """What the attacker got: every status (0: no answer, in time or at all), the error
+    message of a refusal or of an error event in a stream, the finish reasons, and a
+    violation the attack's own function found."""
 
     statuses: tuple[int, ...]
     message: str = ""
@@ -126,8 +126,8 @@ def refused(status: int, *needles: str) -> Expect:
     return Expect(frozenset({status}), needles)
 
 
-def served(check: Callable[[Answer], str] | None = None) -> Expect:
-    return Expect(frozenset({200}), check=check)
+def served() -> Expect:
+    return Expect(frozenset({200}))
 
 
 def served_or_refused(status: int, *needles: str,
@@ -137,8 +137,9 @@ def served_or_refused(status: int, *needles: str,
 
 def _never_stop(answer: Answer) -> str:
     """A grammar no text of max_tokens can complete: "stop" would hide its failure."""
-    return 'finish_reason "stop" on a grammar that cannot finish' \
-        if "stop" in answer.finish_reasons else ""
+    if "stop" in answer.finish_reasons:
+        return 'finish_reason "stop" on a grammar that cannot finish'
+    return ""
 
 
 # ------------------------------------------------------------------ attacks
@@ -358,7 +359,7 @@ ATTACKS: tuple[Attack, ...] = (
     # more of our own
     Attack("slow_reader", served(), send=_slow_reader),
     Attack("slowloris_body", refused(408), send=_slowloris),
-    Attack("tenant_in_flight_flood", Expect(frozenset({200, 429})), send=_in_flight_flood),
+    Attack("tenant_in_flight_flood", served_or_refused(429), send=_in_flight_flood),
     Attack("huge_n", refused(400, "--max-n"), body={"prompt": "Hi", "max_tokens": 1, "n": 100_000}),
     Attack("long_stop_string", refused(400, "--max-stop-string-chars"),
            body={"prompt": "Hi", "max_tokens": 2, "stop": ["x" * 100_000]}),
