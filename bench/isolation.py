@@ -551,8 +551,8 @@ async def run_attack(url: str, pids: dict[str, int], attack: Attack,
     measure.rss_growth_mb = {p: round((peaks[p] - before[p]) / 1024, 1) for p in pids}
     try:
         await asyncio.to_thread(wait_idle, url, auth("operator"), 30.0)
-    except AssertionError as exc:
-        measure.idle_error = str(exc)
+    except (AssertionError, httpx.HTTPError) as exc:  # still busy, or no answer at all
+        measure.idle_error = f"{type(exc).__name__}: {exc}"
     return measure
 
 
