@@ -1,0 +1,62 @@
+"""The hostile-client suite (issue 28) on the default model with two tenants: each attack
+of bench/isolation.py's ATTACKS gets its expected 4xx or is served within bounds, while the
+other tenant's stream keeps its pace (its largest gap between tokens within max(1 s, 8x
+its unattacked median)), /health answers within 1 s, no server process grows more than
+400 MB, and the pool is idle afterwards. A new attack is one line of ATTACKS."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from collections.abc import Iterator
+
+import pytest
+
+from bench.isolation import (
+    ATTACKS,
+    SERVER_FLAGS,
+    UNATTACKED,
+    Attack,
+    RunConfig,
+    run_attack,
+    server_pids,
+    tenants_yaml,
+)
+from tests.e2e.conftest import ServerProcess, _require_default_model
+
+pytestmark = pytest.mark.e2e
+
+# Each attack a few seconds at most: streaming attacks read for 2 s.
+CONFIG = RunConfig(timeout_s=20.0, stream_s=2.0, min_window_s=1.0, baseline_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    _require_default_model()
+    tenants = tmp_path_factory.mktemp("isolation") / "tenants.yaml"
+    tenants.write_text(tenants_yaml())
+    server = ServerProcess(*SERVER_FLAGS, "--tenants", str(tenants))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def unattacked_itl_median_s(server) -> float:
+    """The victim's median gap between tokens with no attack, on the same server."""
+    measure = asyncio.run(run_attack(server.url, server_pids(server), UNATTACKED, CONFIG))
+    assert not measure.problem and not measure.victim_error, measure.summary()
+    return statistics.median(measure.itl_s)
+
+
+def test_attack_names_are_unique() -> None:
+    names = [a.name for a in ATTACKS]
+    assert len(set(names)) == len(names) and UNATTACKED.name not in names
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
+def test_attack_is_refused_or_bounded(server, unattacked_itl_median_s: float,
+                                      attack: Attack) -> None:
+    measure = asyncio.run(run_attack(server.url, server_pids(server), attack, CONFIG))
+    assert not measure.problem, measure.problem
+    violations = measure.violations(unattacked_itl_median_s)
+    assert not violations, (violations, measure.summary())
