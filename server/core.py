@@ -100,6 +100,11 @@ def _needs_host_tokens(plan: SchedulerOutput) -> bool:
     return False
 
 
+def _request_error(request_id: str, message: str) -> RequestDelta:
+    """The end of a request that failed by its own fault (a 400 to its client)."""
+    return RequestDelta(request_id, [], error=message, error_status=400)
+
+
 class EngineCore:
     """Scheduler + runner behind commands and per-step messages; single-threaded.
 
@@ -170,7 +175,7 @@ class EngineCore:
                         self._num_sent[new.request_id] = 0
                         continue  # scheduled once its grammar is compiled
                 except ValueError as exc:
-                    self._pending.append(RequestDelta(new.request_id, [], error=str(exc)))
+                    self._pending.append(_request_error(new.request_id, str(exc)))
                     continue
             self._schedule_new(request)
 
@@ -178,7 +183,7 @@ class EngineCore:
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:  # the HTTP checks should have caught it
-            self._pending.append(RequestDelta(request.request_id, [], error=str(exc)))
+            self._pending.append(_request_error(request.request_id, str(exc)))
             self._forget(request.request_id)
             return
         self._num_sent[request.request_id] = 0
@@ -197,7 +202,7 @@ class EngineCore:
         for request in ready:
             self._schedule_new(request)
         for request, error in failed:
-            self._pending.append(RequestDelta(request.request_id, [], error=error))
+            self._pending.append(_request_error(request.request_id, error))
             self._forget(request.request_id)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -321,7 +326,7 @@ class EngineCore:
         the token a step sampled for them is not sent."""
         ids = [request_id for request_id in errors if request_id in self._num_sent]
         self._finish(ids, RequestStatus.FINISHED_ABORTED)
-        return [RequestDelta(request_id, [], error=errors[request_id]) for request_id in ids]
+        return [_request_error(request_id, errors[request_id]) for request_id in ids]
 
     def idle_message(self) -> StepOutputs | None:
         """Between steps: the errors and stats that commands produced, if any."""

@@ -61,7 +61,12 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step that included this request failed (or the core died); the request ended."""
+    """A step that included this request failed (or the core died), or the request
+    failed alone by its own fault (`status_code` 400: its grammar); the request ended."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 @dataclass
@@ -83,6 +88,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    error_status: int = 500
     prompt_logprobs: PromptLogprobs | None = None
 
     @property
@@ -114,7 +120,7 @@ class RequestStream:
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
         self._pending: dict[int, RequestOutput] = {}
-        self._error: str | None = None  # a step failed: raised once the text is out
+        self._error: EngineStepError | None = None  # raised once the text is out
         self._ready = asyncio.Event()
         self._num_unfinished = num_choices
 
@@ -125,7 +131,7 @@ class RequestStream:
     def push(self, output: RequestOutput) -> None:
         """On the stream's event loop."""
         if output.error is not None:
-            self._error = self._error or output.error
+            self._error = self._error or EngineStepError(output.error, output.error_status)
         else:
             earlier = self._pending.get(output.index)
             self._pending[output.index] = output if earlier is None else earlier.merged(output)
@@ -142,7 +148,7 @@ class RequestStream:
                     yield output
             elif self._error is not None:
                 self._num_unfinished = 0
-                raise EngineStepError(self._error)
+                raise self._error
             else:
                 self._ready.clear()
                 await self._ready.wait()
@@ -576,8 +582,9 @@ class Engine:
             if choice is None:
                 continue  # aborted or stopped here already
             if delta.error is not None:
-                outputs.append((choice.stream, self._output(choice, "", [], None, None,
-                                                            error=delta.error)))
+                outputs.append((choice.stream, self._output(
+                    choice, "", [], None, None, error=delta.error,
+                    error_status=delta.error_status)))
                 self._forget(choice, "abort", now)
                 continue
             new_ids = delta.new_token_ids
@@ -657,6 +664,7 @@ class Engine:
         finish_reason: str | None,
         *,
         error: str | None = None,
+        error_status: int = 500,
         num_preemptions: int | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: PromptLogprobs | None = None,
@@ -674,6 +682,7 @@ class Engine:
             num_output_tokens=choice.num_output_tokens,
             num_cached_tokens=num_cached_tokens,
             error=error,
+            error_status=error_status,
             prompt_logprobs=prompt_logprobs,
         )
 

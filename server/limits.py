@@ -38,7 +38,7 @@ class RequestLimits:
     max_grammar_bytes: int = 64 * 1024
     max_grammar_depth: int = 64
     grammar_timeout_s: float = 2.0
-    grammar_step_timeout_s: float = 0.5
+    grammar_step_timeout_s: float = 1.0
     chat_template_timeout_s: float = 2.0
     trust_request_chat_template: bool = False
 

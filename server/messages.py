@@ -105,6 +105,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None  # "stop" or "length" (EOS, stop ids, max_tokens)
     error: str | None = None  # the step failed; the core aborted the request
+    # 400: the request's own fault (its grammar failed or ran late, the scheduler refused
+    # it); 500: the step failed.
+    error_status: int = 500
     prompt_logprobs: PromptLogprobs | None = None  # whole, with the first new tokens
     # Instead of `prompt_logprobs`: they are those an earlier delta of another choice of
     # the same prompt carried (n > 1: sent once per prompt).

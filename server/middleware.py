@@ -15,6 +15,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, server_error
+from server.limits import over_limit
 from server.protocol import random_id
 from server.tenants import TenantRegistry
 
@@ -136,7 +137,8 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> APIError:
         return APIError(
-            413, f"Request body is larger than {self._max_bytes} bytes.",
+            413, over_limit(f"Request body is larger than {self._max_bytes} bytes",
+                            self._max_bytes, "max_body_bytes"),
             code="request_too_large",
         )
 

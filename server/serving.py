@@ -460,6 +460,8 @@ class Serving:
                 return None
             choices = gather_task.result()
         except EngineStepError as exc:
+            if exc.status_code == 400:
+                raise APIError(400, str(exc)) from exc
             raise server_error(500, str(exc)) from exc
         finally:
             for task in (gather_task, disconnect_task):

@@ -110,7 +110,8 @@ def event_stream(
             if usage_event is not None:
                 yield usage_event()
         except EngineStepError as exc:
-            error = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
+            kind = "invalid_request_error" if exc.status_code == 400 else "server_error"
+            error = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind))
             yield sse_data(error.model_dump_json())
         finally:
             if not stream.finished:

@@ -204,11 +204,11 @@ def test_a_costly_grammar_fails_alone_and_never_with_stop(server) -> None:
         other = _constrained(server, SCHEMAS[0], 0.0)
         response = hostile.result()
     jsonschema.validate(json.loads(other[0]), SCHEMAS[0])
-    if response.status_code == 400:  # its compile and first mask outlived the time limit
-        assert "--grammar-timeout-s" in response.json()["error"]["message"]
-    else:  # its lexer gives up on a later mask: an error, not finish_reason "stop"
-        assert response.status_code == 500, response.text
-        assert "grammar" in response.json()["error"]["message"]
+    # a 400 either way: its compile and first mask outlived the time limit, or its lexer
+    # gives up on a later mask (an error, not finish_reason "stop")
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "--grammar-timeout-s" in message or "grammar" in message
     assert scheduler_state(server)["integrity"] == "ok"
 
 

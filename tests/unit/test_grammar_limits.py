@@ -200,10 +200,10 @@ def test_the_costly_regex_is_refused_or_fails_alone_with_an_error(serve) -> None
     client = serve()
     response = _post(client, max_tokens=100, structured_outputs={"regex": "(a{1000}){1000}"})
     error = response.json()["error"]
-    if response.status_code == 400:  # its compile outlived --grammar-timeout-s
-        assert "--grammar-timeout-s" in error["message"]
-    else:  # its lexer runs out of fuel at the second mask: an error, never "stop"
-        assert response.status_code == 500 and "too many expressions" in error["message"]
+    # a 400 either way: its compile outlived --grammar-timeout-s, or its lexer ran out of
+    # fuel at the second mask (an error, never "stop")
+    assert response.status_code == 400 and error["type"] == "invalid_request_error"
+    assert "--grammar-timeout-s" in error["message"] or "too many expressions" in error["message"]
     response = _post(client, structured_outputs={"choice": ["yes", "no"]})
     assert response.status_code == 200 and response.json()["choices"][0]["text"] in ("yes", "no")
 
@@ -304,6 +304,7 @@ def test_a_late_mask_fails_only_its_request_and_the_step_goes_on(monkeypatch) ->
         monkeypatch.undo()
     assert len(deadlines) == 1 and deadlines[0] is not None
     assert deltas["slow"].error and "--grammar-step-timeout-s" in deltas["slow"].error
+    assert deltas["slow"].error_status == 400  # its grammar's fault: a 400 to its client
     assert not deltas["slow"].new_token_ids and deltas["slow"].finish_reason is None
     assert len(deltas["fast"].new_token_ids) == 1 and not deltas["fast"].error
     assert chr(deltas["fast"].new_token_ids[0]) in "abc"  # under its mask
@@ -324,6 +325,7 @@ def test_a_matcher_error_mid_generation_ends_its_request_with_an_error(failing: 
     structured._matchers["bad"] = failing(structured._matchers["bad"], threading.Event())
     deltas = _by_id(core.step())
     assert "too many expressions" in (deltas["bad"].error or "")
+    assert deltas["bad"].error_status == 400
     assert deltas["bad"].finish_reason is None and deltas["good"].new_token_ids
     assert _run_out(core) == {"good": "stop"}
     core.scheduler.check_integrity()

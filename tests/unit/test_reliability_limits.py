@@ -134,7 +134,8 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it(make_fake_engine) -> Non
 
 def test_body_size_is_a_413_naming_the_limit(client) -> None:
     response = client.post("/v1/completions", json={"prompt": "x" * 70_000})
-    error = assert_openai_error(response, 413, f"larger than {64 * 1024} bytes")
+    error = assert_openai_error(response, 413, f"larger than {64 * 1024} bytes",
+                                "--max-body-bytes")
     assert error["code"] == "request_too_large"
     ok(client)
 
