@@ -14,12 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from server.errors import APIError
-from server.protocol import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingRequest,
-)
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 @dataclass(frozen=True)
@@ -28,6 +23,7 @@ class RequestLimits:
 
     max_body_bytes: int = 8 * 1024**2
     max_n: int = 16
+    max_choices: int = 128
     max_logprobs: int = 20
     max_prompt_logprobs_entries: int = 100_000
     max_stop_strings: int = 4
@@ -57,6 +53,7 @@ class RequestLimits:
 LIMIT_FLAGS: dict[str, str] = {
     "max_body_bytes": "request bodies larger than this are a 413",
     "max_n": "choices per prompt (`n`) at most",
+    "max_choices": "choices per request (prompts x n; each is a sequence of its own) at most",
     "max_logprobs": "top logprobs per token at most (logprobs, top_logprobs, prompt_logprobs)",
     "max_prompt_logprobs_entries": "prompt_logprobs entries a request may ask for: prompt "
     "tokens x (k + 1) x choices",
@@ -91,17 +88,18 @@ def over_limit(what: str, limit: float, field_name: str) -> str:
 
 def check_budgets(body: SamplingRequest, limits: RequestLimits) -> None:
     """A 400 naming the first of `limits` that `body` is over and its flag, checked before
-    any work is done for it (tokens, templates, grammars); then the choices' sanity bound."""
+    any work is done for it (tokens, templates, grammars); then the choices (prompts x n)."""
     for param, what, amount, field_name in _asked(body):
         limit = getattr(limits, field_name)
         if amount > limit:
             raise APIError(400, over_limit(what, limit, field_name), param=param)
-    if isinstance(body, CompletionRequest) and len(body.prompts) * body.n > MAX_CHOICES:
+    if isinstance(body, CompletionRequest):
         num_prompts = len(body.prompts)
-        raise APIError(
-            400, f"at most {MAX_CHOICES} choices (prompts x n) per request: {num_prompts} "
-            f"prompts x n={body.n} is {num_prompts * body.n}.", param="n",
-        )
+        num_choices = num_prompts * body.n
+        if num_choices > limits.max_choices:
+            what = f"{num_prompts} prompts x n={body.n} is {num_choices} choices"
+            raise APIError(400, over_limit(what, limits.max_choices, "max_choices"),
+                           param="n")
 
 
 def check_prompt_logprobs(

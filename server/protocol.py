@@ -33,7 +33,6 @@ from scheduler.sampling_params import SamplingParams, unique_token_lists
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_CACHE_SALT_CHARS = 256
-MAX_CHOICES = 128  # prompts x n: each choice is a scheduler request of its own
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
 MAX_CHOICE_STRINGS = 1024

@@ -22,7 +22,6 @@ from server.app import build_app
 from server.config import ServerConfig
 from server.limits import RequestLimits
 from server.protocol import (
-    MAX_CHOICES,
     MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
     CompletionRequest,
@@ -32,6 +31,7 @@ from tests.reliability_helpers import assert_openai_error
 
 DEFAULTS = RequestLimits()
 MAX_N, MAX_LOGPROBS = DEFAULTS.max_n, DEFAULTS.max_logprobs
+MAX_CHOICES = DEFAULTS.max_choices
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = DEFAULTS.max_stop_strings, DEFAULTS.max_stop_string_chars
 CONTEXT = 128  # the fake engine's max_model_len
 MAX_PROMPT_CHARS = CONTEXT * len("<eos>")  # the ByteTokenizer's longest vocabulary entry
@@ -55,8 +55,8 @@ LIMITS = [
     # (route, body, needles): the needles name the limit
     ("completions", {"prompt": "hi", "n": MAX_N + 1}, ("n", f"{MAX_N}", "--max-n")),
     ("completions", {"prompt": ["a"] * 9, "n": MAX_N},
-     (f"at most {MAX_CHOICES} choices", "9 prompts x n=16")),
-    ("completions", {"prompt": [[1]] * (MAX_CHOICES + 1)}, (f"at most {MAX_CHOICES} choices",)),
+     ("9 prompts x n=16 is 144 choices", f"limit is {MAX_CHOICES}", "--max-choices")),
+    ("completions", {"prompt": [[1]] * (MAX_CHOICES + 1)}, ("--max-choices",)),
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
      ("stop has 5 strings", f"the limit is {MAX_STOP_STRINGS}")),
     ("completions", {"prompt": "hi", "stop": "x" * (MAX_STOP_STRING_CHARS + 1)},

@@ -30,7 +30,7 @@ from tests.reliability_helpers import LiveServer, assert_openai_error
 USER = {"role": "user", "content": "hi"}
 LIMITS = RequestLimits(max_n=3, max_logprobs=4, max_prompt_logprobs_entries=40,
                        max_stop_strings=2, max_stop_string_chars=5, max_logit_bias=3,
-                       max_tools=2, max_tools_bytes=300)
+                       max_tools=2, max_tools_bytes=300, max_choices=6)
 
 
 def tool(description: str = "", name: str = "f") -> dict[str, Any]:
@@ -46,6 +46,7 @@ def tools_of_bytes(size: int) -> list[dict[str, Any]]:
 # (limit field, route, body asking for `amount` of what the limit bounds)
 BUDGETS: list[tuple[str, str, Callable[[int], dict[str, Any]]]] = [
     ("max_n", "completions", lambda a: {"prompt": "hi", "n": a}),
+    ("max_choices", "completions", lambda a: {"prompt": [[104]] * a}),
     ("max_logprobs", "completions", lambda a: {"prompt": "hi", "logprobs": a}),
     ("max_logprobs", "chat", lambda a: {"messages": [USER], "logprobs": True,
                                         "top_logprobs": a}),
