@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from fastapi.testclient import TestClient
 
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
@@ -17,6 +18,8 @@ from scheduler.output import (
     SchedulerOutput,
 )
 from scheduler.scheduler import Scheduler
+from server.app import build_app
+from server.config import ServerConfig
 from server.engine import Engine, EngineInfo
 
 BYTE_EOS = 256
@@ -159,3 +162,20 @@ def make_fake_engine() -> Iterator[MakeEngine]:
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture
+def open_client() -> Iterator[Callable[..., TestClient]]:
+    """open_client(engine, config) -> a TestClient of `build_app(engine, config)` whose
+    lifespan has run; closed after the test."""
+    clients: list[TestClient] = []
+
+    def open_(engine: Engine, config: ServerConfig) -> TestClient:
+        client = TestClient(build_app(engine, config))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield open_
+    for client in clients:
+        client.__exit__(None, None, None)

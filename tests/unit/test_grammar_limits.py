@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,6 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from server.app import build_app
 from server.config import ServerConfig
 from server.core import EngineCore
 from server.limits import RequestLimits
@@ -140,20 +139,13 @@ def test_a_recursion_error_building_a_forced_tool_call_is_refused() -> None:
 
 
 @pytest.fixture
-def serve(make_fake_engine) -> Iterator:
-    clients = []
-
+def serve(make_fake_engine, open_client) -> Callable[..., TestClient]:
     def make(**limits: Any) -> TestClient:
         engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
                                   start=False)
-        client = TestClient(build_app(engine, ServerConfig(limits=RequestLimits(**limits))))
-        client.__enter__()
-        clients.append(client)
-        return client
+        return open_client(engine, ServerConfig(limits=RequestLimits(**limits)))
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    return make
 
 
 def _post(client: TestClient, **fields: Any) -> Any:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import build_app
 from server.config import ServerConfig
 from server.limits import RequestLimits
 
@@ -44,20 +44,14 @@ SPEC_METRICS = {
 
 
 @pytest.fixture
-def serve(make_fake_engine) -> Iterator:
+def serve(make_fake_engine, open_client) -> Callable[..., tuple[TestClient, Any]]:
     """serve(policy=..., **server_config) -> (TestClient, engine); closed after the test."""
-    clients = []
 
     def make(policy: str = "fcfs", **config):
         engine = make_fake_engine(policy=policy, start=False)
-        client = TestClient(build_app(engine, ServerConfig(**config)))
-        client.__enter__()
-        clients.append(client)
-        return client, engine
+        return open_client(engine, ServerConfig(**config)), engine
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    return make
 
 
 def sse_events(client: TestClient, path: str, body: dict) -> list:

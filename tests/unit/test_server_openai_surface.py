@@ -4,12 +4,11 @@ scripted runner (its script plays the model's output)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import build_app
 from server.config import ServerConfig
 from tests.structured_helpers import MaskedRandomRunner, make_structured
 
@@ -20,23 +19,16 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
 
 
 @pytest.fixture
-def serve(make_fake_engine) -> Iterator:
-    clients = []
-
+def serve(make_fake_engine, open_client) -> Callable[..., TestClient]:
     def make(script: str = "Hello.", structured: bool = False, **config) -> TestClient:
         if structured:
             engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
                                       start=False)
         else:
             engine = make_fake_engine(script=script, start=False)
-        client = TestClient(build_app(engine, ServerConfig(**config)))
-        client.__enter__()
-        clients.append(client)
-        return client
+        return open_client(engine, ServerConfig(**config))
 
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    return make
 
 
 def stream_deltas(client: TestClient, body: dict) -> list[dict]:
