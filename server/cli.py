@@ -459,7 +459,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from server.app import GracefulServer, build_app
-    from server.core_process import EngineStartError
+    from server.core_process import EngineStartError, freeze_startup_objects
     from server.data_parallel import DataParallelEngine, create_data_parallel_engine
     from server.engine import Engine, create_engine, start_engine
 
@@ -487,6 +487,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
         return 1
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
     # abort the rest (each client gets finish_reason "abort"), then exit.
+    freeze_startup_objects()
     server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
                 configs.server.host, listener.getsockname()[1])
