@@ -259,8 +259,10 @@ class PriorityRequestQueue(RequestQueue):
 
     def _limit(self, request: Request) -> int | None:
         """The most urgent priority aging may take `request` to (None: no limit)."""
-        bounds = [b for b in (self.aging_floor, request.priority_bound) if b is not None]
-        return max(bounds) if bounds else None
+        floor, bound = self.aging_floor, request.priority_bound
+        if floor is None or bound is None:
+            return bound if floor is None else floor
+        return max(floor, bound)
 
     def _key(self, request: Request) -> float:
         assert self.aging_s is not None

@@ -532,10 +532,8 @@ def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:
     )
 
 
-def json_response(model: pydantic.BaseModel | bytes) -> Response:
-    """`model` (or its JSON) as JSON; NOTE: pydantic writes a NaN or infinite float as
-    null, where JSONResponse would raise (a 500 after the work was done)."""
-    content = model if isinstance(model, bytes) else model.model_dump_json()
+def json_response(content: bytes) -> Response:
+    """A response's JSON (`response_json`) as the HTTP response."""
     return Response(content, media_type="application/json")
 
 

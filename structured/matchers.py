@@ -157,7 +157,12 @@ class StructuredOutputs:
 
     def error(self, request_id: str) -> str:
         """Why a request's matcher failed (after a VIOLATED)."""
-        return f"its grammar failed: {matcher_error(self._matchers[request_id])}"
+        return grammar_failed(matcher_error(self._matchers[request_id]))
+
+
+def grammar_failed(error: str) -> str:
+    """The error a request whose matcher failed ends with."""
+    return f"its grammar failed: {error}"
 
 
 class StepMasks:
@@ -189,7 +194,7 @@ class StepMasks:
                 error = str(exc)
             with self._cond:
                 if error is not None:
-                    self._errors[index] = f"its grammar failed: {error}"
+                    self._errors[index] = grammar_failed(error)
                 self._done.add(index)
                 if self._num_pending() <= self._max_pending:
                     self._cond.notify_all()
