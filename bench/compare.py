@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.server_process import ServerProcess, free_port, pagedserve_command
 from loadgen.client import BenchConfig, run_items
 from loadgen.workloads import WORKLOADS, BenchItem, Workload
+from tests.support.server_process import ServerProcess, free_port, pagedserve_command
 
 # pagedserve as served by default (float32, exact), on float16 weights and on int8 ones
 PAGEDSERVE_VARIANTS = {

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import uvloop
 
-from bench.server_process import ServerProcess
 from loadgen.client import BenchConfig, run_bench
+from tests.support.server_process import ServerProcess
 
 CONFIGS = {"-dp 1": [], "-dp 2": ["-dp", "2"]}
 FLAGS = ["--num-kv-blocks", "512", "--max-num-seqs", "32", "--log-level", "warning"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
 

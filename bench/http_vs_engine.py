@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import uvloop
 
-from bench.server_process import REPO_ROOT, ServerProcess, cpu_seconds, free_port
+from engine.loop_bench import run_engine_loop
 from loadgen.client import BenchConfig, run_bench
-from server.engine_loop_bench import run_engine_loop
+from tests.support.server_process import REPO_ROOT, ServerProcess, cpu_seconds, free_port
 
 
 def _server_flags(step_ms: float, num_requests: int) -> list[str]:

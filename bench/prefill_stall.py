@@ -18,10 +18,10 @@ import random
 import statistics
 import time
 
+from engine.core_setup import build_core_parts
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from server.cli import build_configs, build_parser
-from server.core_setup import build_core_parts
 
 DECODE_STEPS = 20
 

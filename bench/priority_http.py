@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from bench.compare import run_client, server_in_tree, warm_up
-from bench.server_process import free_port, pagedserve_command
 from loadgen.workloads import BenchItem, wl, wpp, wps
+from tests.support.server_process import free_port, pagedserve_command
 
 SERVE_FLAGS = ["--scheduling-policy", "priority", "--log-level", "warning"]  # `make serve`
 IDLE_REPEATS = 8

@@ -11,7 +11,7 @@ the best of a few runs): CI machines are often shared. "float16-weights" is floa
 `--weight-dtype float16`, "float16" that and `--kv-cache-dtype float16` (HF runs float32);
 "int8" is `--weight-dtype int8 --kv-cache-dtype float16`. Their greedy token agreement
 with float32 is reported on 16 random prompts of 64 new tokens, and their teacher-forced
-top-1 agreement and perplexity on a fixed text (bench/quality.py).
+top-1 agreement and perplexity on a fixed text (tests/support/quality.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from bench.hf_baseline import StepTimes, left_pad
-from bench.quality import compare, reference_token_ids, teacher_forced_logits
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LEN = 16
@@ -176,7 +176,7 @@ def bench_variant(
     variant: str, batch_sizes: list[int], decode_steps: int, prefill_repeats: int
 ) -> tuple[list[tuple], list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
     """The table rows of one variant, its greedy tokens on the agreement prompts, and
-    bench.quality's text (token ids) with the variant's teacher-forced logits on it."""
+    tests.support.quality's text (token ids) with the variant's teacher-forced logits on it."""
     dtype, weight_dtype, kv_cache_dtype = VARIANTS[variant]
     config = ModelConfig(
         model=None,
@@ -288,7 +288,7 @@ def main() -> None:
             print(
                 f"\ngreedy agreement of {variant} with float32 ({AGREEMENT_PROMPTS} prompts, "
                 f"{AGREEMENT_TOKENS} tokens): {agreement(tokens[variant], tokens['float32'])}"
-                f"\nteacher-forced on bench.quality's text ({text_ids.shape[1]} tokens): "
+                f"\nteacher-forced on tests.support.quality's text ({text_ids.shape[1]} tokens): "
                 f"{compare(teacher_forced[variant][1], reference, text_ids)}"
             )
 

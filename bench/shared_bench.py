@@ -28,6 +28,14 @@ from typing import Any
 import httpx
 import torch
 
+from engine.client import Engine, EngineInfo
+from engine.messages import (
+    AddRequests,
+    NewRequest,
+    command_decoder,
+    command_encoder,
+    output_encoder,
+)
 from kvcache.config import CacheConfig
 from model_runner.sampler import Sampler
 from scheduler.config import SchedulerConfig
@@ -37,14 +45,6 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
-from server.engine import Engine, EngineInfo
-from server.messages import (
-    AddRequests,
-    NewRequest,
-    command_decoder,
-    command_encoder,
-    output_encoder,
-)
 
 VOCAB = 49152
 N = 16

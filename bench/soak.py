@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _WORDS = (

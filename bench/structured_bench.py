@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.core import EngineCore
+from engine.core_setup import build_core_parts
+from engine.messages import AddRequests, NewRequest
 from loadgen.workloads import w1
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
-from server.core import EngineCore
-from server.core_setup import build_core_parts
-from server.messages import AddRequests, NewRequest
 from structured.grammars import json_schema_grammar
 from structured.matchers import StructuredOutputs
 

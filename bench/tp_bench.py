@@ -5,7 +5,7 @@ the step that rank 0 spends in all-reduces.
 [--threads N]`
 
 For each tensor-parallel size the model is loaded as the server loads it (rank 0 in this
-process, the workers started by model_runner/tp_workers.py, torch's threads shared
+process, the workers started by model_runner/distributed/tp_workers.py, torch's threads shared
 between the ranks), `B` requests are prefilled to `context` tokens, and `steps` decode
 steps of all `B` are timed through `ModelRunner.execute` (after 3 untimed ones). With 2
 ranks, rank 0 also times each all-reduce (the embedding's and two per layer); that time
@@ -29,16 +29,16 @@ import torch
 import torch.distributed as dist
 
 from model_runner.config import ModelConfig
-from model_runner.loader import load_model
-from model_runner.runner import ModelRunner
-from model_runner.tensor_parallel import (
+from model_runner.distributed.tensor_parallel import (
     HOST,
     TIMEOUT,
     TensorParallel,
     init_tensor_parallel,
     open_store,
 )
-from model_runner.tp_workers import start_tensor_parallel
+from model_runner.distributed.tp_workers import start_tensor_parallel
+from model_runner.loader import load_model
+from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 

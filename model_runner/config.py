@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_runner.attention.selection import ATTENTION_BACKENDS
-from model_runner.cpu_linear import WEIGHT_DTYPES
-
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+WEIGHT_DTYPES = ("auto", "float16", "int8")  # projections' weights (kernels/cpu_linear.py)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/selection.py
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     seed: int = 0
-    # ranks the model is sharded over (model_runner/tp_workers.py); 1: one process
+    # ranks the model is sharded over (model_runner/distributed/tp_workers.py); 1: one process
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -36,9 +36,9 @@ from transformers import (
 )
 
 from model_runner.config import ModelConfig
-from model_runner.cpu_linear import can_pack, check_weight_dtype
-from model_runner.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, WeightSource
-from model_runner.tensor_parallel import TensorParallel
+from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
+from model_runner.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, WeightSource
 
 logger = logging.getLogger(__name__)
 

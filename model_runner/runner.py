@@ -16,6 +16,7 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import create_decode_graph_runner, host_to_device
+from model_runner.distributed.tensor_parallel import RanksOutOfStep
 from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -27,7 +28,6 @@ from model_runner.kv_cache import (
 from model_runner.loader import LoadedModel
 from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
-from model_runner.tensor_parallel import RanksOutOfStep
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -46,7 +46,8 @@ _WORKER_DEATH_WAIT_S = 1.0
 
 
 class Workers(Protocol):
-    """Rank 0's handle on the other tensor-parallel ranks (model_runner/tp_workers.py)."""
+    """Rank 0's handle on the other tensor-parallel ranks
+    (model_runner/distributed/tp_workers.py)."""
 
     def forget(self, request_ids: Sequence[str]) -> None: ...
 

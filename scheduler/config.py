@@ -25,7 +25,7 @@ class SchedulerConfig:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
-    (overlapped steps; see server/core.py).
+    (overlapped steps; see engine/core.py).
     """
 
     policy: str = "fcfs"

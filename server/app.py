@@ -21,11 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.client import Engine, EngineDeadError
+from engine.data_parallel import DataParallelEngine
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
-from server.data_parallel import DataParallelEngine
-from server.engine import Engine, EngineDeadError
 from server.errors import APIError, install_error_handlers, server_error
 from server.middleware import (
     BodyLimitMiddleware,

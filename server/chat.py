@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from orjson import Fragment
 
+from engine.client import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
 from server.chat_output import (
     ChatOutputParser,
@@ -19,7 +20,6 @@ from server.chat_output import (
     forced_tool_grammar,
     tool_parser_for,
 )
-from server.engine import RequestOutput, RequestStream
 from server.errors import APIError
 from server.protocol import (
     ChatChoiceLogprobs,

@@ -23,9 +23,7 @@ from types import FrameType
 
 from loadgen import client as bench_client
 from loadgen.client import BenchConfig
-from model_runner.attention.selection import ATTENTION_BACKENDS
-from model_runner.config import KV_CACHE_DTYPES, ModelConfig
-from model_runner.cpu_linear import WEIGHT_DTYPES
+from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelConfig
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
@@ -458,10 +456,10 @@ def _bind(host: str, port: int) -> socket.socket:
 def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantRegistry) -> int:
     """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
+    from engine.client import Engine, create_engine, start_engine
+    from engine.core_process import EngineStartError, freeze_startup_objects
+    from engine.data_parallel import DataParallelEngine, create_data_parallel_engine
     from server.app import GracefulServer, build_app
-    from server.core_process import EngineStartError, freeze_startup_objects
-    from server.data_parallel import DataParallelEngine, create_data_parallel_engine
-    from server.engine import Engine, create_engine, start_engine
 
     engine_kwargs = dict(
         model_config=configs.model,
@@ -509,7 +507,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
 def _bench_engine_loop(config: BenchConfig, step_ms: float, async_scheduling: bool) -> int:
     import json
 
-    from server.engine_loop_bench import format_engine_loop, run_engine_loop
+    from engine.loop_bench import format_engine_loop, run_engine_loop
 
     summary = run_engine_loop(config, step_ms, async_scheduling)
     print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))

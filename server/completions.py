@@ -10,8 +10,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from orjson import Fragment
 
+from engine.client import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
-from server.engine import RequestOutput, RequestStream
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,

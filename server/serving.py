@@ -35,11 +35,7 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import Response
 
-from scheduler.output import PromptLogprobs, SampleLogprobs
-from scheduler.sampling_params import SamplingParams
-from server.config import ServerConfig
-from server.data_parallel import DataParallelEngine
-from server.engine import (
+from engine.client import (
     Engine,
     EngineDeadError,
     EngineStepError,
@@ -47,6 +43,10 @@ from server.engine import (
     RequestStream,
     Tenancy,
 )
+from engine.data_parallel import DataParallelEngine
+from scheduler.output import PromptLogprobs, SampleLogprobs
+from scheduler.sampling_params import SamplingParams
+from server.config import ServerConfig
 from server.errors import APIError, server_error, validation_error
 from server.limits import check_budgets, check_prompt_logprobs, flag_of, over_limit
 from server.protocol import (

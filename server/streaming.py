@@ -19,8 +19,8 @@ import pydantic
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.data_parallel import DataParallelEngine
-from server.engine import Engine, EngineStepError, RequestOutput, RequestStream
+from engine.client import Engine, EngineStepError, RequestOutput, RequestStream
+from engine.data_parallel import DataParallelEngine
 from server.protocol import ErrorInfo, ErrorResponse
 from server.serving import Choice, response_json
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.client import Engine, EngineInfo
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import (
@@ -20,7 +21,6 @@ from scheduler.output import (
 from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
-from server.engine import Engine, EngineInfo
 
 BYTE_EOS = 256
 

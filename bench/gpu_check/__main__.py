@@ -20,7 +20,7 @@ Parts, each recorded as "pass", "fail" or "skipped: <reason>":
    - tp_one_rank_nccl: tensor parallelism's code path on the one GPU: a 1-rank NCCL group,
      the sharded model with its all-reduces and logits gather, decode CUDA graphs captured
      with the collectives in them; greedy tokens == the plain runner's, step times of both.
-   - async_scheduling: overlapped steps (server/core.py) on CUDA: tokens identical to plain
+   - async_scheduling: overlapped steps (engine/core.py) on CUDA: tokens identical to plain
      steps (greedy and seeded, roomy and tight KV pools), steps/s of both.
 
 Results go to $OUT (else ./gpu_check_out): gpu_check.json and gpu_check.md. The exit status

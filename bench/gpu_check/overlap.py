@@ -25,11 +25,11 @@ from bench.gpu_check.common import (
 
 def _serve(runner, requests, num_blocks: int, async_scheduling: bool, block_size: int):
     """Step an EngineCore over `requests` to the end: tokens by id, steps, seconds."""
+    from engine.core import EngineCore
+    from engine.messages import AddRequests
     from kvcache.config import CacheConfig
     from scheduler.config import SchedulerConfig
     from scheduler.scheduler import Scheduler
-    from server.core import EngineCore
-    from server.messages import AddRequests
 
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024,
                              max_model_len=runner.max_model_len,
@@ -55,9 +55,9 @@ def check_async_scheduling(dry_run: bool) -> PartResult:
 
     import torch
 
+    from engine.messages import NewRequest
     from model_runner.config import ModelConfig
     from scheduler.sampling_params import SamplingParams
-    from server.messages import NewRequest
 
     device = device_for(dry_run)
     hf_config = small_llama_config(dry_run)

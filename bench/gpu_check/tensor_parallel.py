@@ -32,7 +32,7 @@ def check_tp_one_rank_nccl(dry_run: bool) -> PartResult:
 
     from model_runner.config import ModelConfig
     from model_runner.cuda_graphs import DecodeGraphRunner
-    from model_runner.tp_workers import start_tensor_parallel
+    from model_runner.distributed.tp_workers import start_tensor_parallel
     from scheduler.sampling_params import SamplingParams
 
     device = device_for(dry_run)

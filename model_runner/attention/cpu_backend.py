@@ -14,7 +14,7 @@ import torch
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention.torch_backend import prefill_attention
 from model_runner.attention_metadata import AttentionMetadata
-from model_runner.cpu_kernels import load_cpu_kernels
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
 
 load_cpu_kernels()  # registers torch.ops.pagedserve.*
 

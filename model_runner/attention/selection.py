@@ -12,10 +12,10 @@ import torch
 
 from model_runner.attention import torch_backend
 from model_runner.attention.backend import AttentionBackend
+from model_runner.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def select_attention_backend(
@@ -52,7 +52,7 @@ def select_attention_backend(
 def _cpu_backend(head_dim: int, required: bool) -> AttentionBackend:
     """The C++ CPU kernels, or (when they cannot serve and were not required) the torch
     reference."""
-    from model_runner.cpu_kernels import cpu_kernels_error
+    from model_runner.kernels.cpu_kernels import cpu_kernels_error
 
     error = cpu_kernels_error(head_dim)
     if error is not None:

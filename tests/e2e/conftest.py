@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.server_process import ServerProcess as BaseServerProcess
+from tests.support.server_process import ServerProcess as BaseServerProcess
 
 STARTUP_TIMEOUT_S = 300.0  # the first start converts the GGUF; later ones take seconds
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model, metric
-from tests.reliability_helpers import assert_sse_body, wait_idle
+from tests.support.reliability_helpers import assert_sse_body, wait_idle
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "Water boils at"]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
-from tests.reliability_helpers import (
+from tests.support.reliability_helpers import (
     assert_openai_error,
     assert_sse_body,
     disconnect_storm,

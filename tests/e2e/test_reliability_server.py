@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
-from tests.reliability_helpers import (
+from tests.support.reliability_helpers import (
     FUZZED_ROUTES,
     assert_openai_error,
     assert_sse_body,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.quality import compare, reference_token_ids, teacher_forced_logits
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
-from tests.model_helpers import Engine, Seq
+from tests.support.model_helpers import Engine, Seq
+from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 pytestmark = pytest.mark.e2e
 
@@ -109,7 +109,7 @@ def test_float16_weights_match_generate_on_rounded_weights(prompts):
 
 
 def test_int8_weights_stay_close_on_english_text(loaded):
-    """--weight-dtype int8 on the real model, teacher-forced on bench.quality's text: the
+    """--weight-dtype int8 on the real model, teacher-forced on tests.support.quality's text: the
     next-token choice agrees with float32 at >= 90% of positions (measured 94.7%) and the
     loss grows by <= 2% (measured +0.4%; without the rotation, 72.5% and +8.7%)."""
     int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))

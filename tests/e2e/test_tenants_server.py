@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
-from tests.reliability_helpers import assert_openai_error
+from tests.support.reliability_helpers import assert_openai_error
 
 KEY_A, KEY_B = "e2e-alpha-key", "e2e-beta-key"
 

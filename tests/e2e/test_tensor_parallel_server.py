@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
 from tests.e2e.test_engine_core_process import core_pid, is_gone, kill_mid_stream, wait_gone
-from tests.reliability_helpers import assert_openai_error
+from tests.support.reliability_helpers import assert_openai_error
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,100 @@
+"""Build what the engine core runs: the model runner (or the simulated one), the
+scheduler that matches the KV cache the runner allocated, and the grammar state of
+structured outputs (on the model's tokenizer)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from engine.messages import CoreInfo
+from kvcache.config import CacheConfig
+from model_runner.config import ModelConfig
+from model_runner.distributed.tp_workers import start_tensor_parallel
+from model_runner.loader import load_model, load_model_spec
+from model_runner.runner import ModelRunner
+from model_runner.simulated_runner import SimulatedRunner
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+from structured.compiler import GrammarCompiler, build_ll_tokenizer
+from structured.matchers import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+
+def build_core_parts(
+    model_config: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    enable_prefix_caching: bool = True,
+    served_model_name: str | None = None,
+    simulate_step_ms: float | None = None,
+    grammar_step_timeout_s: float | None = None,
+) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo, StructuredOutputs | None]:
+    """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
+    SimulatedRunner), size the KV cache and build the scheduler that matches it. With
+    model_config.tensor_parallel_size > 1 this process is rank 0 and the other ranks'
+    worker processes start here (model_runner/distributed/tp_workers.py); a worker that dies later
+    ends this process.
+
+    The context length is the model's (or model_config.max_model_len), capped to what
+    the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
+    `grammar_step_timeout_s` is the steps' grammar-mask deadline (StructuredOutputs).
+    """
+    runner: ModelRunner | SimulatedRunner
+    if simulate_step_ms is not None:
+        spec = load_model_spec(model_config)
+        runner = SimulatedRunner(spec, model_config, simulate_step_ms)
+        hf_config, model_len = spec.hf_config, spec.max_model_len
+        name = spec.served_model_name
+        eos_token_ids = spec.eos_token_ids
+        tokenizer = spec.tokenizer
+    else:
+        if model_config.tensor_parallel_size > 1:
+            loaded, runner = start_tensor_parallel(model_config)
+        else:
+            loaded = load_model(model_config)
+            runner = ModelRunner(loaded, model_config)
+        hf_config, model_len = loaded.hf_config, loaded.max_model_len
+        name = loaded.served_model_name
+        eos_token_ids = loaded.eos_token_ids
+        tokenizer = loaded.tokenizer
+    cache_config = CacheConfig(
+        num_blocks=runner.num_kv_blocks,
+        block_size=runner.block_size,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    scheduler_config = replace(scheduler_config, max_model_len=model_len)
+    scheduler = Scheduler(scheduler_config, cache_config)
+    # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
+    # lone request can always run to its end; the HTTP checks use that same limit.
+    max_model_len = scheduler.max_request_len
+    if max_model_len < model_len:
+        logger.warning(
+            "max_model_len %d capped to %d, what the KV cache holds (%d blocks of %d)",
+            model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
+        )
+    info = CoreInfo(
+        model_name=served_model_name or name,
+        max_model_len=max_model_len,
+        vocab_size=int(hf_config.vocab_size),
+        policy=scheduler_config.policy,
+        eos_token_ids=sorted(eos_token_ids),
+    )
+    structured = _structured_outputs(tokenizer, info, grammar_step_timeout_s)
+    info.structured_outputs = structured is not None
+    return scheduler, runner, info, structured
+
+
+def _structured_outputs(
+    tokenizer: Any, info: CoreInfo, step_timeout_s: float | None
+) -> StructuredOutputs | None:
+    """Grammar state on the model's tokenizer; None (constrained requests then fail)
+    when llguidance cannot read the tokenizer (it needs a fast one)."""
+    try:
+        ll_tokenizer = build_ll_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
+    except ValueError as exc:
+        logger.warning("structured outputs are off: %s", exc)
+        return None
+    return StructuredOutputs(GrammarCompiler(ll_tokenizer), step_timeout_s)

@@ -1,0 +1,86 @@
+"""Builds and loads the C++ CPU kernels of csrc/ as torch ops (torch.ops.pagedserve.*).
+
+`python -m model_runner.kernels.cpu_kernels` builds them ahead of time (`make install` does), into
+torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
+loads reuse the build while the source and flags are unchanged. The build targets the
+vector units torch detected (`torch.backends.cpu.get_cpu_capability()`), so one cache can
+serve machines of different kinds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).parent / "csrc" / f for f in ("cpu_attention.cpp", "cpu_layers.cpp")]
+# NOTE: -fopenmp compiles at::parallel_for's OpenMP loop (without it the kernels run on one
+# thread); the GOMP symbols resolve to the libgomp torch has already loaded, so the
+# extension does not link a second OpenMP runtime.
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+_CAPABILITY_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx2", "-mfma", "-mf16c"],  # the kernels use 256-bit vectors
+}
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Builds (first call on a machine) and loads the kernels once per process: paged
+    attention and KV writes (cpu_attention.cpp), and a float32 layer's norm, RoPE and
+    SwiGLU (cpu_layers.cpp). Raises when they cannot be built (no C++ compiler, or no
+    ninja)."""
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    capability = torch.backends.cpu.get_cpu_capability()
+    load(
+        name=f"pagedserve_cpu_{capability.lower()}",
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=_COMMON_FLAGS + _CAPABILITY_FLAGS.get(capability, []),
+        is_python_module=False,
+    )
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip-installed one sits beside this Python, which
+    is not on PATH when the venv is not activated (`.venv/bin/pagedserve serve`)."""
+    if shutil.which("ninja") is None:
+        scripts = sysconfig.get_path("scripts")
+        os.environ["PATH"] = os.pathsep.join(filter(None, [scripts, os.environ.get("PATH")]))
+
+
+MAX_HEAD_DIM = 256  # as in the source; head dims are multiples of 8 up to it
+
+
+def cpu_kernels_error(head_dim: int) -> str | None:
+    """None once the kernels are loaded and take `head_dim`, else why they cannot serve."""
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return (f"the C++ CPU kernels take head_dim in multiples of 8 up to {MAX_HEAD_DIM}, "
+                f"not {head_dim}")
+    return _build_error()
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the kernels are loaded (built on the first call)."""
+    return _build_error() is None
+
+
+@functools.cache
+def _build_error() -> str | None:
+    """None once the kernels are loaded, else why they could not be (kept for the
+    process: a failed build is not retried)."""
+    try:
+        load_cpu_kernels()
+    except Exception as e:  # the compiler's and ninja's failures come in several types
+        return f"the C++ CPU kernels could not be built: {e}"
+    return None
+
+
+if __name__ == "__main__":
+    load_cpu_kernels()
+    print(f"C++ CPU kernels built for {torch.backends.cpu.get_cpu_capability()}")

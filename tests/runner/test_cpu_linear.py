@@ -1,0 +1,208 @@
+"""CPU projections on packed weights (model_runner/kernels/cpu_linear.py) against nn.Linear.
+
+oneDNN float32 must give nn.Linear's numbers at every padded row count; float16 weights
+must give nn.Linear's numbers on the weights rounded to float16, so that a tiny model
+served on them generates exactly what Hugging Face generates from the rounded weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_runner.config import ModelConfig
+from model_runner.kernels.cpu_linear import Int8Linear, can_pack, hadamard, pack_linear, padded_rows
+from model_runner.loader import load_model
+from model_runner.models.llama import Linear
+from tests.support.model_helpers import (
+    CONFIGS,
+    Engine,
+    TinyModel,
+    greedy_seqs,
+    make_model_folder,
+    prompts,
+)
+from tests.support.quality import prefill
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not can_pack(CPU, torch.float32, "auto"), reason="torch built without oneDNN"
+)
+needs_fbgemm = pytest.mark.skipif(
+    not can_pack(CPU, torch.float32, "float16"), reason="torch built without fbgemm"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 63, 64, 65, 100, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_plain(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = F.linear(x, linear.weight, linear.bias)
+    linear.pack("auto")
+    with torch.inference_mode():
+        got = linear(x)
+    assert got.shape == (rows, 80)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert linear.weight.numel() == 0  # the packed copy is the only one
+
+
+def test_row_buckets_are_few_and_cover_every_count() -> None:
+    buckets = {padded_rows(r) for r in range(1, 2049)}
+    assert all(padded_rows(r) >= r for r in range(1, 2049))
+    assert len(buckets) < 80
+    assert [padded_rows(r) for r in (1, 2, 3, 8, 9, 65)] == [1, 2, 4, 8, 16, 96]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float16_weights_match_plain_on_rounded_weights(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = F.linear(x, linear.weight.half().float(), linear.bias)
+    unrounded = F.linear(x, linear.weight, linear.bias)
+    linear.pack("float16")
+    with torch.inference_mode():
+        got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 80)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # and the rounding is really there: the float32 weights give other numbers
+    assert not torch.allclose(got, unrounded, rtol=0, atol=1e-7)
+
+
+@needs_fbgemm
+@torch.inference_mode()
+def test_float16_weights_generate_what_hf_generates_from_rounded_weights(tmp_path) -> None:
+    # untied embeddings: the embedding lookup stays float32 on both sides
+    hf_model = make_model_folder(tmp_path, CONFIGS["llama3"]())
+    loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="float16"))
+    for name, param in hf_model.named_parameters():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            param.copy_(param.half().float())
+    tiny = TinyModel(hf_model, loaded)
+    seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
+    outputs = Engine(tiny.runner(block_size=4)).run(seqs)
+    assert outputs == [tiny.generate(s.prompt, 12) for s in seqs]
+
+
+def test_float16_weights_refused_where_unsupported(tmp_path) -> None:
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16"))
+    with pytest.raises(ValueError, match="--weight-dtype int8 needs the CPU, --dtype float32"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="int8"))
+    with pytest.raises(ValueError, match="unknown weight dtype 'int4'"):
+        ModelConfig(weight_dtype="int4")
+
+
+def _outlier_inputs(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Inputs whose channels 3 and 17 run 100x wider than the rest, as LLM activations do."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen)
+    x[:, [3, 17]] *= 100
+    return x
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_follow_float32_on_outlier_channels(bias: bool) -> None:
+    # unrotated, the ordinary channels would sit within a grid step or two of zero on the
+    # outliers' grid and drown (errors of tens of percent)
+    torch.manual_seed(0)
+    linear = Linear(64, 96, bias=bias)
+    x = _outlier_inputs(40, 64, seed=1)
+    expected = F.linear(x, linear.weight, linear.bias)
+    linear.pack("int8")
+    with torch.inference_mode():
+        got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (40, 96)
+    assert _relative_error(got, expected) < 0.02
+    assert linear.weight.numel() == 0  # the packed copy is the only one
+
+
+@needs_fbgemm
+def test_int8_activations_get_a_grid_per_token() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64) * 0.1
+    x = torch.randn(8, 64)
+    x[0] *= 1000  # one loud token in the batch
+    packed = pack_linear(weight, None, "int8")
+    with torch.inference_mode():
+        got = packed(x)
+    expected = F.linear(x, weight)
+    # the quiet tokens keep their precision: on the loud token's grid, their whole
+    # inputs would fall within one or two steps of it (errors near 100%)
+    for row in range(8):
+        assert _relative_error(got[row], expected[row]) < 0.03, row
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_hadamard_rotation_is_orthonormal(n: int) -> None:
+    h = hadamard(n)
+    torch.testing.assert_close(h @ h.T, torch.eye(n))
+    assert (h.abs() == n**-0.5).all()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("in_features", [24, 40, 200])
+def test_int8_rotation_blocks_fit_any_width(in_features: int) -> None:
+    # 24 = 8 * 3, 40 = 8 * 5, 200 = 8 * 25: blocks of 8; a width of 64 * k takes 64
+    torch.manual_seed(in_features)
+    weight = torch.randn(32, in_features) * 0.1
+    x = _outlier_inputs(5, in_features, seed=2)
+    packed = pack_linear(weight, None, "int8")
+    assert packed.block == 8
+    with torch.inference_mode():
+        assert _relative_error(packed(x), F.linear(x, weight)) < 0.05
+
+
+@needs_fbgemm
+@torch.inference_mode()
+def test_int8_model_packs_every_projection_and_stays_close(tmp_path) -> None:
+    make_model_folder(tmp_path, CONFIGS["llama3"]())
+    exact = load_model(ModelConfig(model=str(tmp_path)))
+    loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
+    model = loaded.model
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert projections and all(isinstance(m.packed, Int8Linear) for m in projections)
+    assert isinstance(model.packed_lm_head, Int8Linear)
+
+    tokens = torch.tensor([prompts([48], seed=3)[0]])
+    reference = exact.model.compute_logits(prefill(exact.model, tokens))
+    logits = model.compute_logits(prefill(model, tokens))
+    # measured 8.7% and 41 of 48: a tiny random model's narrow rows quantize coarsely
+    assert _relative_error(logits, reference) < 0.12
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.75
+
+
+@needs_fbgemm
+def test_int8_model_serves_whole_requests(tmp_path) -> None:
+    hf_model = make_model_folder(tmp_path, CONFIGS["qwen2"]())  # with a qkv bias
+    loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
+    seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
+    outputs = Engine(TinyModel(hf_model, loaded).runner(block_size=4)).run(seqs)
+    assert [len(out) for out in outputs] == [12, 12, 12]
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(("in_features", "block"), [(64, 64), (576, 64), (1536, 64), (40, 8)])
+def test_int8_rotation_in_cpp_matches_torch(in_features: int, block: int) -> None:
+    packed = pack_linear(torch.randn(16, in_features), None, "int8")
+    assert packed.block == block and packed.fused
+    x = torch.randn(7, in_features + 8)[:, :in_features]  # rows with a stride
+    x[3] = 0  # a zero row stays zero
+    got, got_amax = packed.rotate_and_scale(x)
+    packed.fused = False
+    expected, expected_amax = packed.rotate_and_scale(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_amax, expected_amax, rtol=1e-5, atol=1e-12)
+    assert got.abs().amax(dim=1)[[0, 1, 2, 4, 5, 6]].allclose(torch.ones(6))

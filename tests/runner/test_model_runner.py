@@ -1,0 +1,475 @@
+"""The model runner on tiny random Llama-family models against Hugging Face, in float32.
+
+Each model is saved to a temporary folder (safetensors and a word-level tokenizer), loaded
+through the loader, and driven by the minimal engine loop of tests/model_helpers.py
+(`Engine`): no scheduler, blocks handed out by a counter.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from model_runner import loader
+from model_runner.block_tables import BlockTables
+from model_runner.config import ModelConfig
+from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
+from model_runner.loader import load_model
+from model_runner.models.llama import rope_inv_freq
+from model_runner.runner import ModelRunner, prepare_inputs
+from model_runner.sampler import Sampler
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+from tests.support.model_helpers import (
+    CONFIGS,
+    GREEDY,
+    VOCAB,
+    Engine,
+    Seq,
+    TinyModel,
+    greedy_seqs,
+    make_model_folder,
+    prompts,
+)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory) -> TinyModel:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = make_model_folder(folder, CONFIGS[request.param]())
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> TinyModel:
+    folder = tmp_path_factory.mktemp("llama")
+    hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+
+
+@torch.inference_mode()
+def test_logits_match_hf_forward(tiny: TinyModel):
+    """Two prompts in one step, the second after a first chunk already in the cache."""
+    runner = tiny.runner(block_size=4)
+    p0, p1 = prompts([13, 21])
+    first = [ScheduledRequest("b", p1[:8], 0, list(range(10, 16)), False, GREEDY, p1, [])]
+    inputs = prepare_inputs(first, BlockTables(4), runner.device)
+    tiny.loaded.model(
+        inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
+    )
+    step = [
+        ScheduledRequest("a", p0, 0, list(range(4)), True, GREEDY, p0, []),
+        ScheduledRequest("b", p1[8:], 8, list(range(10, 16)), True, GREEDY, p1, []),
+    ]
+    inputs = prepare_inputs(step, BlockTables(4), runner.device)
+    hidden = tiny.loaded.model(
+        inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
+    )
+    logits = tiny.loaded.model.compute_logits(hidden)  # [13 + 13, vocab]
+    expected = torch.cat(
+        [tiny.hf(torch.tensor([p0])).logits[0], tiny.hf(torch.tensor([p1])).logits[0, 8:]]
+    )
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+# --- greedy parity through the runner ----------------------------------------------------
+
+
+def test_single_request_matches_generate(tiny: TinyModel):
+    seqs = greedy_seqs([11], max_tokens=12)
+    assert Engine(tiny.runner()).run(seqs) == [tiny.generate(seqs[0].prompt, 12)]
+
+
+def test_batched_requests_of_different_lengths(tiny: TinyModel):
+    seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
+    outputs = Engine(tiny.runner(block_size=8)).run(seqs)
+    assert outputs == [tiny.generate(s.prompt, 10) for s in seqs]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_attention_backends_match_generate(tiny: TinyModel, backend: str):
+    # "auto" picks "cpu" (the C++ kernels) on the CPU; the reference must agree too
+    seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
+    runner = tiny.runner(block_size=8, attention_backend=backend)
+    assert runner.attn.name == backend
+    # "cpu" runs the norms, RoPE and SwiGLU as C++ kernels too; "torch" is all reference
+    ops = runner.model.layer_ops(runner.attn, torch.float32)
+    assert (ops is not None) == (backend == "cpu")
+    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 10) for s in seqs]
+
+
+@pytest.mark.parametrize("block_size,chunk_size", [(4, 5), (16, 7), (1, 3)])
+def test_chunked_prefill_matches_generate(llama: TinyModel, block_size, chunk_size):
+    seqs = greedy_seqs([23, 9, 31], max_tokens=8, seed=2)
+    outputs = Engine(llama.runner(block_size=block_size), chunk_size=chunk_size).run(seqs)
+    assert outputs == [llama.generate(s.prompt, 8) for s in seqs]
+
+
+def test_chunked_prefill_all_architectures(tiny: TinyModel):
+    seqs = greedy_seqs([19, 26], max_tokens=6, seed=3)
+    outputs = Engine(tiny.runner(block_size=4), chunk_size=6).run(seqs)
+    assert outputs == [tiny.generate(s.prompt, 6) for s in seqs]
+
+
+def test_staggered_arrivals_mix_decodes_and_prefills(llama: TinyModel):
+    """A request arriving while others decode: the step mixes decodes and a prefill, in
+    the scheduler's order (prefill first here); the runner reorders them."""
+    engine = Engine(llama.runner(block_size=4))
+    late = greedy_seqs([14], max_tokens=6, seed=4)[0]
+    late.request_id = "late"
+    seqs = greedy_seqs([5, 12], max_tokens=10, seed=5)
+    for _ in range(3):
+        engine.step(seqs)
+    engine.run([late, *seqs])
+    assert [s.output for s in [late, *seqs]] == [
+        llama.generate(s.prompt, s.max_tokens) for s in [late, *seqs]
+    ]
+
+
+def test_prefix_blocks_reused_from_the_cache(tiny: TinyModel):
+    block_size = 4
+    engine = Engine(tiny.runner(block_size=block_size))
+    (shared,) = prompts([3 * block_size], seed=6)
+    first = Seq("first", shared + [7, 8], max_tokens=4)
+    engine.run([first])
+    # later requests start with the first one's full blocks holding the shared prefix
+    tails = prompts([5, 1], seed=7)
+    later = [Seq(f"later{i}", shared + tail, max_tokens=6) for i, tail in enumerate(tails)]
+    for s in later:
+        s.block_table = first.block_table[:3]
+        s.num_computed = 3 * block_size
+    engine.run(later)
+    assert [s.output for s in later] == [tiny.generate(s.prompt, 6) for s in later]
+    assert first.output == tiny.generate(first.prompt, 4)
+
+
+def test_recompute_after_preemption(tiny: TinyModel):
+    engine = Engine(tiny.runner(block_size=4), chunk_size=6)
+    victim, other = greedy_seqs([10, 15], max_tokens=12, seed=8)
+    for _ in range(6):
+        engine.step([victim, other])
+    assert 0 < len(victim.output) < 12
+    # preempted: blocks gone, everything so far becomes the prompt and is computed again
+    generated = len(victim.output)
+    victim.prompt, victim.output = victim.tokens, []
+    victim.max_tokens -= generated
+    victim.block_table, victim.num_computed = [], 0
+    engine.run([victim, other])
+    original_prompt = victim.prompt[: len(victim.prompt) - generated]
+    assert victim.prompt[len(original_prompt) :] + victim.output == tiny.generate(
+        original_prompt, 12
+    )
+    assert other.output == tiny.generate(other.prompt, 12)
+
+
+# --- sampling through the runner ---------------------------------------------------------
+
+
+def test_seeded_sampling_ignores_batch_mates(llama: TinyModel):
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def sample(with_mates: bool) -> list[int]:
+        seqs = [Seq("seeded", prompts([9], seed=9)[0], 12, params)]
+        if with_mates:
+            seqs += [
+                Seq("mate1", prompts([20], seed=10)[0], 12, SamplingParams(temperature=1.0)),
+                Seq("mate2", prompts([4], seed=11)[0], 12, SamplingParams(seed=99, top_p=0.8)),
+            ]
+        Engine(llama.runner(block_size=4, seed=5 if with_mates else 0), chunk_size=7).run(seqs)
+        return seqs[0].output
+
+    alone = sample(with_mates=False)
+    assert sample(with_mates=True) == alone
+    assert len(set(alone)) > 1  # actually sampled
+
+
+def test_generators_dropped_for_finished_requests(llama: TinyModel):
+    runner = llama.runner()
+    seq = Seq("s", prompts([5])[0], 2, SamplingParams(seed=3))
+    Engine(runner).run([seq])
+    assert "s" in runner._generators
+    runner.execute(SchedulerOutput(finished_ids=["s"]))
+    assert "s" not in runner._generators
+
+
+def test_logprobs_returned(llama: TinyModel):
+    runner = llama.runner()
+    (prompt,) = prompts([6])
+    req = ScheduledRequest(
+        "lp", prompt, 0, [0, 1], True, SamplingParams(temperature=0.0, logprobs=3), prompt, []
+    )
+    out = runner.execute(SchedulerOutput(scheduled=[req]))
+    logprobs = out.logprobs["lp"]
+    with torch.inference_mode():
+        expected = torch.log_softmax(llama.hf(torch.tensor([prompt])).logits[0, -1], -1)
+    assert out.sampled_token_ids["lp"] == int(expected.argmax())
+    assert logprobs.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    assert [t for t, _ in logprobs.top] == expected.topk(3).indices.tolist()
+
+
+# --- KV cache sizing and the loader --------------------------------------------------------
+
+
+def test_kv_cache_sized_from_memory_budget(llama: TinyModel):
+    config = ModelConfig(model=llama.loaded.model_path, block_size=8, kv_cache_memory=1 << 20)
+    runner = ModelRunner(llama.loaded, config)
+    block_bytes = bytes_per_block(2, 8, 2, 16, torch.float32)
+    assert runner.num_kv_blocks == (1 << 20) // block_bytes
+    k_cache, v_cache = runner.kv_cache.layers[0]
+    assert k_cache.shape == v_cache.shape == (runner.num_kv_blocks, 8, 2, 16)
+    assert len(runner.kv_cache.layers) == 2
+
+
+def test_loaded_model_fields(llama: TinyModel):
+    loaded = llama.loaded
+    assert loaded.eos_token_ids == frozenset({2})
+    assert loaded.max_model_len == 256
+    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    assert loaded.served_model_name == Path(loaded.model_path).name
+    assert loaded.tokenizer("t5 t7").input_ids == [5, 7]
+    capped = load_model(ModelConfig(model=loaded.model_path, max_model_len=100))
+    assert capped.max_model_len == 100
+
+
+def test_loader_errors(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model(ModelConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(ModelConfig(model=str(tmp_path)))
+    not_a_model = tmp_path / "weights.bin"
+    not_a_model.write_bytes(b"\0")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_model(ModelConfig(model=str(not_a_model)))
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(
+        GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB)
+    ).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(ModelConfig(model=str(gpt2)))
+
+
+def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, monkeypatch):
+    """A ValueError (what `serve` reports as one line, exit 1) that says what to do, and no
+    folder left that a later start could take for a finished conversion."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def full_disk(_: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")  # written before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    with pytest.raises(ValueError, match="No space left on device.*PAGEDSERVE_CACHE"):
+        loader.gguf_to_cached_folder(gguf)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(loader, "_convert_gguf",
+                        lambda _, out: (out / "config.json").write_text("{}"))
+    folder = loader.gguf_to_cached_folder(gguf)  # the next start converts again
+    assert (folder / "config.json").read_text() == "{}"
+
+
+def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from server.cli import main
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def full_disk(_: Path, out: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    with caplog.at_level(logging.INFO):
+        assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
+    (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "No space left on device" in error.getMessage() and error.exc_info is None
+
+
+# --- the sampler on hand-made logits -------------------------------------------------------
+
+
+def request(params: SamplingParams, prompt=(), output=(), request_id="x") -> ScheduledRequest:
+    return ScheduledRequest(request_id, [0], 0, [0], True, params, list(prompt), list(output))
+
+
+def sampler(seed: int = 0) -> Sampler:
+    return Sampler(torch.device("cpu"), frozenset({2}), seed)
+
+
+def test_sampler_seed_independent_of_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=0.8, seed=7)
+
+    def draws(batch: bool) -> list[int]:
+        gen = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(20):
+            if batch:
+                rows = [request(SamplingParams()), request(seeded), request(SamplingParams(seed=1))]
+                gens = [None, gen, torch.Generator().manual_seed(1)]
+                out.append(sampler()(logits.clone(), rows, gens).token_ids[1])
+            else:
+                out.append(sampler()(logits[1:2].clone(), [request(seeded)], [gen]).token_ids[0])
+        return out
+
+    assert draws(batch=True) == draws(batch=False)
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=t, top_k=1) for t in (0.5, 1.0, 3.0, 10.0)] * 2
+    out = sampler()(logits.clone(), [request(p) for p in params], [None] * 8)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_in_a_sampled_batch():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    params = [GREEDY, SamplingParams(temperature=2.0), GREEDY, SamplingParams(top_p=0.5)]
+    out = sampler()(logits.clone(), [request(p) for p in params], [None] * 4)
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[2] == int(
+        logits[2].argmax()
+    )
+
+
+def test_top_p_and_min_p_cut_the_tail():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    for params, allowed in [
+        (SamplingParams(top_p=0.6), {0, 1}),
+        (SamplingParams(top_p=0.4), {0}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),
+        (SamplingParams(top_k=3), {0, 1, 2}),
+    ]:
+        s = sampler(seed=3)
+        seen = {s(logits.clone(), [request(params)], [None]).token_ids[0] for _ in range(300)}
+        assert seen == allowed, params
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=0)
+    out = sampler()(logits.clone(), [request(params, prompt=[0, 1], output=[1, 3])], [None])
+    # seen tokens 0, 1, 3: positive halved, negative doubled; 2 and 4 untouched
+    processed = torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5])
+    assert out.token_ids == [0]  # ties at 1.0 between 0 and 2 break to the first
+    assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(processed, -1)[0]))
+
+
+def test_presence_and_frequency_penalties_openai_semantics():
+    logits = torch.zeros(1, 5)
+    params = SamplingParams(
+        temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, logprobs=5
+    )
+    # prompt tokens are not penalised; output token 1 twice, token 3 once
+    out = sampler()(logits, [request(params, prompt=[4, 4], output=[1, 1, 3])], [None])
+    processed = torch.tensor([0.0, -1.0, 0.0, -0.75, 0.0])
+    expected = dict(enumerate(torch.log_softmax(processed, -1).tolist()))
+    assert dict(out.logprobs[0].top) == pytest.approx(expected)
+
+
+def test_penalties_follow_the_history_step_by_step():
+    """The counts kept between steps give the same penalised logits as a fresh sampler
+    that sees the whole history at once, across steps, rows growing and rows freed."""
+    vocab = 64
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.5, presence_penalty=0.3,
+        frequency_penalty=0.2, logprobs=vocab,
+    )
+    g = torch.Generator().manual_seed(5)
+    kept = sampler()
+    histories = {f"r{i}": ([int(t) for t in torch.randint(0, vocab, (5,), generator=g)], [])
+                 for i in range(12)}
+    for step_no in range(6):
+        rows = [request(params, prompt, output, request_id=rid)
+                for rid, (prompt, output) in histories.items()]
+        logits = torch.randn(len(rows), vocab, generator=g)
+        got = kept(logits.clone(), rows, [None] * len(rows))
+        want = sampler()(logits.clone(), rows, [None] * len(rows))
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert dict(a.top) == pytest.approx(dict(b.top))
+        for rid, token in zip(histories, got.token_ids, strict=True):
+            histories[rid][1].append(token)
+        if step_no == 2:  # two finish; a newcomer takes a freed row
+            kept.forget(["r0", "r1"])
+            del histories["r0"], histories["r1"]
+            histories["new"] = ([1, 2, 3], [])
+    assert kept.token_counts.num_rows == 11
+
+
+
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+    params = [
+        SamplingParams(temperature=0.0, logprobs=4),
+        SamplingParams(temperature=2.0, logprobs=2),
+    ]
+    out = sampler()(logits.clone(), [request(p) for p in params], [None, None])
+    for row, (p, t) in enumerate(zip(params, (1.0, 2.0), strict=True)):
+        expected = torch.log_softmax(logits[row] / t, -1)
+        lp = out.logprobs[row]
+        assert lp.logprob == pytest.approx(float(expected[out.token_ids[row]]), abs=1e-6)
+        assert [i for i, _ in lp.top] == expected.topk(p.logprobs).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(expected.topk(p.logprobs).values.tolist())
+
+
+def test_min_tokens_masks_stop_tokens():
+    logits = torch.tensor([[0.0, 0.0, 10.0, 9.0, 0.0]])  # eos (2) is the argmax
+    early = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    assert sampler()(logits.clone(), [request(early, output=[4])], [None]).token_ids == [0]
+    late = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4)
+    assert sampler()(logits.clone(), [request(late, output=[4, 4])], [None]).token_ids == [2]
+
+
+def test_rope_from_legacy_config_attributes():
+    """Configs from before transformers 5 carry rope_theta and rope_scaling instead."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    legacy = SimpleNamespace(rope_theta=500000.0, rope_scaling=scaling)
+    current = SimpleNamespace(rope_parameters={**scaling, "rope_theta": 500000.0})
+    assert torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(current, 16))
+    assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(SimpleNamespace(), 16))
+    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
+        rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), 8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_two_byte_kv_cache(llama: TinyModel, kv_dtype: str):
+    # twice the blocks in the same memory; both backends read the narrow cache alike
+    config = dict(model=llama.loaded.model_path, block_size=8, kv_cache_memory=1 << 20)
+    wide = ModelRunner(llama.loaded, ModelConfig(**config))
+    narrow = {
+        backend: ModelRunner(llama.loaded, ModelConfig(
+            **config, kv_cache_dtype=kv_dtype, attention_backend=backend))
+        for backend in ("torch", "cpu")
+    }
+    assert narrow["cpu"].num_kv_blocks == 2 * wide.num_kv_blocks
+    assert narrow["cpu"].kv_cache.layers[0][0].dtype == getattr(torch, kv_dtype)
+    outputs = [Engine(runner).run(greedy_seqs([5, 21, 9], max_tokens=8, seed=3))
+               for runner in narrow.values()]
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[0]] == [8, 8, 8]
+
+
+def test_two_byte_kv_cache_is_for_float32_models_on_the_cpu():
+    assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        kv_cache_dtype("float16", torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        ModelConfig(kv_cache_dtype="int8")
