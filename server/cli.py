@@ -1,10 +1,10 @@
 """The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`
 (or `pagedserve bench --engine-loop --simulate-step-ms MS ...`, no server).
 
-This is the only module that parses command-line flags; it turns them into the
-frozen configs of each layer (ServerConfig, ModelConfig, SchedulerConfig; the
-CacheConfig follows from the KV cache the runner allocates) and runs uvicorn, or into
-a BenchConfig for loadgen/client.py. Flag names follow vLLM's.
+This module parses the server's flags; it turns them into the frozen configs of each
+layer (ServerConfig, ModelConfig, SchedulerConfig; the CacheConfig follows from the KV
+cache the runner allocates) and runs uvicorn. `bench` is the load generator's CLI
+(loadgen/cli.py), given the engine's step loop for --engine-loop. Flag names follow vLLM's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from loadgen import client as bench_client
+from loadgen import cli as bench_cli
+from loadgen.cli import API_KEY_ENV
 from loadgen.client import BenchConfig
 from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelConfig
 from scheduler.config import SchedulerConfig
@@ -33,7 +34,6 @@ from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
 
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 METRICS_API_KEY_ENV = "PAGEDSERVE_METRICS_API_KEY"
 _CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 512
 _CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
@@ -296,113 +296,13 @@ def _read_chat_template(path: str | None) -> str | None:
         raise ValueError(f"cannot read --chat-template {path}: {exc}") from exc
 
 
-def parse_length_range(text: str) -> tuple[int, int]:
-    """"128" -> (128, 128); "64:256" -> (64, 256)."""
-    try:
-        low, _, high = text.partition(":")
-        return int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a length or LOW:HIGH range: {text!r}") from None
-
-
-def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
-    """"10:0.9,-10:0.1" -> ((10, 0.9), (-10, 0.1)); a missing weight is 1."""
-    try:
-        return tuple(
-            (int(priority), float(weight or 1.0))
-            for priority, _, weight in (part.partition(":") for part in text.split(","))
-        )
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a priority mix: {text!r}") from None
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pagedserve bench`."""
-    parser.add_argument("--url", default=None,
-                        help="server base URL, e.g. http://host:8000 (needed but with "
-                        "--engine-loop)")
-    parser.add_argument("--engine-loop", action="store_true",
-                        help="no server: run the requests through the in-process engine step "
-                        "loop on the simulated runner (needs --simulate-step-ms)")
-    parser.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
-                        help="with --engine-loop: the simulated runner's step time")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="with --engine-loop: overlapped steps (as `serve` takes it)")
-    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=None,
-                        help="requests in flight at most (default 8 without --request-rate)")
-    parser.add_argument("--request-rate", type=float, default=None,
-                        help="Poisson arrivals per second (default: as fast as --concurrency)")
-    parser.add_argument("--input-len", type=parse_length_range, default=(128, 128),
-                        help="prompt tokens (or words): N or LOW:HIGH (default 128)")
-    parser.add_argument("--output-len", type=parse_length_range, default=(64, 64),
-                        help="max_tokens: N or LOW:HIGH (default 64)")
-    parser.add_argument("--prompt-token-ids", action=argparse.BooleanOptionalAction,
-                        default=True, help="send token-id prompts (else random words)")
-    parser.add_argument("--token-id-range", type=parse_length_range, default=(1000, 20000),
-                        help="LOW:HIGH of the random prompt token ids")
-    parser.add_argument("--priority-mix", type=parse_priority_mix, default=None,
-                        help='priority:weight pairs, e.g. "10:0.9,-10:0.1"')
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate exactly max_tokens (server extension)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
-                        help="raw: plain asyncio connections, a fraction of httpx's CPU per "
-                        "streamed line (http:// only)")
-    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
-                        help="ask N logprobs a token: every token then comes in a chunk of "
-                        "its own, so TTFT and ITL time tokens, also those whose text is "
-                        "held back (a character's first byte)")
-    parser.add_argument("--workload", choices=sorted(bench_client.WORKLOADS), default=None,
-                        help="a fixed workload of docs/benchmarks.md (overrides the length, "
-                        "count and priority flags)")
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="scale the workload's request count")
-
-
-def build_bench_config(args: argparse.Namespace) -> BenchConfig:
-    """The bench config from parsed `bench` flags; ValueError on invalid values."""
-    if args.engine_loop:
-        if args.simulate_step_ms is None or args.simulate_step_ms < 0:
-            raise ValueError("--engine-loop needs --simulate-step-ms MS (MS >= 0)")
-    elif args.url is None:
-        raise ValueError("--url is required (or --engine-loop)")
-    return BenchConfig(
-        url=args.url or "",
-        model=args.model,
-        api_key=args.api_key,
-        num_requests=args.num_requests,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        prompt_token_ids=args.prompt_token_ids,
-        token_id_range=args.token_id_range,
-        priority_mix=args.priority_mix,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        json=args.json,
-        workload=args.workload,
-        scale=args.scale,
-        http_client=args.http_client,
-        logprobs=args.logprobs,
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="OpenAI-compatible LLM server with paged KV cache."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the HTTP server"))
-    add_bench_arguments(
+    bench_cli.add_bench_arguments(
         commands.add_parser("bench", help="load-test an OpenAI-compatible server")
     )
     return parser
@@ -505,6 +405,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
 
 
 def _bench_engine_loop(config: BenchConfig, step_ms: float, async_scheduling: bool) -> int:
+    """`pagedserve bench --engine-loop`: the load generator's EngineLoop, the engine's."""
     import json
 
     from engine.loop_bench import format_engine_loop, run_engine_loop
@@ -531,14 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        try:
-            bench_config = build_bench_config(args)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if args.engine_loop:
-            return _bench_engine_loop(bench_config, args.simulate_step_ms,
-                                      args.async_scheduling)
-        return bench_client.run(bench_config)
+        return bench_cli.run(args, parser, engine_loop=_bench_engine_loop)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

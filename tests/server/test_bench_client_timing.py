@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
+from loadgen.cli import build_bench_config
 from loadgen.client import BenchConfig, Result, _read_events
-from server.cli import build_bench_config, build_parser
+from server.cli import build_parser
 
 
 def sse(*choices: dict) -> list[str]:

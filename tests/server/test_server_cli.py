@@ -10,14 +10,7 @@ import sys
 import pytest
 
 from engine.metrics import OTHER_PRIORITY, PriorityLabels
-from server.cli import (
-    build_bench_config,
-    build_configs,
-    build_parser,
-    parse_length_range,
-    parse_priority_mix,
-    parse_size,
-)
+from server.cli import build_configs, build_parser, parse_size
 from server.config import ServerConfig
 from server.limits import RequestLimits
 
@@ -150,38 +143,6 @@ def test_request_limits_validation(fields: dict) -> None:
         RequestLimits(**fields)
 
 
-def test_bench_flags_build_a_bench_config() -> None:
-    args = build_parser().parse_args(
-        ["bench", "--url", "http://x", "--input-len", "8:16", "--priority-mix", "10:0.9,-10:0.1",
-         "--no-prompt-token-ids", "--request-rate", "2.5", "--timeout", "9"]
-    )
-    assert args.command == "bench"
-    config = build_bench_config(args)
-    assert (config.url, config.input_len, config.output_len) == ("http://x", (8, 16), (64, 64))
-    assert config.priority_mix == ((10, 0.9), (-10, 0.1))
-    assert not config.prompt_token_ids and config.request_rate == 2.5 and config.timeout_s == 9
-
-
-@pytest.mark.parametrize(
-    "flags", [["--input-len", "0"], ["--output-len", "9:3"], ["--priority-mix", "1:0"],
-              ["--num-requests", "0"], ["--concurrency", "0"]],
-)
-def test_invalid_bench_values_raise_value_error(flags: list[str]) -> None:
-    args = build_parser().parse_args(["bench", "--url", "http://x", *flags])
-    with pytest.raises(ValueError):
-        build_bench_config(args)
-
-
-def test_range_and_mix_parsing() -> None:
-    assert parse_length_range("7") == (7, 7) and parse_length_range("2:5") == (2, 5)
-    assert parse_priority_mix("5") == ((5, 1.0),)
-    for bad in ("a:b", "1:x"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_priority_mix(bad)
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_length_range("a:b")
-
-
 def test_priority_labels_are_bounded() -> None:
     labels = PriorityLabels(limit=3)
     assert [labels(p) for p in (0, 5, 0, -1, 7, 5, 8)] == ["0", "5", "0", "-1", OTHER_PRIORITY,
@@ -210,15 +171,6 @@ def test_simulate_step_ms_reaches_the_configs() -> None:
     assert configs("--simulate-step-ms", "2.5").simulate_step_ms == 2.5
     with pytest.raises(ValueError):
         configs("--simulate-step-ms", "-1")
-
-
-def test_bench_engine_loop_needs_a_step_time_and_no_url() -> None:
-    args = build_parser().parse_args(["bench", "--engine-loop", "--simulate-step-ms", "10"])
-    assert build_bench_config(args).url == ""
-    with pytest.raises(ValueError, match="--simulate-step-ms"):
-        build_bench_config(build_parser().parse_args(["bench", "--engine-loop"]))
-    with pytest.raises(ValueError, match="--url"):
-        build_bench_config(build_parser().parse_args(["bench"]))
 
 
 def test_async_scheduling_is_on_with_cuda_and_off_on_the_cpu() -> None:

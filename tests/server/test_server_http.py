@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from loadgen.cli import build_bench_config
 from loadgen.client import BenchConfig, Result, _send, format_summary, run_bench
 from loadgen.workloads import BenchItem
-from server.cli import build_bench_config, build_parser
+from server.cli import build_parser
 from tests.support.reliability_helpers import LiveServer
 
 
