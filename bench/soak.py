@@ -24,13 +24,12 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from tests.support.server_process import ServerProcess
+from tests.support.server_process import ServerProcess, read_rss_kib
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _WORDS = (
@@ -69,20 +68,6 @@ class SoakError(Exception):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind, self.detail = kind, detail
-
-
-# ------------------------------------------------------------------ the server
-
-
-def read_rss_kib(pid: int) -> int | None:
-    """VmRSS of `pid` in KiB (Linux), None where unknown."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 # ------------------------------------------------------------------ the clients

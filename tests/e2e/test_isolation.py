@@ -1,5 +1,5 @@
 """The hostile-client suite (issue 28) on the default model with two tenants: each attack
-of bench/isolation.py's ATTACKS gets its expected 4xx or is served within bounds, while the
+of tests/support/attacks.py's ATTACKS gets its expected 4xx or is served within bounds, while the
 other tenant's stream keeps its pace (its largest gap between tokens within max(1 s, 8x
 its unattacked median)), /health answers within 1 s, no server process grows more than
 400 MB, and the pool is idle afterwards. A new attack is one line of ATTACKS."""
@@ -12,17 +12,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.isolation import (
+from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.attacks import (
     ATTACKS,
     SERVER_FLAGS,
     UNATTACKED,
     Attack,
     RunConfig,
-    run_attack,
-    server_pids,
     tenants_yaml,
 )
-from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.isolation import run_attack, server_pids
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,6 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from bench.async_steps_bench import steps_per_s
 from engine.core import EngineCore
 from engine.messages import AddRequests, FinishRequests, NewRequest
 from kvcache.config import CacheConfig
@@ -27,6 +26,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
 from tests.support.reliability_helpers import LiveServer
+from tests.support.step_rate import steps_per_s
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -161,7 +161,7 @@ def test_eos_and_stop_strings_end_a_stream_with_no_token_of_the_next_step(
 
 def test_the_step_rate_follows_the_device_time_alone() -> None:
     """Simulated device time T = 20 ms and host work H = 10 ms per step: plain steps take
-    T + H, overlapped ones T (bench/async_steps_bench.py's measurement, 8 requests)."""
+    T + H, overlapped ones T (8 requests)."""
     spec = load_model_spec(ModelConfig())
     plain, overlapped = (steps_per_s(spec, 20, 10, batch=8, steps=28, async_scheduling=mode)
                          for mode in (False, True))
