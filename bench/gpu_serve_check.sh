@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-from bench.gpu_check import QWEN3_0_6B, _random_model_folder, _save_tokenizer
+from bench.gpu_check.common import QWEN3_0_6B
+from tests.support.gpu_models import random_model_folder, save_tokenizer
 
 folder = Path(sys.argv[1])
 config = Qwen3Config(**QWEN3_0_6B)
-_random_model_folder(config, folder, torch.bfloat16, torch.device("cuda"))
+random_model_folder(config, folder, torch.bfloat16, torch.device("cuda"))
 # its word-level tokenizer over the whole vocabulary, so that every sampled id detokenizes
-_save_tokenizer(folder, config.vocab_size)
+save_tokenizer(folder, config.vocab_size)
 PY
 $PYTHON -m server.cli serve --model "$MODEL" --max-model-len 4096 --max-num-seqs 256 \
     --max-num-batched-tokens 16384 --port 8000 > "$OUT/server.log" 2>&1 &

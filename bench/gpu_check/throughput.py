@@ -1,4 +1,4 @@
-"""GPU check parts 3b and 3c: throughput on nano-vllm's workload against HF static
+"""GPU check parts: throughput on nano-vllm's workload against HF static
 batching, and the decode step against the device's copy bandwidth."""
 
 from __future__ import annotations
@@ -6,17 +6,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from bench.gpu_check.common import (
+from bench.gpu_check.common import PartResult, qwen3_model, sync, time_left
+from tests.support.gpu_models import (
     LoopStats,
-    PartResult,
     device_for,
     free_device_memory,
-    import_runner,
     make_runner,
-    qwen3_model,
     scheduler_loop,
-    sync,
-    time_left,
 )
 
 
@@ -75,7 +71,6 @@ def check_qwen3_shaped_throughput(dry_run: bool) -> PartResult:
     out, ignore_eos, temperature 0.6) of a Qwen3-0.6B-shaped model with random weights,
     through the real Scheduler + ModelRunner (CUDA graphs; eager too if time allows),
     against HF generate with static batching in the same run."""
-    import_runner()
     import torch
 
     from model_runner.config import ModelConfig
@@ -142,7 +137,7 @@ def check_qwen3_shaped_throughput(dry_run: bool) -> PartResult:
     return PartResult("qwen3_shaped_throughput", "pass", detail=detail, rows=rows)
 
 
-# --- 3c: decode step time against the memory-bandwidth floor ------------------------------------
+# --- decode step time against the memory-bandwidth floor
 
 
 def _copy_bandwidth(device, dry_run: bool) -> float:
@@ -167,7 +162,6 @@ def check_decode_step_vs_bandwidth(dry_run: bool) -> PartResult:
     batch 1, 64 and 256 with ~1k-token contexts, CUDA graphs and eager, against its floor:
     (weight bytes + KV bytes read) / the copy bandwidth measured here. Also the bare
     graph replay (the forward alone, no host work)."""
-    import_runner()
     import statistics
 
     import torch
