@@ -1,2 +1,3 @@
-"""The load generator behind `pagedserve bench` (client.py) and its fixed workloads
-(workloads.py): shipped with the server, depending on nothing else of it."""
+"""The load generator behind `pagedserve bench` (client.py), its fixed workloads
+(workloads.py) and its command line (cli.py): shipped with the server, depending on
+nothing else of it."""

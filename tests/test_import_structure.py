@@ -144,3 +144,11 @@ def test_every_import_of_ours_resolves() -> None:
                 if target.split(".")[0] in ours and target not in trees:
                     missing.append(f"{name} imports {target}")
     assert not missing, missing
+
+
+def test_the_tests_import_no_bench() -> None:
+    """The workshop may use the tests' helpers (tests/support), never the other way: a test
+    runs without bench/."""
+    found = [f"{_module_name(p)} imports {m}" for p in (ROOT / "tests").rglob("*.py")
+             for m in _imports(p, _module_name(p)) if m.split(".")[0] == "bench"]
+    assert not found, found
