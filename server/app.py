@@ -34,11 +34,10 @@ from server.middleware import (
     TenantAuthMiddleware,
 )
 from server.openapi import generation_responses, install_openapi, json_request_body
-from server.protocol import (
+from server.requests import ChatCompletionRequest, CompletionRequest
+from server.responses import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     ModelCard,

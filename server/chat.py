@@ -21,11 +21,11 @@ from server.chat_output import (
     tool_parser_for,
 )
 from server.errors import APIError
-from server.protocol import (
+from server.requests import ChatCompletionRequest
+from server.responses import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatResponseMessage,

@@ -12,10 +12,10 @@ from orjson import Fragment
 
 from engine.client import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
-from server.protocol import (
+from server.requests import CompletionRequest
+from server.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,

@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from server.limits import RequestLimits
-from server.protocol import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
+from server.responses import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
 
 # (request property, limit field, the JSON Schema keyword by the JSON type it bounds): the
 # budgets of server/limits.py a schema can state (a stop list's items are strings too).

@@ -49,13 +49,8 @@ from scheduler.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.errors import APIError, server_error, validation_error
 from server.limits import check_budgets, check_prompt_logprobs, flag_of, over_limit
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptTokensDetails,
-    SamplingRequest,
-    UsageInfo,
-)
+from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.responses import PromptTokensDetails, UsageInfo
 from server.structured_output import Constraint, GrammarError, request_grammar
 from server.tenants import Seat, Tenant, TenantRefused
 from structured.compiler import GrammarCompiler
@@ -574,7 +569,7 @@ class PromptLogprobsJSON:
         return result
 
     def _entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
-        """A `PromptLogprob` (server/protocol.py) as a dict."""
+        """A `PromptLogprob` (server/responses.py) as a dict."""
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._token_text(token_id)

@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.client import Engine, EngineStepError, RequestOutput, RequestStream
 from engine.data_parallel import DataParallelEngine
-from server.protocol import ErrorInfo, ErrorResponse
+from server.responses import ErrorInfo, ErrorResponse
 from server.serving import Choice, response_json
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from server.limits import RequestLimits, over_limit
-from server.protocol import ResponseFormat, SamplingRequest, StructuredOutputsParams
+from server.requests import ResponseFormat, SamplingRequest, StructuredOutputsParams
 from structured.grammars import (
     check_grammar,
     choice_grammar,
