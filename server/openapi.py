@@ -1,5 +1,5 @@
 """The OpenAPI schema of the generation routes, whose bodies are parsed by hand
-(server/serving.py): the request models as documented bodies (bounded by this server's
+(server/admission.py): the request models as documented bodies (bounded by this server's
 request limits), the SSE chunk models and the error answers."""
 
 from __future__ import annotations
