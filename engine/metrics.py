@@ -36,8 +36,8 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 @dataclass(frozen=True)
 class Series:
     """One metric: `key` names it in `ServerMetrics`; `labels` come after `model_name`
-    (and `engine`); `exposed` are values of its one label exposed before any traffic (a
-    series without labels of its own always is)."""
+    (and `engine`); `buckets` are a histogram's; `exposed` are values of its one label
+    exposed before any traffic (a series without labels of its own always is)."""
 
     key: str
     kind: type[Counter] | type[Gauge] | type[Histogram]
@@ -48,9 +48,11 @@ class Series:
     exposed: tuple[str, ...] = ()
 
     def create(self, base_labels: list[str], registry: CollectorRegistry) -> Any:
-        extra = {} if self.buckets is None else {"buckets": self.buckets}
-        return self.kind(self.name, self.help, [*base_labels, *self.labels],
-                         registry=registry, **extra)
+        labels = [*base_labels, *self.labels]
+        if self.buckets is not None:
+            return Histogram(self.name, self.help, labels, registry=registry,
+                             buckets=self.buckets)
+        return self.kind(self.name, self.help, labels, registry=registry)
 
 
 _P, _T = ("priority",), ("tenant",)
@@ -137,6 +139,8 @@ class ServerMetrics:
         self, model_name: str, engine: str | None = None, shared: ServerMetrics | None = None
     ) -> None:
         self._base = (model_name,) if engine is None else (model_name, engine)
+        self.registry: CollectorRegistry
+        self.priority_label: PriorityLabels
         if shared is not None:
             self.registry = shared.registry
             self.priority_label = shared.priority_label
@@ -204,14 +208,14 @@ class ServerMetrics:
                             ("num_requests_running_by_priority", running)):
             by_labels: dict[tuple[str, ...], int] = {}
             for priority, n in counts.items():
-                labels = (self.priority_label(priority),)
+                labels: tuple[str, ...] = (self.priority_label(priority),)
                 by_labels[labels] = by_labels.get(labels, 0) + n
             children = self._labelled[key]
             for labels in by_labels:
                 if labels not in children:
                     self._child(key, *labels)
-            for labels, child in children.items():
-                child.set(by_labels.get(labels, 0))
+            for seen, child in children.items():
+                child.set(by_labels.get(seen, 0))
         for priority, n in new_preemptions.items():
             if n > 0:
                 label = self.priority_label(priority)

@@ -42,7 +42,7 @@ def apply_chat_template(
     if config.chat_template is not None:
         kwargs.setdefault("chat_template", config.chat_template)
     try:
-        text = call_with_deadline(
+        text: str = call_with_deadline(
             lambda: tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 **kwargs,
