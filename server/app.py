@@ -6,7 +6,7 @@ GET /v1/models, /health, /metrics, /scheduler/state, and the utility routes of
 server/utility_routes.py (/tokenize, /detokenize, /version). Every error has OpenAI's shape
 (server/errors.py); invalid requests (bad JSON and schema errors included) are 400, never
 422. The middleware (server/middleware.py) checks the key and the body's size and arrival
-before a route runs; the shared checks are in server/serving.py.
+before a route runs; the checks before any work are in server/admission.py.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ from server.middleware import (
     TenantAuthMiddleware,
 )
 from server.openapi import generation_responses, install_openapi, json_request_body
-from server.protocol import (
+from server.requests import ChatCompletionRequest, CompletionRequest
+from server.responses import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     ModelCard,

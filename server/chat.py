@@ -21,11 +21,12 @@ from server.chat_output import (
     tool_parser_for,
 )
 from server.errors import APIError
-from server.protocol import (
+from server.rendering import Choice, json_response, response_json, usage
+from server.requests import ChatCompletionRequest
+from server.responses import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatResponseMessage,
@@ -34,7 +35,7 @@ from server.protocol import (
     DeltaMessage,
     random_id,
 )
-from server.serving import Choice, Serving, json_response, response_json, usage
+from server.serving import Serving
 from server.streaming import (
     Event,
     chunk_head,

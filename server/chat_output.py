@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.protocol import (
-    ChatCompletionRequest,
+from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
+from server.requests import ChatCompletionRequest
+from server.responses import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -28,7 +29,6 @@ from server.protocol import (
     ToolCall,
     random_id,
 )
-from server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
 from server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,

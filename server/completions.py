@@ -12,16 +12,17 @@ from orjson import Fragment
 
 from engine.client import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
-from server.protocol import (
+from server.rendering import Choice, json_response, response_json, usage
+from server.requests import CompletionRequest
+from server.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamChoice,
     CompletionStreamResponse,
     random_id,
 )
-from server.serving import Choice, Serving, json_response, response_json, usage
+from server.serving import Serving
 from server.streaming import (
     Event,
     chunk_head,

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.protocol import ErrorInfo, ErrorResponse
+from server.responses import ErrorInfo, ErrorResponse
 
 
 class APIError(Exception):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, server_error
 from server.limits import over_limit
-from server.protocol import random_id
+from server.responses import random_id
 from server.tenants import TenantRegistry
 
 logger = logging.getLogger(__name__)

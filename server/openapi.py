@@ -1,5 +1,5 @@
 """The OpenAPI schema of the generation routes, whose bodies are parsed by hand
-(server/serving.py): the request models as documented bodies (bounded by this server's
+(server/admission.py): the request models as documented bodies (bounded by this server's
 request limits), the SSE chunk models and the error answers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from server.limits import RequestLimits
-from server.protocol import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
+from server.responses import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
 
 # (request property, limit field, the JSON Schema keyword by the JSON type it bounds): the
 # budgets of server/limits.py a schema can state (a stop list's items are strings too).

@@ -21,8 +21,8 @@ from starlette.types import Receive, Scope, Send
 
 from engine.client import Engine, EngineStepError, RequestOutput, RequestStream
 from engine.data_parallel import DataParallelEngine
-from server.protocol import ErrorInfo, ErrorResponse
-from server.serving import Choice, response_json
+from server.rendering import Choice, response_json
+from server.responses import ErrorInfo, ErrorResponse
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -35,7 +35,7 @@ def sse_data(payload: str) -> str:
 
 def model_event(chunk: pydantic.BaseModel, prompt_logprobs: orjson.Fragment | None) -> Event:
     """The SSE event of a chunk model; its one choice with `prompt_logprobs` (JSON written
-    once per prompt: server/serving.py's PromptLogprobsJSON) when given."""
+    once per prompt: server/rendering.py's PromptLogprobsJSON) when given."""
     if prompt_logprobs is None:
         return sse_data(chunk.model_dump_json())
     return b"data: " + response_json(chunk, [prompt_logprobs]) + b"\n\n"

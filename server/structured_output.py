@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from server.limits import RequestLimits, over_limit
-from server.protocol import ResponseFormat, SamplingRequest, StructuredOutputsParams
+from server.requests import ResponseFormat, SamplingRequest, StructuredOutputsParams
 from structured.grammars import (
     check_grammar,
     choice_grammar,
@@ -197,13 +197,13 @@ def _schema_grammar(param: str, schema: dict[str, object] | bool) -> str:
         return json_schema_grammar(schema)  # type: ignore[arg-type]
     except RecursionError:
         raise
-    except Exception as exc:  # NOTE: whatever the engine raises on odd input is a 400
+    except Exception as exc:  # NOTE: whatever llguidance raises on odd input is a 400
         raise GrammarError(param, f"invalid JSON schema: {exc}") from exc
 
 
 def _checked(param: str, grammar: str) -> Constraint:
     try:
         check_grammar(grammar)
-    except Exception as exc:  # ValueError, or anything the engine raises on odd input
+    except Exception as exc:  # ValueError, or anything llguidance raises on odd input
         raise GrammarError(param, f"the engine cannot compile it: {exc}") from exc
     return Constraint(param, grammar)

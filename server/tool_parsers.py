@@ -28,7 +28,7 @@ from itertools import islice
 from typing import Any, ClassVar
 
 from server.json_stream import JsonStream, Member, canonical_json
-from server.protocol import FunctionDefinition
+from server.requests import FunctionDefinition
 from structured.grammars import lark_grammar, lark_json, lark_literal
 
 # NOTE: a bound, so that a model sampling at a high temperature cannot call tools until

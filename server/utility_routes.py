@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
-from server.protocol import (
+from server.requests import (
     MAX_MESSAGES,
     ChatCompletionRequest,
     ChatMessage,

@@ -21,11 +21,7 @@ from scheduler.output import ScheduledRequest
 from server.app import build_app
 from server.config import ServerConfig
 from server.limits import RequestLimits
-from server.protocol import (
-    MAX_MESSAGES,
-    MAX_STOP_TOKEN_IDS,
-    CompletionRequest,
-)
+from server.requests import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, CompletionRequest
 from server.tenants import TenantRegistry
 from tests.support.reliability_helpers import assert_openai_error
 

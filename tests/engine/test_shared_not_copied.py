@@ -34,8 +34,9 @@ from scheduler.sampling_params import SamplingParams, unique_token_lists
 from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
-from server.protocol import CompletionRequest
-from server.serving import PromptLogprobsJSON, Serving
+from server.rendering import PromptLogprobsJSON
+from server.requests import CompletionRequest
+from server.serving import Serving
 from tests.conftest import BYTE_EOS, ScriptedRunner, SyncRunner
 
 VOCAB = 300

@@ -13,8 +13,9 @@ from llguidance import LLMatcher
 
 from server import json_stream, tool_parsers
 from server.chat_output import ChatOutputParser, chat_output_parser, tool_parser_for
-from server.protocol import ChatCompletionRequest, DeltaMessage, FunctionDefinition
 from server.reasoning import Qwen3ReasoningParser, ReasoningStream
+from server.requests import ChatCompletionRequest, FunctionDefinition
+from server.responses import DeltaMessage
 from server.tool_parsers import HermesToolParser, Llama3JsonToolParser, closed_schema
 from tests.support.structured_helpers import allowed_tokens, byte_ll_tokenizer
 

@@ -23,7 +23,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.config import ServerConfig
 from server.limits import RequestLimits
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.requests import ChatCompletionRequest, CompletionRequest
 from server.structured_output import GrammarError, json_depth, lark_depth, request_grammar
 from structured.compiler import GrammarCompiler
 from structured.grammars import choice_grammar, regex_grammar

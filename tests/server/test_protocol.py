@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionStreamChoice,
-    DeltaMessage,
-)
+from server.requests import ChatCompletionRequest, CompletionRequest
+from server.responses import CompletionStreamChoice, DeltaMessage
 
 
 def completion(**kw) -> CompletionRequest:

@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.app import build_app
+from server.chat_template import DeadlineExceeded, call_with_deadline
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
-from server.protocol import ChatTool
-from server.serving import DeadlineExceeded, call_with_deadline
+from server.requests import ChatTool
 from server.tenants import TenantRegistry, TenantSpec
 from tests.conftest import ByteTokenizer
 from tests.support.reliability_helpers import LiveServer, assert_openai_error

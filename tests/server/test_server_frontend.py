@@ -15,7 +15,7 @@ import pytest
 from engine.client import RequestOutput
 from scheduler.sampling_params import SamplingParams
 from server.cli import build_configs, build_parser
-from server.protocol import (
+from server.responses import (
     ChatCompletionChunk,
     ChatCompletionStreamChoice,
     CompletionStreamChoice,

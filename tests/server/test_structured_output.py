@@ -23,7 +23,7 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.limits import RequestLimits
-from server.protocol import CompletionRequest
+from server.requests import CompletionRequest
 from server.structured_output import GrammarError, request_grammar
 from structured.compiler import GrammarCompiler
 from structured.grammars import choice_grammar, json_schema_grammar, regex_grammar

@@ -1,0 +1,271 @@
+"""Admission of a generation request, before any work: its body parsed, checked and
+placed under its tenant; and the checks of its prompt once tokenized.
+
+Bodies are parsed here rather than by FastAPI, so that a missing or wrong Content-Type is
+no error and the checks run in a fixed order: key (middleware), body size (middleware),
+JSON, schema, model, priority, budgets, load, the tenant's seat and rate, then (with the
+work: server/serving.py) context length, prompt_logprobs entries and the tenant's exact
+token charge.
+
+Limits that keep one request from taking the server down: the JSON nesting depth and
+integer size, the request models' bounds, the request budgets (server/limits.py), the
+prompt's characters (checked before tokenizing, so that a huge prompt costs no tokenizer
+time) and tokens against the context, prompt plus max_tokens against the context: each
+is a 400 naming the limit. The tenant's seat is taken before any work and released on
+every path (`handle`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.client import Engine
+from engine.data_parallel import DataParallelEngine
+from server.config import ServerConfig
+from server.errors import APIError, server_error, validation_error
+from server.limits import check_budgets
+from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.tenants import Seat, Tenant, TenantRefused
+
+# A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+_RequestT = TypeVar("_RequestT", bound=SamplingRequest)
+_ModelT = TypeVar("_ModelT", bound=pydantic.BaseModel)
+
+
+@dataclass
+class Placement:
+    """What a request's tenant made of it: its priority, deadline, cache salt and seat
+    (`submitted` once the engine holds the request, and with it the seat)."""
+
+    tenant: Tenant
+    priority: int
+    deadline: float | None
+    cache_salt: str | None
+    seat: Seat
+    submitted: bool = False
+
+
+class Admission:
+    """The checks of a request before its work and its tenant's placement, over one
+    engine (server/serving.py's `Serving` goes on from here to the work)."""
+
+    def __init__(self, engine: Engine | DataParallelEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_names = (engine.info.model_name, *config.model_aliases)
+        self.max_prompt_chars = _max_prompt_chars(engine.info.tokenizer,
+                                                  engine.info.max_model_len)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.info.model_name
+
+    async def parse_json(self, raw: Request, model: type[_ModelT]) -> _ModelT:
+        """The body as `model` (any pydantic model): a 400 for bad JSON or fields."""
+        body = await raw.body()
+        try:
+            data = json.loads(body)
+        except RecursionError as exc:
+            raise APIError(400, "Request body is not valid JSON: nested too deeply.") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"Request body is not valid JSON: {exc}") from exc
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise APIError(400, "Request body is not valid JSON: a number is too long.") from exc
+        if not isinstance(data, dict):
+            raise APIError(400, "Request body must be a JSON object.")
+        if _SURROGATE_ESCAPE_RE.search(body) and _has_lone_surrogate(data):
+            raise APIError(
+                400, "Request body is not valid JSON: a string holds an unpaired UTF-16 "
+                "surrogate (\\ud800-\\udfff), which is no Unicode character."
+            )
+        try:
+            return model.model_validate(data)
+        except pydantic.ValidationError as exc:
+            raise validation_error(exc.errors(include_url=False)) from exc
+
+    async def handle(self, raw: Request, route: Callable[[Request], Awaitable[Response]]
+                     ) -> Response:
+        """`route(raw)`, a generation route; the tenant's seat its `parse` took is released
+        here unless the engine took the request (whose end releases it)."""
+        try:
+            return await route(raw)
+        finally:
+            placement: Placement | None = getattr(raw.state, "placement", None)
+            if placement is not None and not placement.submitted:
+                placement.seat.release()
+
+    async def parse(
+        self, raw: Request, model: type[_RequestT], arrival: float
+    ) -> tuple[_RequestT, Placement]:
+        """A generation request's body as `model` and its placement under the request's
+        tenant (403 for a priority beyond the tenant's bound, 429 without a seat or room
+        in its token rate), after the checks that need no tokens: before any work."""
+        request = await self.parse_json(raw, model)
+        self._check_admission(request)
+        placement = self._place(raw.state.tenant, request, arrival)
+        raw.state.placement = placement  # for `handle`, which releases its seat
+        return request, placement
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is None or a name this server serves."""
+        if model is not None and model not in self.model_names:
+            raise APIError(
+                404, f"The model `{model}` does not exist; this server serves "
+                f"`{self.model_name}`.", param="model", code="model_not_found",
+            )
+
+    def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Placement:
+        requested = body.priority if "priority" in body.model_fields_set else None
+        try:
+            priority = tenant.priority(requested)
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
+        if self.engine.info.policy != "priority":
+            priority = 0  # FCFS orders by arrival alone
+        salt = None
+        if tenant.cache_salt is not None or body.cache_salt is not None:
+            # NOTE: the tenant's part first: no request's own salt can reproduce it.
+            salt = f"{tenant.cache_salt or ''}\x00{body.cache_salt or ''}"
+        try:
+            seat = tenant.admit(_tokens_at_least(body))
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
+        return Placement(tenant, priority, tenant.deadline(arrival, body.deadline_ms), salt,
+                         seat)
+
+    def _refused(self, tenant: Tenant, refusal: TenantRefused) -> APIError:
+        self.engine.metrics.inc_tenant_rejection(tenant.name, refusal.reason)
+        headers = None
+        if refusal.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))}
+        code = {"priority": "priority_not_allowed", "in_flight": "too_many_requests_in_flight",
+                "rate": "rate_limit_exceeded"}[refusal.reason]
+        param = "priority" if refusal.reason == "priority" else None
+        return APIError(refusal.status_code, str(refusal), param=param, code=code,
+                        headers=headers)
+
+    def _check_admission(self, body: SamplingRequest) -> None:
+        info = self.engine.info
+        self.check_model(body.model)
+        if body.priority != 0 and info.policy != "priority":
+            raise APIError(
+                400, f"priority is not supported under the {info.policy} scheduling policy: "
+                "start the server with `--scheduling-policy priority`.", param="priority",
+            )
+        check_budgets(body, self.config.limits)
+        if not self.engine.is_alive:
+            raise server_error(
+                503, f"The engine is not serving: {self.engine.unavailable_reason()}."
+            )
+        vocab_size = info.vocab_size
+        bad_ids = [t for t in body.token_ids_to_check if t >= vocab_size]
+        if bad_ids:
+            raise APIError(
+                400, f"token id {bad_ids[0]} (in stop_token_ids, logit_bias or "
+                f"allowed_token_ids) is out of range: the vocabulary has {vocab_size} tokens.",
+                param="stop_token_ids" if bad_ids[0] in (body.stop_token_ids or ()) else None,
+            )
+        limit = self.config.max_waiting
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise server_error(
+                503, f"The server is overloaded: {limit} requests are waiting. Retry later.",
+                code="server_overloaded", headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+
+    def check_prompt_chars(self, text: str, what: str, param: str) -> None:
+        """400 for a text that surely has more tokens than the context, before tokenizing
+        it (which takes seconds for megabytes)."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {self.engine.info.max_model_len} "
+                f"tokens, at most {limit} characters of text. However, your {what} is "
+                f"{len(text)} characters long. Please reduce the length of the {param}.",
+                param=param,
+            )
+
+    def check_prompt(self, prompt: list[int], max_tokens: int) -> None:
+        info = self.engine.info
+        if not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        bad = [t for t in prompt if t >= info.vocab_size]
+        if bad:
+            raise APIError(
+                400, f"Token id {bad[0]} is out of range: the vocabulary has "
+                f"{info.vocab_size} tokens.", param="prompt",
+            )
+        limit = info.max_model_len
+        if len(prompt) >= limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(prompt)} input tokens, which leaves no room for output. "
+                "Please reduce the length of the input.", param="prompt",
+            )
+        if len(prompt) + max_tokens > limit:
+            raise APIError(
+                400, f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                "or of max_tokens.", param="max_tokens",
+            )
+
+
+def _tokens_at_least(body: SamplingRequest) -> int:
+    """The tokens (prompt plus max_tokens) a request surely asks for before any work: its
+    max_tokens (or 1) per choice, and its prompts' tokens when they are ids."""
+    if isinstance(body, CompletionRequest):
+        prompts = body.prompts
+        prompt_ids = sum(len(p) for p in prompts if isinstance(p, list))
+        return prompt_ids + (body.max_tokens or 1) * len(prompts) * body.n
+    if isinstance(body, ChatCompletionRequest):
+        return (body.requested_max_tokens or 1) * body.n
+    return (body.max_tokens or 1) * body.n
+
+
+def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """Characters beyond which a text cannot fit in max_model_len tokens (None: unknown).
+
+    No token decodes to more characters than its vocabulary entry has (byte-level BPE
+    writes each byte as one character, SentencePiece a space as one), so a text longer
+    than max_model_len x the longest entry has more tokens than the context holds.
+    NOTE: a normalizer may shorten the text before it is split (NFC composes up to three
+    characters into one), hence the slack when the tokenizer has one.
+    """
+    try:
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    except Exception:  # no get_vocab (or an unusual one): no limit but the tokens'
+        return None
+    if longest == 0:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 1 if backend is None or backend.normalizer is None else 4
+    return max_model_len * longest * slack
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string anywhere in parsed JSON holds an unpaired surrogate."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
