@@ -184,3 +184,21 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"priority={self.priority}, computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def check_stop(request: Request, max_len: int) -> RequestStatus | None:
+    """Finished status of `request` after its latest token, or None to go on.
+
+    EOS (unless ignore_eos) and stop_token_ids stop it, but not before min_tokens
+    outputs; max_tokens outputs, or max_len tokens in all, cap its length.
+    """
+    params = request.sampling_params
+    last_token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

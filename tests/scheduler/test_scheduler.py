@@ -6,9 +6,10 @@ import json
 
 import pytest
 
+from scheduler.budget import prefill_cost
 from scheduler.output import ModelRunnerOutput, ScheduledRequest
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import ATTENTION_COST_CONTEXT, Scheduler, prefill_cost
+from scheduler.scheduler import Scheduler
 from tests.support.scheduler_helpers import (
     FakeClock,
     fake_token,
@@ -552,13 +553,14 @@ def test_abort_waiting_and_running() -> None:
     running, waiting = make_requests(2, 6, 10)
     add_all(scheduler, [running, waiting])
     step(scheduler)
-    assert scheduler.abort_requests(["r1", "nope"]) == [waiting]
+    abort = RequestStatus.FINISHED_ABORTED
+    assert scheduler.finish_requests(["r1", "nope"], abort) == [waiting]
     assert waiting.status is RequestStatus.FINISHED_ABORTED and waiting.finish_reason == "abort"
     assert scheduler.num_waiting == 0
-    assert scheduler.abort_requests("r0") == [running]
-    assert scheduler.abort_requests(["r0"]) == []
+    assert scheduler.finish_requests("r0", abort) == [running]
+    assert scheduler.finish_requests(["r0"], abort) == []
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
-    assert scheduler.get_request("r0") is None
+    assert "r0" not in scheduler.requests
     scheduler.check_integrity()
     out = scheduler.schedule()
     assert out.is_empty and out.finished_ids == ["r1", "r0"]
@@ -570,7 +572,7 @@ def test_abort_between_schedule_and_update() -> None:
     a, b = make_requests(2, 4, 3)
     add_all(scheduler, [a, b])
     out = scheduler.schedule()
-    scheduler.abort_requests(["r0"])
+    scheduler.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
     updated = scheduler.update(out, make_runner_output(out))
     assert updated == [b]
     assert a.num_output_tokens == 0
@@ -593,11 +595,10 @@ def test_finish_requests_for_a_stop_string() -> None:
 def test_finished_ids_reach_the_runner_once() -> None:
     scheduler = make_scheduler()
     add_all(scheduler, make_requests(2, 4, 1))
-    out, _ = step(scheduler)
-    assert out.finished_ids == []
-    assert scheduler.has_finished_requests()
+    out, updated = step(scheduler)
+    assert out.finished_ids == [] and all(r.is_finished for r in updated)
+    assert not scheduler.has_unfinished_requests()
     assert scheduler.schedule().finished_ids == ["r0", "r1"]
-    assert not scheduler.has_finished_requests()
     assert scheduler.schedule().finished_ids == []
 
 
@@ -727,7 +728,7 @@ def test_stats_and_counts() -> None:
     assert stats.num_blocks == 32 and stats.num_free_blocks == 30
     assert stats.kv_cache_usage == pytest.approx(2 / 32)
     assert stats.num_preemptions_total == 0
-    assert scheduler.get_request("r1") is not None
+    assert "r1" in scheduler.requests
 
 
 def test_fake_token_depends_only_on_request_and_position() -> None:
@@ -868,10 +869,12 @@ def test_a_long_prompt_takes_fewer_tokens_a_step_as_its_context_grows() -> None:
         start = scheduler.requests["r1"].num_computed_tokens
         out, _ = step(scheduler)
         chunks.append((start, num_tokens_by_id(out)["r1"]))
-    assert all(prefill_cost(start, size) <= 64 for start, size in chunks[:-1])
+    context = scheduler.config.attention_cost_context
+    assert context == 2048
+    assert all(prefill_cost(start, size, context) <= 64 for start, size in chunks[:-1])
     sizes = [size for _, size in chunks[:-1]]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == 63
-    at_2048 = next(size for start, size in chunks if start >= ATTENTION_COST_CONTEXT)
+    at_2048 = next(size for start, size in chunks if start >= context)
     assert at_2048 <= 33  # a token at context 2,048 counts for two
 
 
@@ -933,7 +936,7 @@ def test_choices_go_on_when_their_leader_is_aborted() -> None:
     leader = Request("c-0", prompt, params)
     sibling = Request("c-1", prompt, params, prompt_leader_id="c-0")
     add_all(scheduler, [leader, sibling])
-    scheduler.abort_requests(["c-0"])
+    scheduler.finish_requests(["c-0"], RequestStatus.FINISHED_ABORTED)
     scheduler.check_integrity()
     run_until_done(scheduler)
     assert sibling.num_output_tokens == 2 and sibling.num_cached_tokens == 0
@@ -946,7 +949,7 @@ def test_held_choice_can_be_aborted() -> None:
     leader = Request("c-0", prompt, params)
     sibling = Request("c-1", prompt, params, prompt_leader_id="c-0")
     add_all(scheduler, [leader, sibling])
-    assert scheduler.abort_requests(["c-1"]) == [sibling]
+    assert scheduler.finish_requests(["c-1"], RequestStatus.FINISHED_ABORTED) == [sibling]
     scheduler.check_integrity()
     run_until_done(scheduler)
     assert leader.num_output_tokens == 2 and sibling.finish_reason == "abort"
@@ -998,7 +1001,9 @@ def test_finishing_a_running_request_leaves_waiting_untouched() -> None:
     waiting = scheduler.waiting
     before = list(waiting)
     entries_before = waiting._num_entries()
-    scheduler.abort_requests([running.request_id, before[3].request_id])
+    scheduler.finish_requests(
+        [running.request_id, before[3].request_id], RequestStatus.FINISHED_ABORTED
+    )
     assert list(waiting) == [r for r in before if r is not before[3]]
     assert waiting._num_entries() == entries_before  # lazily dropped, nothing rebuilt
     scheduler.check_integrity()
