@@ -88,6 +88,8 @@ class Scheduler(Admission):
 
     `running` is in admission order under fcfs and in priority order under priority.
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
+    Admission and preemption are the `Admission` methods (scheduler/admission.py); the
+    step's budget and prefill cost model are scheduler/budget.py.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
     waiter gets ahead of newer, more urgent requests, down to priority_aging_floor or its
