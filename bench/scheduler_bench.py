@@ -22,7 +22,7 @@ import time
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -119,7 +119,7 @@ def bench(
         ]
         gone += [r.request_id for r in rng.sample(scheduler.running, NUM_ABORTED_RUNNING)]
         t4 = time.perf_counter()
-        scheduler.abort_requests(gone)
+        scheduler.finish_requests(gone, RequestStatus.FINISHED_ABORTED)
         abort_s.append(time.perf_counter() - t4)
         for _ in range(len(gone)):
             scheduler.add_request(make_request(next_id, rng.randint(1, 8), clock.now))

@@ -18,10 +18,12 @@ class SchedulerConfig:
     urgent. watermark: fraction of KV blocks
     kept free when admitting waiting requests (running requests may use them).
     long_prefill_token_threshold: a step that carries decodes computes at most
-    max(long_prefill_token_threshold, 2 x the batch) prefill tokens in all, a token at a
-    long context counting for more, a prompt just over what is left going whole (0: no
-    cap beyond the budget; see `_prefill_cap` in scheduler.py), so that neither a long
-    prompt nor many short ones turn everyone's next token into a long step. fair_share:
+    max(long_prefill_token_threshold, prefill_tokens_per_request x the batch) prefill
+    tokens in all (0: no cap beyond the budget), so that neither a long prompt nor many
+    short ones turn everyone's next token into a long step; against that cap a prompt
+    position at context c counts as 1 + c / attention_cost_context tokens, and a prompt
+    being admitted whose cost is within whole_prompt_slack x the room left goes whole
+    (scheduler/budget.py; docs/scheduling.md gives each knob's reason). fair_share:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
@@ -38,6 +40,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     fair_share: bool = False
     async_scheduling: bool = False
+    prefill_tokens_per_request: int = 2
+    whole_prompt_slack: float = 1.5
+    attention_cost_context: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -54,3 +59,9 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
+        if self.prefill_tokens_per_request < 0:
+            raise ValueError("prefill_tokens_per_request must be >= 0")
+        if not self.whole_prompt_slack >= 1.0:  # NOTE: NaN fails too
+            raise ValueError("whole_prompt_slack must be >= 1")
+        if self.attention_cost_context < 1:
+            raise ValueError("attention_cost_context must be >= 1")

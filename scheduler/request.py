@@ -98,9 +98,7 @@ class Request:
         # Prompt tokens found in the prefix cache (or shared with the prompt leader) when
         # the request was first admitted: OpenAI's usage.prompt_tokens_details.cached_tokens.
         self.num_cached_tokens = 0
-        # Another choice of the same prompt (n > 1) that computes the prompt first: this
-        # request is held back until the leader's full prompt blocks are computed, then
-        # shares them (None: no leader).
+        # n > 1: another choice of the prompt, which computes it first (scheduler/prompt_sharing.py)
         self.prompt_leader_id = prompt_leader_id
         self.tenant = tenant
         self.weight = weight
@@ -108,14 +106,11 @@ class Request:
         self.cache_salt = cache_salt
         # The most urgent priority its tenant may ask for: aging stops there (None: none).
         self.priority_bound = priority_bound
-        # Order within a priority level, set once by the scheduler's fair share (None: by
-        # arrival time).
+        # Order within its priority level, set once by the fair share (None: by arrival).
         self.fair_tag: float | None = None
         # Prefix-cache keys of the full blocks of all_token_ids (kvcache appends to it).
         self.block_hashes: list[BlockHash] = []
-        # Priority after aging: the priority queue lowers it while the request waits and
-        # orders by it; it stays as admitted while the request runs. Equals `priority`
-        # when aging is off.
+        # Priority after aging (lowered while waiting, kept as admitted while running).
         self.effective_priority = priority
         # Seconds spent waiting before the current wait, and when the current wait began.
         self.waited_s = 0.0
@@ -184,3 +179,21 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"priority={self.priority}, computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def check_stop(request: Request, max_len: int) -> RequestStatus | None:
+    """Finished status of `request` after its latest token, or None to go on.
+
+    EOS (unless ignore_eos) and stop_token_ids stop it, but not before min_tokens
+    outputs; max_tokens outputs, or max_len tokens in all, cap its length.
+    """
+    params = request.sampling_params
+    last_token_id = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

@@ -20,14 +20,13 @@ schedule() spends the budget in one order:
      one merged order, so that no waiting request is denied budget that a worse-priority
      prefill gets, and within the level of the first prefill, so that worse prefills do
      not lengthen an urgent prompt's step); a step that carries decodes takes at most
-     max(`long_prefill_token_threshold`, PREFILL_TOKENS_PER_REQUEST x the batch: the
-     unfinished requests, up to the seats) prefill tokens in all (a token at a long
-     context counting for more, `prefill_cost`; a prompt being admitted just over what
-     is left goes whole, WHOLE_PROMPT_SLACK), so that no prompt, long or many, stalls
-     everyone's stream. Under priority, a waiting request that does not fit preempts
-     running requests of strictly worse priority (`_admit_by_preempting`). After a
-     preemption for a decode's growth the pool is short: only requests more urgent than
-     every victim are admitted (none under fcfs).
+     `prefill_cap` prefill tokens in all, a token at a long context counting for more
+     and a prompt being admitted just over what is left going whole (scheduler/budget.py),
+     so that no prompt, long or many, stalls everyone's stream. Under priority, a
+     waiting request that does not fit preempts running requests of strictly worse
+     priority (`_admit_by_preempting`). After a preemption for a decode's growth the
+     pool is short: only requests more urgent than every victim are admitted (none under
+     fcfs).
   The first waiting request that cannot be admitted is parked in `skipped_waiting`
   (NOTE: strict order: letting a smaller request overtake it would take the blocks it
   waits for and could starve it). Under priority, later requests that would win by
@@ -41,18 +40,18 @@ Costs: schedule() and update() are O(running + admitted) per step, whatever the 
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcache.block_pool import KVCacheBlock
 from kvcache.config import CacheConfig
-from kvcache.kv_cache_manager import KVCacheManager, cdiv
+from kvcache.kv_cache_manager import KVCacheManager
+from scheduler import introspection
+from scheduler.admission import Admission, Step
+from scheduler.budget import prefill_cap
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
 from scheduler.output import (
@@ -61,29 +60,9 @@ from scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from scheduler.request import Request, RequestStatus
-from scheduler.request_queue import PriorityRequestQueue, SchedulingPolicy, create_request_queue
-
-# A step that carries decodes takes at most this many prefill tokens per request of the
-# batch (or long_prefill_token_threshold, if more). NOTE: a step costs about a fixed part,
-# plus a part per decode, plus a part per prefill token of the same order on a CPU
-# (both are rows of the same matmuls); so prefill tokens proportional to the batch bound
-# every stream's stall to a fixed factor of its usual step at any batch size. Measured on
-# the default model, two AVX-512 cores, 16 decodes beside a 2,000-token prompt
-# (bench/prefill_stall.py): the steps with a chunk at a median 2.2-2.4x the decode step
-# with 2 per request (threshold 32), 3.2-3.5x with 4 (threshold 64).
-PREFILL_TOKENS_PER_REQUEST = 2
-# A prompt being admitted whose whole cost is at most this factor of the prefill room left
-# goes whole instead of being split. NOTE: a split costs the request a whole extra step
-# (its first token waits for the batch's next step) to spare the batch a small tail; so
-# a 128-token urgent prompt beside 48 decodes (room 98) goes in one step. Only prompts
-# being admitted: a long prompt's chunks stay within the cap.
-WHOLE_PROMPT_SLACK = 1.5
-# A prefill position at context c counts as 1 + c / ATTENTION_COST_CONTEXT tokens against
-# that cap: its attention reads c keys. NOTE: measured on the default model on two CPU
-# cores: a 64-token chunk at context 1,900 costs 2.2x per token what a 128-token prompt
-# from 0 does.
-ATTENTION_COST_CONTEXT = 2048
+from scheduler.prompt_sharing import PromptSharing
+from scheduler.request import Request, RequestStatus, check_stop
+from scheduler.request_queue import SchedulingPolicy, create_request_queue
 
 
 @dataclass(frozen=True)
@@ -104,131 +83,13 @@ class SchedulerStats:
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
 
 
-@dataclass
-class _Step:
-    """Bookkeeping of one schedule() call."""
-
-    now: float
-    budget: int
-    # request id -> tokens to compute, in scheduling order
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    # Set once a running request's growth preempted: under priority, only requests more
-    # urgent than this are admitted from then on; under fcfs nobody is.
-    must_beat: int | None = None
-    # The waiting head that could not be admitted (then only preempting admissions go on,
-    # leaving it `num_reserved_blocks` free blocks), and whether admission is over.
-    parked_head: Request | None = None
-    num_reserved_blocks: int = 0
-    admission_closed: bool = False
-    decode_ids: set[str] = field(default_factory=set)
-    # Prefill cost (see `prefill_cost`) the step may still take beside its decodes (None:
-    # only the budget bounds prefills); set once the decodes are scheduled.
-    prefill_room: int | None = None
-    prefill_costs: dict[str, int] = field(default_factory=dict)
-    # Under priority: the level of the step's first prefill work; worse levels wait.
-    prefill_level: int | None = None
-
-    def schedule(self, request: Request, num_tokens: int, *, decode: bool = False) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.budget -= num_tokens
-        if decode:
-            self.decode_ids.add(request.request_id)
-        elif self.prefill_room is not None:
-            cost = prefill_cost(request.num_computed_tokens, num_tokens)
-            self.prefill_costs[request.request_id] = cost
-            self.prefill_room -= cost
-
-    def unschedule(self, request: Request) -> None:
-        """A victim scheduled earlier in this step gives its tokens back."""
-        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
-        self.budget += num_tokens
-        self.decode_ids.discard(request.request_id)
-        if self.prefill_room is not None:
-            self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
-
-    def has_prefill_room(self) -> bool:
-        return self.budget > 0 and (self.prefill_room is None or self.prefill_room > 0)
-
-    def prefill_tokens_left(self, start: int) -> int:
-        """The most tokens a prefill from position `start` may compute in this step (at
-        least 1 while there is room)."""
-        if self.prefill_room is None:
-            return self.budget
-        return min(self.budget, max(1, tokens_within(self.prefill_room, start)))
-
-    def admission_tokens(self, start: int, num_new: int) -> int:
-        """The tokens a prompt being admitted computes in this step: all `num_new` from
-        position `start` if their cost is within WHOLE_PROMPT_SLACK x the room (and the
-        budget), else what `prefill_tokens_left` allows."""
-        if (
-            self.prefill_room is not None
-            and num_new <= self.budget
-            and prefill_cost(start, num_new) <= self.prefill_room * WHOLE_PROMPT_SLACK
-        ):
-            return num_new
-        return min(num_new, self.prefill_tokens_left(start))
-
-
-def prefill_cost(start: int, num_tokens: int) -> int:
-    """The cost, against a step's prefill cap, of computing prompt positions [start, start
-    + num_tokens): a position at context c costs 1 + c / ATTENTION_COST_CONTEXT tokens."""
-    return num_tokens + num_tokens * (2 * start + num_tokens) // (2 * ATTENTION_COST_CONTEXT)
-
-
-def tokens_within(room: int, start: int) -> int:
-    """The most tokens from position `start` whose prefill_cost fits in `room`."""
-    k = ATTENTION_COST_CONTEXT
-    a = 1 + start / k  # cost(n) ~ a n + n^2 / (2 k): solve for n
-    n = int(k * (math.sqrt(a * a + 2 * room / k) - a))
-    while n > 0 and prefill_cost(start, n) > room:
-        n -= 1
-    while prefill_cost(start, n + 1) <= room:
-        n += 1
-    return n
-
-
-def _priority_key(request: Request) -> tuple[int, float, str]:
-    return (request.priority, request.arrival_time, request.request_id)
-
-
-def pick_lowest_priority(requests: Iterable[Request]) -> Request:
-    """Priority victim: the request with the largest (priority, arrival time).
-
-    NOTE: the base priority, never the aged one: victims then follow one fixed order, so
-    the most urgent running request always runs to its end (no preemption ping-pong).
-    """
-    return max(requests, key=_priority_key)
-
-
-def pick_latest_admitted(running: Sequence[Request]) -> Request:
-    """FCFS victim: the most recently admitted request (`running` is in admission order)."""
-    return running[-1]
-
-
-def check_stop(request: Request, max_len: int) -> RequestStatus | None:
-    """Finished status of `request` after its latest token, or None to go on.
-
-    EOS (unless ignore_eos) and stop_token_ids stop it, but not before min_tokens
-    outputs; max_tokens outputs, or max_len tokens in all, cap its length.
-    """
-    params = request.sampling_params
-    last_token_id = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and last_token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last_token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
-        return RequestStatus.FINISHED_LENGTH_CAPPED
-    return None
-
-
-class Scheduler:
+class Scheduler(Admission):
     """FCFS or priority continuous batching over a paged KV cache, with preemption.
 
     `running` is in admission order under fcfs and in priority order under priority.
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
+    Admission and preemption are the `Admission` methods (scheduler/admission.py); the
+    step's budget and prefill cost model are scheduler/budget.py.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
     waiter gets ahead of newer, more urgent requests, down to priority_aging_floor or its
@@ -240,10 +101,9 @@ class Scheduler:
     FINISHED_DEADLINE at the next schedule(), before anything is computed for it (and
     returned by the following update() with the requests that got tokens).
 
-    The choices of an n > 1 request compute the prompt once: a request naming a
-    `prompt_leader_id` is held back until the leader has computed every full block of the
-    prompt, then shares those blocks (through the prefix cache, or directly from the
-    leader when caching is off).
+    The choices of an n > 1 request compute the prompt once (scheduler/prompt_sharing.py):
+    a request naming a `prompt_leader_id` is held back in `sharing` until the leader has
+    computed every full block of the prompt, then shares those blocks.
     """
 
     def __init__(
@@ -264,8 +124,7 @@ class Scheduler:
         self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        # n > 1: prompt leader id -> the choices held back until it computed the prompt
-        self.held: dict[str, list[Request]] = {}
+        self.sharing = PromptSharing(self.kv_cache)  # n > 1: choices held back
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
@@ -319,27 +178,17 @@ class Scheduler:
                 self._deadlines = [d for d in self._deadlines if d[1] in self.requests]
                 heapq.heapify(self._deadlines)
         leader = self.requests.get(request.prompt_leader_id or "")
-        if leader is not None and not self._has_computed_prompt(leader):
-            self.held.setdefault(leader.request_id, []).append(request)
-        else:
-            if leader is not None:
-                _share_prompt_logprobs(leader, request)
+        if not self.sharing.hold(request, leader):
             self.waiting.add(request)
-
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Abort running or waiting requests (FINISHED_ABORTED, blocks freed).
-
-        Unknown or already finished ids are ignored. Returns the requests aborted.
-        """
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(
         self, request_ids: Iterable[str] | str, status: RequestStatus
     ) -> list[Request]:
         """Finish requests from outside with a FINISHED_* `status` (e.g. FINISHED_STOPPED
-        when the server matched a stop string). Unknown ids are ignored; blocks are freed
-        and the ids reach the runner in the next schedule()'s finished_ids. O(1) per
-        waiting request, O(running) once for running ones."""
+        when the server matched a stop string, FINISHED_ABORTED when its client left).
+        Unknown or already finished ids are ignored; blocks are freed and the ids reach
+        the runner in the next schedule()'s finished_ids. Returns the requests finished.
+        O(1) per waiting request, O(running) once for running ones."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         if isinstance(request_ids, str):
@@ -364,10 +213,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: decodes first, then prefill work in policy order."""
-        step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
+        step = Step(self.config, now=self._clock())
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
-        step.prefill_room = self._prefill_cap(bool(step.decode_ids))
+        step.prefill_room = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
         self._schedule_prefills(step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
@@ -385,6 +234,7 @@ class Scheduler:
         request that sampled.
         """
         outputs, self._expired = self._expired, []
+        held = self.sharing.held
         any_finished = False
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -407,7 +257,7 @@ class Scheduler:
                 # every step that could read them runs after that one.
                 num_known = min(request.num_computed_tokens, request.num_tokens)
                 self.kv_cache.cache_blocks(request, num_known)
-                if request.request_id in self.held and self._has_computed_prompt(request):
+                if request.request_id in held and self.sharing.has_computed_prompt(request):
                     self._release_held(request)
             if not scheduled.sample:
                 continue
@@ -439,10 +289,6 @@ class Scheduler:
         """True while any request is running or waiting."""
         return bool(self.requests)
 
-    def has_finished_requests(self) -> bool:
-        """True when finished ids wait to be handed to the runner by the next schedule()."""
-        return bool(self._finished_ids)
-
     @property
     def num_running(self) -> int:
         """Requests holding a seat (and blocks)."""
@@ -453,17 +299,13 @@ class Scheduler:
         """Requests waiting for admission, preempted and held-back ones included."""
         return len(self.requests) - len(self.running)
 
-    def get_request(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None."""
-        return self.requests.get(request_id)
-
     @property
     def stats(self) -> SchedulerStats:
         """Counters and gauges for metrics; O(running + held), not O(waiting)."""
         kv = self.kv_cache
         # NOTE: outside schedule() skipped_waiting is empty: waiting and held are all.
         waiting_by_priority = Counter(self.waiting.count_by_priority())
-        waiting_by_priority.update(r.priority for held in self.held.values() for r in held)
+        waiting_by_priority.update(r.priority for r in self.sharing)
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -483,60 +325,17 @@ class Scheduler:
         """JSON-ready view for GET /scheduler/state: policy, running requests, the first
         `max_waiting` waiting requests in policy order (`num_waiting` counts them all) and
         the KV pool. O(running + W log max_waiting)."""
-        kv = self.kv_cache
-        return {
-            "policy": self.policy.value,
-            "running": [self._describe(r) for r in self.running],
-            "waiting": [self._describe(r) for r in self.waiting.head(max_waiting)],
-            "num_waiting": self.num_waiting,
-            "kv_cache": {
-                "num_blocks": kv.num_blocks,
-                "num_free_blocks": kv.num_free_blocks,
-                "num_cached_blocks": kv.num_cached_blocks,
-                "block_size": kv.block_size,
-                "usage": kv.usage,
-            },
-            "num_preemptions_total": self.num_preemptions_total,
-        }
+        return introspection.snapshot(self, self._clock(), max_waiting)
 
     def check_integrity(self) -> None:
         """RuntimeError unless the KV pool is consistent, every request is in exactly one
         queue with a matching status, and only running requests hold blocks. O(blocks +
         requests): run it when idle or when asked, not every step."""
-        self.kv_cache.check_integrity()
-        running_ids = [r.request_id for r in self.running]
-        held = [r for siblings in self.held.values() for r in siblings]
-        waiting = [*self.waiting, *self.skipped_waiting, *held]
-        all_ids = running_ids + [r.request_id for r in waiting]
-        if len(set(all_ids)) != len(all_ids):
-            raise RuntimeError("a request is queued twice")
-        if set(all_ids) != set(self.requests):
-            raise RuntimeError(
-                f"queues and request table disagree: {sorted(set(all_ids) ^ set(self.requests))}"
-            )
-        if len(self.running) > self.config.max_num_seqs:
-            raise RuntimeError(f"{len(self.running)} running > max_num_seqs")
-        for request in self.running:
-            if request.status is not RequestStatus.RUNNING:
-                raise RuntimeError(f"{request!r} is in running")
-            num_held = self.kv_cache.num_held_blocks(request.request_id)
-            if num_held * self.kv_cache.block_size < request.num_computed_tokens:
-                raise RuntimeError(f"{request!r} holds {num_held} blocks: too few")
-        for request in waiting:
-            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                raise RuntimeError(f"{request!r} is in waiting")
-            if request.num_computed_tokens:
-                raise RuntimeError(f"waiting {request!r} has computed tokens")
-        for leader_id in self.held:
-            if leader_id not in self.requests:
-                raise RuntimeError(f"requests held back for {leader_id}, which is gone")
-        holders = self.kv_cache.holders()
-        if not holders <= set(running_ids):
-            raise RuntimeError(f"requests not running hold blocks: {holders - set(running_ids)}")
+        introspection.check_integrity(self)
 
     # ---- scheduling internals ----
 
-    def _schedule_decodes(self, step: _Step) -> None:
+    def _schedule_decodes(self, step: Step) -> None:
         """One token for every running request that has one left, in `running` order."""
         for request in list(self.running):
             if step.budget == 0:
@@ -554,7 +353,7 @@ class Scheduler:
         return (num_outputs >= request.sampling_params.max_tokens
                 or request.num_tokens + request.num_output_placeholders >= self.max_request_len)
 
-    def _schedule_prefills(self, step: _Step) -> None:
+    def _schedule_prefills(self, step: Step) -> None:
         """Running chunks and waiting admissions in one policy order, while budget lasts.
 
         Under priority, a step's prefill work stays within one priority level, the first
@@ -595,7 +394,7 @@ class Scheduler:
                 step.prefill_level = level
 
     @staticmethod
-    def _can_chunk(request: Request, step: _Step) -> bool:
+    def _can_chunk(request: Request, step: Step) -> bool:
         """False for a chunk candidate preempted (and maybe readmitted) in this step."""
         return (
             request.status is RequestStatus.RUNNING
@@ -603,7 +402,7 @@ class Scheduler:
             and request not in step.preempted
         )
 
-    def _goes_first(self, chunk: Request, candidate: Request, step: _Step) -> bool:
+    def _goes_first(self, chunk: Request, candidate: Request, step: Step) -> bool:
         """Whether a running request's prefill chunk comes before a waiting request."""
         if self.policy is SchedulingPolicy.FCFS:
             return True
@@ -614,196 +413,7 @@ class Scheduler:
         )
         return _effective_key(chunk) < waiting_key
 
-    def _prefill_cap(self, has_decodes: bool) -> int | None:
-        """The most prefill tokens, in all, a step (that `has_decodes`) carries:
-        max(long_prefill_token_threshold, PREFILL_TOKENS_PER_REQUEST x the batch about to
-        decode); None (only the budget) for a step without decodes (a lone prefill delays
-        nobody) or with the threshold off.
-
-        NOTE: the batch about to decode is every unfinished request, up to the seats, not
-        just this step's decodes: in a burst the first few streams' steps soon grow to
-        the whole batch's, so admission runs at the rate the full batch allows instead of
-        starting from the few decodes that exist at first.
-        """
-        threshold = self.config.long_prefill_token_threshold
-        if not threshold or not has_decodes:
-            return None
-        num_batch = min(len(self.requests), self.config.max_num_seqs)
-        return max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch)
-
-    def _next_candidate(self, step: _Step) -> Request | None:
-        """The waiting request to consider next, or None while admission is closed.
-
-        Before a head is parked: the head of `waiting` (unless the pool went short and it
-        is not urgent enough, or it was itself preempted in this step). After: the request
-        of the best base priority, if that could preempt anyone running.
-        """
-        if step.admission_closed or not self.waiting:
-            return None
-        if step.parked_head is None:
-            candidate = self.waiting.peek()
-        else:
-            assert isinstance(self.waiting, PriorityRequestQueue)
-            candidate = self.waiting.peek_most_urgent()
-            worst_running = max((r.priority for r in self.running), default=None)
-            if worst_running is None or candidate.priority >= worst_running:
-                return None
-        if candidate in step.preempted:
-            return None  # it gave its blocks up in this step: no coming straight back
-        return candidate
-
-    def _consider(self, request: Request, step: _Step) -> None:
-        """Try to admit a waiting request; park it (and narrow admission) when it fails."""
-        self.waiting.remove(request)
-        urgent_enough = step.must_beat is None or request.priority < step.must_beat
-        if step.parked_head is None:
-            admitted = urgent_enough and self._admit(request, step)
-        else:
-            admitted = urgent_enough and self._admit_by_preempting(request, step)
-        if admitted:
-            if self.fair_share is not None:
-                self.fair_share.admitted(request)
-            return
-        self.skipped_waiting.add(request)
-        if self.policy is SchedulingPolicy.FCFS or step.parked_head is not None:
-            step.admission_closed = True  # NOTE: one try past the head per step bounds it
-        else:
-            step.parked_head = request
-            step.num_reserved_blocks = cdiv(request.num_tokens, self.kv_cache.block_size)
-
-    def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, step: _Step, *, decode: bool = False
-    ) -> None:
-        """Schedule a running request, preempting victims until its blocks fit (the victim
-        may be the request itself: then it is preempted and not scheduled). The pool is
-        then short: admission narrows to requests more urgent than every victim."""
-        while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
-            victim = self._pick_victim()
-            self._preempt(victim, step)
-            if self.policy is SchedulingPolicy.FCFS:
-                step.admission_closed = True
-            elif step.must_beat is None or victim.priority < step.must_beat:
-                step.must_beat = victim.priority
-            if victim is request:
-                return
-        step.schedule(request, num_new_tokens, decode=decode)
-
-    def _pick_victim(self) -> Request:
-        if self.policy is SchedulingPolicy.PRIORITY:
-            return pick_lowest_priority(self.running)
-        return pick_latest_admitted(self.running)
-
-    def _preempt(self, request: Request, step: _Step) -> None:
-        """Recompute preemption: free the blocks (they stay prefix-cached), forget the
-        progress, keep the outputs, and put the request back at the front of waiting."""
-        self.kv_cache.free(request)
-        self.running.remove(request)
-        step.unschedule(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.start_waiting(step.now)
-        self.waiting.prepend(request)
-        step.preempted.append(request)
-        self.num_preemptions_total += 1
-        self._num_preemptions_by_priority[request.priority] += 1
-
-    def _admit(self, request: Request, step: _Step) -> bool:
-        if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
-            return True
-        return self.policy is SchedulingPolicy.PRIORITY and self._admit_by_preempting(
-            request, step
-        )
-
-    def _try_admit(self, request: Request, step: _Step) -> bool:
-        """Admit `request` if the blocks of all its known tokens fit above the watermark
-        (and the blocks reserved for a parked head).
-
-        NOTE: blocks for the whole remaining prompt are taken now, even when the budget
-        only lets a chunk of it compute this step: two half-admitted long prompts would
-        otherwise preempt each other. Prefix-cache hits (or the prompt leader's blocks)
-        count as computed.
-        """
-        hits, num_cached = self._computed_blocks(request)
-        num_new = request.num_tokens - num_cached
-        num_now = step.admission_tokens(num_cached, num_new)
-        blocks = self.kv_cache.allocate_slots(
-            request,
-            num_now,
-            hits,
-            num_lookahead_tokens=num_new - num_now,
-            num_reserved_blocks=self._watermark_blocks + step.num_reserved_blocks,
-        )
-        if blocks is None:
-            return False
-        if not request.num_output_tokens and not request.num_preemptions:
-            request.num_cached_tokens = num_cached
-        request.num_computed_tokens = num_cached
-        request.status = RequestStatus.RUNNING
-        request.stop_waiting(step.now)
-        request.effective_priority = self.waiting.effective_priority(request, step.now)
-        if self.policy is SchedulingPolicy.PRIORITY:
-            bisect.insort(self.running, request, key=_priority_key)
-        else:
-            self.running.append(request)
-        step.schedule(request, num_now)
-        return True
-
-    def _computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Blocks `request` can take as computed: its prefix-cache hits or, with caching
-        off, the full prompt blocks its running prompt leader has computed. None while it
-        needs prompt logprobs (NOTE: positions served from the cache have no logits)."""
-        if request.needs_prompt_logprobs:
-            return [], 0
-        hits, num_cached = self.kv_cache.get_computed_blocks(request)
-        leader = self.requests.get(request.prompt_leader_id or "")
-        if self.kv_cache.enable_caching or leader is None:
-            return hits, num_cached
-        block_size = self.kv_cache.block_size
-        num_shared = min(
-            leader.num_computed_tokens,
-            request.num_prompt_tokens,
-            request.num_tokens - 1,
-        ) // block_size
-        shared = self.kv_cache.get_leading_blocks(leader.request_id, num_shared)
-        return shared, len(shared) * block_size
-
-    def _admit_by_preempting(self, request: Request, step: _Step) -> bool:
-        """Priority admission: preempt the worst running requests of strictly worse
-        priority until `request` fits; preempt none if even all of them would not make room.
-
-        "Strictly worse": the running request's base priority is larger than `request`'s
-        (its aged priority shields it from nothing). NOTE: so every such preemption goes to
-        a strictly better base priority, and two requests can never preempt each other in
-        turn.
-        A request admitted earlier in this step is a candidate only if aging put it first
-        (its base priority is worse): it is then preempted before anything is computed for
-        it. Nor can a victim come back
-        in this step: `request` takes the room it freed. NOTE: the room check counts every
-        block of the request as needed (prefix hits ignored), so it never preempts in vain,
-        at the cost of sometimes waiting instead.
-        """
-        candidates = [r for r in self.running if r.priority > request.priority]
-        if not candidates:
-            return False
-        num_needed = cdiv(request.num_tokens, self.kv_cache.block_size)
-        num_room = (
-            self.kv_cache.num_free_blocks
-            + self.kv_cache.num_blocks_freed_by(candidates)
-            - self._watermark_blocks
-            - step.num_reserved_blocks
-        )
-        if num_room < num_needed:
-            return False
-        while candidates:
-            victim = pick_lowest_priority(candidates)
-            candidates.remove(victim)
-            self._preempt(victim, step)
-            if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
-                return True
-        return False
-
-    def _build_output(self, step: _Step) -> SchedulerOutput:
+    def _build_output(self, step: Step) -> SchedulerOutput:
         scheduled = []
         for request_id, num_new in step.num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -836,16 +446,8 @@ class Scheduler:
             finished_ids=finished_ids,
         )
 
-    def _has_computed_prompt(self, leader: Request) -> bool:
-        """Whether `leader` has computed every full prompt block a choice could share (and
-        its prompt logprobs, which the choices then share too)."""
-        block_size = self.kv_cache.block_size
-        shareable = (leader.num_prompt_tokens - 1) // block_size * block_size
-        return leader.num_computed_tokens >= shareable and not leader.needs_prompt_logprobs
-
     def _release_held(self, leader: Request) -> None:
-        for request in self.held.pop(leader.request_id, ()):
-            _share_prompt_logprobs(leader, request)
+        for request in self.sharing.release(leader):
             self.waiting.add(request)
 
     def _unqueue(self, request: Request) -> None:
@@ -855,11 +457,7 @@ class Scheduler:
         elif request in self.skipped_waiting:
             self.skipped_waiting.remove(request)
         else:
-            siblings = self.held.get(request.prompt_leader_id or "", [])
-            if request in siblings:
-                siblings.remove(request)
-                if not siblings:
-                    del self.held[request.prompt_leader_id or ""]
+            self.sharing.remove(request)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Finish `request`: status, blocks freed, forgotten, id queued for the runner; the
@@ -868,27 +466,7 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
-        if request.request_id in self.held:
-            self._release_held(request)
-
-    def _describe(self, request: Request) -> dict[str, Any]:
-        return {
-            "request_id": request.request_id,
-            "status": request.status.name,
-            "tenant": request.tenant,
-            "priority": request.priority,
-            "effective_priority": (
-                request.effective_priority
-                if request.status is RequestStatus.RUNNING
-                else self.waiting.effective_priority(request, self._clock())
-            ),
-            "arrival_time": request.arrival_time,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "num_output_tokens": request.num_output_tokens,
-            "num_computed_tokens": request.num_computed_tokens,
-            "num_blocks": self.kv_cache.num_held_blocks(request.request_id),
-            "num_preemptions": request.num_preemptions,
-        }
+        self._release_held(request)
 
 
 def _num_left(request: Request) -> int:
@@ -908,13 +486,3 @@ def _prompt_logprob_rows(request: Request, start: int, end: int) -> tuple[int, i
         return (0, 0)
     lo, hi = max(start, logprobs.end - 1), min(end, request.num_prompt_tokens - 1)
     return (lo - start, hi - start) if lo < hi else (0, 0)
-
-
-def _share_prompt_logprobs(leader: Request, request: Request) -> None:
-    """n > 1: a choice takes its prompt leader's prompt logprobs once they are complete
-    (else it computes its own)."""
-    if request.prompt_logprobs is not None and leader.prompt_logprobs is not None and (
-        not leader.needs_prompt_logprobs
-    ):
-        request.prompt_logprobs = leader.prompt_logprobs
-        request.shares_prompt_logprobs = True

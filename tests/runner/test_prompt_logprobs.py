@@ -15,7 +15,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder, prompts
@@ -154,7 +154,7 @@ def test_a_choice_whose_leader_is_gone_computes_its_own():
     scheduler.add_request(choice)
     plan = scheduler.schedule()
     scheduler.update(plan, runner.execute(plan))
-    scheduler.abort_requests(["c-0"])
+    scheduler.finish_requests(["c-0"], RequestStatus.FINISHED_ABORTED)
     run(scheduler, runner)
     assert_whole(choice)
     assert runner.made["c-1"] == list(range(1, 21))

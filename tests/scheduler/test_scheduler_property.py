@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import PREFILL_TOKENS_PER_REQUEST, WHOLE_PROMPT_SLACK, Scheduler
+from scheduler.scheduler import Scheduler
 from tests.support.scheduler_helpers import FakeClock, make_runner_output, make_scheduler
 
 MAX_DRAIN_STEPS = 3000
@@ -123,7 +123,9 @@ class Harness:
     def abort(self, index: int) -> None:
         if self.added:
             request = self.added[index % len(self.added)]
-            if self.scheduler.abort_requests([request.request_id]):
+            if self.scheduler.finish_requests(
+                [request.request_id], RequestStatus.FINISHED_ABORTED
+            ):
                 self.aborted.add(request.request_id)
 
     def step(self, abort_index: int | None = None) -> None:
@@ -200,7 +202,9 @@ class Harness:
         if threshold and num_decodes:
             num_prefill = out.num_scheduled_tokens - num_decodes
             # (a prompt being admitted may go whole within the slack of the room left)
-            cap = max(threshold, PREFILL_TOKENS_PER_REQUEST * num_batch) * WHOLE_PROMPT_SLACK
+            config = scheduler.config
+            cap = max(threshold, config.prefill_tokens_per_request * num_batch)
+            cap *= config.whole_prompt_slack
             assert num_prefill <= cap, f"{num_prefill} prefill tokens in a batch of {num_batch}"
         if not self.only_budget_binds:
             return

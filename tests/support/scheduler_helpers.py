@@ -153,3 +153,9 @@ def scheduled_ids(scheduler_output: SchedulerOutput) -> list[str]:
 def num_tokens_by_id(scheduler_output: SchedulerOutput) -> dict[str, int]:
     """Tokens to compute per scheduled request id."""
     return {s.request_id: s.num_new_tokens for s in scheduler_output.scheduled}
+
+
+def add_all(scheduler: Scheduler, requests: list[Request]) -> None:
+    """Add `requests` to `scheduler`, in order."""
+    for request in requests:
+        scheduler.add_request(request)

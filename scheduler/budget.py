@@ -1,0 +1,114 @@
+"""One step's token budget, and the cost model of the prefill work beside its decodes.
+
+A step spends at most `max_num_batched_tokens` tokens. A step that carries decodes takes
+at most `prefill_cap` of prefill cost beside them, where a prompt position at context c
+costs 1 + c / attention_cost_context tokens (its attention reads c keys): so that no
+prompt, long or many, stalls everyone's stream. The knobs are `SchedulerConfig` fields;
+docs/scheduling.md gives their reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request
+
+
+def prefill_cost(start: int, num_tokens: int, attention_cost_context: int) -> int:
+    """The cost, against a step's prefill cap, of computing prompt positions [start, start
+    + num_tokens): a position at context c costs 1 + c / attention_cost_context tokens."""
+    return num_tokens + num_tokens * (2 * start + num_tokens) // (2 * attention_cost_context)
+
+
+def tokens_within(room: int, start: int, attention_cost_context: int) -> int:
+    """The most tokens from position `start` whose prefill_cost fits in `room`."""
+    k = attention_cost_context
+    a = 1 + start / k  # cost(n) ~ a n + n^2 / (2 k): solve for n
+    n = int(k * (math.sqrt(a * a + 2 * room / k) - a))
+    while n > 0 and prefill_cost(start, n, k) > room:
+        n -= 1
+    while prefill_cost(start, n + 1, k) <= room:
+        n += 1
+    return n
+
+
+def prefill_cap(config: SchedulerConfig, num_unfinished: int, has_decodes: bool) -> int | None:
+    """The most prefill cost, in all, a step (that `has_decodes`) carries:
+    max(long_prefill_token_threshold, prefill_tokens_per_request x the batch about to
+    decode); None (only the budget) for a step without decodes (a lone prefill delays
+    nobody) or with the threshold off.
+
+    NOTE: the batch about to decode is every unfinished request, up to the seats, not
+    just this step's decodes: in a burst the first few streams' steps soon grow to
+    the whole batch's, so admission runs at the rate the full batch allows instead of
+    starting from the few decodes that exist at first.
+    """
+    threshold = config.long_prefill_token_threshold
+    if not threshold or not has_decodes:
+        return None
+    num_batch = min(num_unfinished, config.max_num_seqs)
+    return max(threshold, config.prefill_tokens_per_request * num_batch)
+
+
+@dataclass
+class StepBudget:
+    """What one step may still schedule: `budget` tokens and, once its decodes are
+    scheduled, `prefill_room` of prefill cost (None: only the budget bounds prefills)."""
+
+    config: SchedulerConfig
+    budget: int = field(init=False)
+    # request id -> tokens to compute, in scheduling order
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    decode_ids: set[str] = field(default_factory=set)
+    prefill_room: int | None = None
+    prefill_costs: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.budget = self.config.max_num_batched_tokens
+
+    def schedule(self, request: Request, num_tokens: int, *, decode: bool = False) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.budget -= num_tokens
+        if decode:
+            self.decode_ids.add(request.request_id)
+        elif self.prefill_room is not None:
+            cost = prefill_cost(
+                request.num_computed_tokens, num_tokens, self.config.attention_cost_context
+            )
+            self.prefill_costs[request.request_id] = cost
+            self.prefill_room -= cost
+
+    def unschedule(self, request: Request) -> None:
+        """A victim scheduled earlier in this step gives its tokens back."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
+        self.budget += num_tokens
+        self.decode_ids.discard(request.request_id)
+        if self.prefill_room is not None:
+            self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
+
+    def has_prefill_room(self) -> bool:
+        return self.budget > 0 and (self.prefill_room is None or self.prefill_room > 0)
+
+    def prefill_tokens_left(self, start: int) -> int:
+        """The most tokens a prefill from position `start` may compute in this step (at
+        least 1 while there is room)."""
+        if self.prefill_room is None:
+            return self.budget
+        room = tokens_within(self.prefill_room, start, self.config.attention_cost_context)
+        return min(self.budget, max(1, room))
+
+    def admission_tokens(self, start: int, num_new: int) -> int:
+        """The tokens a prompt being admitted computes in this step: all `num_new` from
+        position `start` if their cost is within whole_prompt_slack x the room (and the
+        budget), else what `prefill_tokens_left` allows."""
+        config = self.config
+        if (
+            self.prefill_room is not None
+            and num_new <= self.budget
+            and prefill_cost(start, num_new, config.attention_cost_context)
+            <= self.prefill_room * config.whole_prompt_slack
+        ):
+            return num_new
+        return min(num_new, self.prefill_tokens_left(start))

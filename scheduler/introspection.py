@@ -1,0 +1,109 @@
+"""Looking into a scheduler: the JSON snapshot behind GET /scheduler/state, and the
+integrity check that tests run, and the engine when idle or asked."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvcache.kv_cache_manager import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.prompt_sharing import PromptSharing
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import RequestQueue, SchedulingPolicy
+
+
+class SchedulerState(Protocol):
+    """What introspection reads of a scheduler (scheduler.Scheduler)."""
+
+    config: SchedulerConfig
+    policy: SchedulingPolicy
+    kv_cache: KVCacheManager
+    waiting: RequestQueue
+    skipped_waiting: RequestQueue
+    running: list[Request]
+    requests: dict[str, Request]
+    sharing: PromptSharing
+    num_preemptions_total: int
+
+    @property
+    def num_waiting(self) -> int: ...
+
+
+def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, Any]:
+    """JSON-ready view: policy, running requests, the first `max_waiting` waiting requests
+    in policy order (`num_waiting` counts them all) and the KV pool, at time `now`.
+    O(running + W log max_waiting)."""
+    kv = state.kv_cache
+    return {
+        "policy": state.policy.value,
+        "running": [_describe(state, r, now) for r in state.running],
+        "waiting": [_describe(state, r, now) for r in state.waiting.head(max_waiting)],
+        "num_waiting": state.num_waiting,
+        "kv_cache": {
+            "num_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.num_cached_blocks,
+            "block_size": kv.block_size,
+            "usage": kv.usage,
+        },
+        "num_preemptions_total": state.num_preemptions_total,
+    }
+
+
+def check_integrity(state: SchedulerState) -> None:
+    """RuntimeError unless the KV pool is consistent, every request is in exactly one
+    queue with a matching status, and only running requests hold blocks. O(blocks +
+    requests)."""
+    state.kv_cache.check_integrity()
+    running_ids = [r.request_id for r in state.running]
+    waiting = [*state.waiting, *state.skipped_waiting, *state.sharing]
+    all_ids = running_ids + [r.request_id for r in waiting]
+    if len(set(all_ids)) != len(all_ids):
+        raise RuntimeError("a request is queued twice")
+    if set(all_ids) != set(state.requests):
+        raise RuntimeError(
+            f"queues and request table disagree: {sorted(set(all_ids) ^ set(state.requests))}"
+        )
+    if len(state.running) > state.config.max_num_seqs:
+        raise RuntimeError(f"{len(state.running)} running > max_num_seqs")
+    _check_running(state)
+    for request in waiting:
+        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            raise RuntimeError(f"{request!r} is in waiting")
+        if request.num_computed_tokens:
+            raise RuntimeError(f"waiting {request!r} has computed tokens")
+    for leader_id in state.sharing.held:
+        if leader_id not in state.requests:
+            raise RuntimeError(f"requests held back for {leader_id}, which is gone")
+    holders = state.kv_cache.holders()
+    if not holders <= set(running_ids):
+        raise RuntimeError(f"requests not running hold blocks: {holders - set(running_ids)}")
+
+
+def _check_running(state: SchedulerState) -> None:
+    for request in state.running:
+        if request.status is not RequestStatus.RUNNING:
+            raise RuntimeError(f"{request!r} is in running")
+        num_held = state.kv_cache.num_held_blocks(request.request_id)
+        if num_held * state.kv_cache.block_size < request.num_computed_tokens:
+            raise RuntimeError(f"{request!r} holds {num_held} blocks: too few")
+
+
+def _describe(state: SchedulerState, request: Request, now: float) -> dict[str, Any]:
+    return {
+        "request_id": request.request_id,
+        "status": request.status.name,
+        "tenant": request.tenant,
+        "priority": request.priority,
+        "effective_priority": (
+            request.effective_priority
+            if request.status is RequestStatus.RUNNING
+            else state.waiting.effective_priority(request, now)
+        ),
+        "arrival_time": request.arrival_time,
+        "num_prompt_tokens": request.num_prompt_tokens,
+        "num_output_tokens": request.num_output_tokens,
+        "num_computed_tokens": request.num_computed_tokens,
+        "num_blocks": state.kv_cache.num_held_blocks(request.request_id),
+        "num_preemptions": request.num_preemptions,
+    }
