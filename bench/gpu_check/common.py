@@ -185,7 +185,7 @@ def make_runner(model_config, dry_run: bool, interpret_triton: bool = False):
     runner = ModelRunner(load_model(model_config), model_config)
     if dry_run:
         if interpret_triton:
-            from model_runner import triton_attention as ta
+            from model_runner.kernels import triton_attention as ta
 
             runner.attn = AttentionBackend("triton", ta.write_kv_cache, ta.paged_attention)
         runner.decode_graphs = DecodeGraphRunner(

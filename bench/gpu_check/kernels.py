@@ -129,7 +129,7 @@ def run_kernel_timing(dry_run: bool) -> PartResult:
 def _time_write_kv_cache(s: _TimingSetup, num_tokens: int, failures: list[str]) -> dict:
     import torch
 
-    from model_runner import triton_attention as ta
+    from model_runner.kernels import triton_attention as ta
 
     num_blocks = num_tokens // s.block_size + 8
     shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
@@ -161,8 +161,8 @@ def _time_paged_attention(s: _TimingSetup, shape: AttnShape, failures: list[str]
                           hbm_peak: bool) -> dict:
     import torch
 
-    from model_runner import triton_attention as ta
     from model_runner.attention_metadata import AttentionMetadata
+    from model_runner.kernels import triton_attention as ta
 
     blocks_per_seq = [-(-c // s.block_size) for c in shape.context_lens]
     num_blocks = sum(blocks_per_seq) + 1
