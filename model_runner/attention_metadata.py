@@ -35,7 +35,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decode_seqs == self.num_seqs

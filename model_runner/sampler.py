@@ -5,10 +5,10 @@ is -inf), logit_bias, min_tokens (stop tokens masked until the output is long en
 repetition penalty (Hugging Face: over prompt and output), frequency and presence
 penalties (OpenAI: over the output), temperature, top_k, top_p, min_p, then a draw.
 Everything stays on the device (the sampled ids too, until read; logprobs are read at
-once). The penalties read per-request
-token counts kept on the device between steps (`TokenCounts`), not the whole history;
-allowed_token_ids and logit_bias are one row per request built once and kept on the
-device (`TokenMasks`), not rebuilt per step.
+once), and nothing per request is rebuilt each step: the parameters are rows kept on the
+device (`SamplingBatch`, model_runner/sampling_batch.py), the penalties read per-request
+token counts kept there (`TokenCounts`), not the whole history, and allowed_token_ids and
+logit_bias are one row per request built once (`TokenMasks`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model_runner.sampling_batch import (
+    FREQUENCY_PENALTY,
+    GREEDY,
+    IS_GREEDY,
+    LOGPROBS,
+    MIN_P,
+    MIN_P_VALUE,
+    MIN_TOKENS,
+    PENALTIES,
+    PRESENCE_PENALTY,
+    REPETITION,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOKEN_MASK,
+    TOP_K,
+    TOP_K_OR_P,
+    TOP_P,
+    SamplingBatch,
+    StepRows,
+    device_index,
+)
 from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -224,14 +245,15 @@ class Sampler:
     """
 
     def __init__(self, device: torch.device, eos_token_ids: frozenset[int], seed: int = 0):
-        self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.batch = SamplingBatch(device, eos_token_ids)
         self.token_counts = TokenCounts(device)
         self.token_masks = TokenMasks(device)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the per-request state of finished requests."""
+        self.batch.forget(request_ids)
         self.token_counts.forget(request_ids)
         self.token_masks.forget(request_ids)
 
@@ -245,34 +267,35 @@ class Sampler:
         """logits: [N, vocab] float32 (modified in place), one row per request in order;
         generators: the request's own generator, or None for the global one; bitmask:
         the allowed tokens of the rows constrained by a grammar."""
-        params = [r.sampling_params for r in requests]
+        step = self.batch.select(requests)
         if bitmask is not None:
             apply_bitmask(logits, requests, bitmask)
-        if any(p.has_token_mask for p in params):
+        if step.any(TOKEN_MASK):
             self._apply_token_masks(logits, requests)
-        self._mask_stop_tokens(logits, requests)
-        self._apply_penalties(logits, requests)
-        want_logprobs = any(p.logprobs is not None for p in params)
-        if all(p.greedy for p in params) and not want_logprobs:
-            return SamplerOutput(logits.argmax(-1), [None] * len(params))
+        if step.any(MIN_TOKENS):
+            self._mask_stop_tokens(logits, requests, step)
+        if step.any(PENALTIES):
+            self._apply_penalties(logits, requests, step)
+        want_logprobs = step.any(LOGPROBS)
+        if step.all(GREEDY) and not want_logprobs:
+            return SamplerOutput(logits.argmax(-1), [None] * len(requests))
 
-        temperatures = torch.tensor(
-            [1.0 if p.greedy else p.temperature for p in params], device=logits.device
-        )
-        logits.div_(temperatures[:, None])
+        if not step.all(GREEDY):  # NOTE: greedy rows divide by 1, which changes nothing
+            logits.div_(step.column(TEMPERATURE)[:, None])
         # NOTE: logprobs are of the penalised, temperature-scaled distribution before the
         # top_k / top_p / min_p cut, so that the top-N alternatives are all finite.
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         greedy_ids = logits.argmax(-1)
-        if all(p.greedy for p in params):
+        if step.all(GREEDY):
             sampled = greedy_ids
         else:
-            probs = torch.softmax(self._filter(logits, params), dim=-1)
+            probs = torch.softmax(self._filter(logits, step), dim=-1)
             sampled = self._draw(probs, generators)
-            is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            sampled = torch.where(is_greedy, greedy_ids, sampled)
+            if step.any(GREEDY):
+                sampled = torch.where(step.column(IS_GREEDY) > 0, greedy_ids, sampled)
         if logprobs is None:
-            return SamplerOutput(sampled, [None] * len(params))
+            return SamplerOutput(sampled, [None] * len(requests))
+        params = [row.params for row in step.rows]
         return SamplerOutput(sampled, self._logprobs(logprobs, sampled, params))
 
     def _apply_token_masks(
@@ -285,56 +308,59 @@ class Sampler:
         if len(rows) == len(requests):
             logits.add_(masks)
         else:
-            logits.index_add_(0, torch.tensor(rows, device=logits.device), masks)
+            logits.index_add_(0, device_index(rows, logits.device), masks)
 
-    def _mask_stop_tokens(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if len(r.output_token_ids) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids |= self.eos_token_ids
-                if stop_ids:
-                    logits[i, sorted(stop_ids)] = float("-inf")
+    def _mask_stop_tokens(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], step: StepRows
+    ) -> None:
+        """-inf for the stop tokens of the rows whose output is shorter than min_tokens."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for i, (request, row) in enumerate(zip(requests, step.rows, strict=True)):
+            if row.needs & MIN_TOKENS and len(request.output_token_ids) < row.params.min_tokens:
+                rows += [i] * len(row.stop_ids)
+                token_ids += row.stop_ids
+        if rows:
+            device = logits.device
+            logits[device_index(rows, device), device_index(token_ids, device)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-        if not rows:
-            return
-        device, vocab = logits.device, logits.shape[1]
-        params = [requests[i].sampling_params for i in rows]
-        x = logits[rows]  # [n, vocab]
-        counts, prompt_seen = self.token_counts.rows([requests[i] for i in rows], vocab)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
-            penalised = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])
+    def _apply_penalties(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], step: StepRows
+    ) -> None:
+        """Repetition (over prompt and output), then frequency and presence (over the
+        output) penalties of the rows that have them."""
+        rows = [i for i, row in enumerate(step.rows) if row.needs & PENALTIES]
+        counts, prompt_seen = self.token_counts.rows([requests[i] for i in rows],
+                                                     logits.shape[1])  # [n, vocab] each
+        index = None if len(rows) == len(requests) else device_index(rows, logits.device)
+        x = logits if index is None else logits.index_select(0, index)  # [n, vocab]
+        values = step.values if index is None else step.values.index_select(0, index)
+        if step.any(REPETITION):
+            repetition = values[:, REPETITION_PENALTY, None]
+            penalised = torch.where(x > 0, x / repetition, x * repetition)
             x = torch.where(prompt_seen | (counts > 0), penalised, x)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        x = x - frequency * counts - presence * (counts > 0)
-        logits[rows] = x
+        x = (x - values[:, FREQUENCY_PENALTY, None] * counts
+             - values[:, PRESENCE_PENALTY, None] * (counts > 0))
+        if index is None:
+            logits.copy_(x)
+        else:
+            logits.index_copy_(0, index, x)
 
     @staticmethod
-    def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def _filter(logits: torch.Tensor, step: StepRows) -> torch.Tensor:
         """Mask to -inf what top_k, then top_p, then min_p exclude."""
-        device, vocab = logits.device, logits.shape[1]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        if step.any(TOP_K_OR_P):
             sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [N, vocab]
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device
-            )
-            ranks = torch.arange(vocab, device=device)[None, :]
-            sorted_logits.masked_fill_(ranks >= top_k[:, None], float("-inf"))
+            ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+            sorted_logits.masked_fill_(ranks >= step.column(TOP_K)[:, None], float("-inf"))
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
-            top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
             # drop a token when the more likely ones already reach top_p (keeps the first)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_logits.masked_fill_(before > top_p, float("-inf"))
+            sorted_logits.masked_fill_(before > step.column(TOP_P)[:, None], float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
-        if any(p.min_p > 0.0 for p in params):
+        if step.any(MIN_P):
             probs = torch.softmax(logits, dim=-1)
-            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-            threshold = min_p * probs.max(dim=-1, keepdim=True).values
+            threshold = step.column(MIN_P_VALUE)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
@@ -384,5 +410,5 @@ def apply_bitmask(
     if len(rows) == len(requests):  # every row constrained: in place, no gather
         logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(rows, device=logits.device)
+    index = device_index(rows, logits.device)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))

@@ -243,6 +243,7 @@ def triton_attention_module():
     """model_runner.kernels.triton_attention, under Triton's interpreter without CUDA."""
     pytest.importorskip("triton", reason="triton is not installed")
     from model_runner.kernels import triton_attention as ta
+    from model_runner.kernels import triton_attention_kernels
 
     if not CUDA:
         import triton.language as tl
@@ -250,8 +251,9 @@ def triton_attention_module():
 
         if not isinstance(tl.cdiv, InterpretedFunction):
             pytest.skip("triton was imported before TRITON_INTERPRET was set")
-        if not isinstance(ta._decode_kernel, InterpretedFunction):
-            ta = importlib.reload(ta)  # imported earlier without the interpreter
+        if not isinstance(triton_attention_kernels.decode_kernel, InterpretedFunction):
+            # imported earlier without the interpreter (`ta` reads them at each call)
+            importlib.reload(triton_attention_kernels)
     return ta
 
 

@@ -25,15 +25,17 @@ if not ON_CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from model_runner.kernels import triton_attention as ta  # noqa: E402
+from model_runner.kernels import triton_attention_kernels  # noqa: E402
 from tests.support import attention_helpers  # noqa: E402
 from tests.support.attention_helpers import assert_close, dense_reference  # noqa: E402
 
 if not ON_CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(ta._prefill_kernel, InterpretedFunction):
-        # Imported earlier in this process without the interpreter: redecorate.
-        ta = importlib.reload(ta)
+    if not isinstance(triton_attention_kernels.prefill_kernel, InterpretedFunction):
+        # Imported earlier in this process without the interpreter: redecorate (the
+        # launchers of `ta` read the kernels from their module at each call).
+        importlib.reload(triton_attention_kernels)
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 SMALL_TILES = ta.TileConfig(prefill_block_m=16, prefill_block_n=16, decode_block_n=16,

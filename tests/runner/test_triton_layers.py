@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from model_runner.attention.backend import AttentionBackend  # noqa: E402
 from model_runner.config import ModelConfig  # noqa: E402
 from model_runner.kernels import triton_attention as ta  # noqa: E402
+from model_runner.kernels import triton_attention_kernels  # noqa: E402
 from model_runner.kernels import triton_layers as tl_ops  # noqa: E402
 from model_runner.loader import load_model  # noqa: E402
 from model_runner.models.llama import RMSNorm, apply_rope  # noqa: E402
@@ -39,7 +40,8 @@ if not ON_CUDA:
 
     if not isinstance(tl_ops._rope_kernel, InterpretedFunction):
         # Imported earlier in this process without the interpreter: redecorate.
-        ta, tl_ops = importlib.reload(ta), importlib.reload(tl_ops)
+        importlib.reload(triton_attention_kernels)  # `ta` reads them at each call
+        tl_ops = importlib.reload(tl_ops)
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 

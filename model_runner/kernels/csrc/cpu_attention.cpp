@@ -1,7 +1,8 @@
 // Paged decode attention and KV-cache writes for the CPU, as torch ops
 // (torch.ops.pagedserve.*). Keys and values are read once, straight from their blocks:
-// the torch reference (model_runner/attention.py) gathers them into contiguous buffers
-// first, which moves every byte three times. model_runner/cpu_kernels.py builds this file.
+// the torch reference (model_runner/attention/torch_backend.py) gathers them into
+// contiguous buffers first, which moves every byte three times.
+// model_runner/kernels/cpu_kernels.py builds this file.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,8 +1,9 @@
 // The elementwise parts of a Llama layer for a float32 model on the CPU, fused into one
 // pass each, as torch ops (torch.ops.pagedserve.*): torch runs each of them as several
 // ops, every one a dispatch and a pass over memory, which at decode batch sizes costs
-// more than the arithmetic. model_runner/llama.py calls them when the model runs on the
-// CPU in float32 (see model_runner/cpu_kernels.py); its torch code is the reference.
+// more than the arithmetic. model_runner/models/llama.py calls them when the model runs
+// on the CPU in float32 (see model_runner/kernels/cpu_kernels.py); its torch code is the
+// reference.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

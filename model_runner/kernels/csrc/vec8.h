@@ -1,5 +1,5 @@
 // Float32 vectors of eight for the C++ CPU kernels: GCC/Clang vector extensions, which
-// compile to AVX registers where built for them (see model_runner/cpu_kernels.py).
+// compile to AVX registers where built for them (see model_runner/kernels/cpu_kernels.py).
 #pragma once
 
 #include <c10/util/BFloat16.h>
