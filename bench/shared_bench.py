@@ -79,7 +79,8 @@ def mask_message() -> bytes:
         if shares and i > 0:
             params = replace(params, allowed_token_ids=None, logit_bias=())
             extra = {"shares_token_lists": True}
-        new.append(NewRequest(f"r-{i}", list(range(1, 33)), params, **extra))
+        new.append(NewRequest(request_id=f"r-{i}", prompt_token_ids=list(range(1, 33)),
+                              sampling_params=params, **extra))
     return command_encoder.encode(AddRequests(new))
 
 

@@ -59,7 +59,8 @@ def run_pass(core: EngineCore, scale: float, grammar: str | None) -> dict[str, f
             item = pending.popleft()
             params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens,
                                     ignore_eos=True, grammar=grammar)
-            batch.append(NewRequest(f"r{next(ids)}", list(item.prompt), params))
+            batch.append(NewRequest(request_id=f"r{next(ids)}",
+                                    prompt_token_ids=list(item.prompt), sampling_params=params))
             in_flight += 1
         if batch:
             core.apply(AddRequests(batch))

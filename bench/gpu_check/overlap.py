@@ -41,7 +41,7 @@ def _serve(runner, requests, num_blocks: int, async_scheduling: bool, block_size
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     steps, start = 0, time.perf_counter()
     while core.has_work:
-        for delta in core.step().deltas:
+        for delta in core.step_fn().deltas:
             if delta.error:
                 raise RuntimeError(delta.error)
             tokens[delta.request_id] += delta.new_token_ids
@@ -72,7 +72,8 @@ def check_async_scheduling(dry_run: bool) -> PartResult:
             params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i,
                                     max_tokens=max_tokens - i % 5, ignore_eos=True)
             prompt = [rng.randrange(3, hf_config.vocab_size) for _ in range(5 + (i * 7) % 40)]
-            out.append(NewRequest(f"{tag}-r{i}", prompt, params))
+            out.append(NewRequest(request_id=f"{tag}-r{i}", prompt_token_ids=prompt,
+                                  sampling_params=params))
         return out
 
     batch = requests("sizing")

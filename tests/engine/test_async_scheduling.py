@@ -46,7 +46,7 @@ def run_core(core: EngineCore, requests: list[NewRequest], abort_after: dict[str
     finish: dict[str, str | None] = {}
     steps = 0
     while core.has_work:
-        message = core.step()
+        message = core.step_fn()
         steps += 1
         for delta in message.deltas:
             assert delta.error is None, delta.error
@@ -83,7 +83,8 @@ def mixed_requests() -> list[NewRequest]:
                   SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True))
         params = replace(params, max_tokens=8 + 2 * i)
         prompt = [3 + (7 * i + j) % 200 for j in range(5 + 3 * i)]
-        requests.append(NewRequest(f"r{i}", prompt, params, priority=i % 3, arrival_time=i))
+        requests.append(NewRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                   sampling_params=params, priority=i % 3, arrival_time=i))
     return requests
 
 
@@ -128,7 +129,8 @@ def test_the_next_step_is_launched_before_the_last_one_is_read(tiny) -> None:
         return step
 
     runner.launch = recording_launch
-    run_core(core, [NewRequest("a", [5, 6, 7], replace(GREEDY, max_tokens=4))], {})
+    run_core(core, [NewRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                               sampling_params=replace(GREEDY, max_tokens=4))], {})
     # prefill; decode of the pending token launched before the prefill's result; ...
     assert events[:3] == ["launch:0", "launch:1", "result"], events
     # max_tokens=4: the step that samples the 4th token is the last launched for it
