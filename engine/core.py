@@ -132,8 +132,8 @@ class EngineCore:
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
         self.step_clock: StepClock = LocalStepClock() if step_clock is None else step_clock
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
-        # NOTE: as vLLM V1's EngineCore, the step is chosen once: overlapped steps need a
-        # scheduler that leaves placeholders for the tokens being sampled.
+        # NOTE: chosen once, as vLLM V1 does (step_fn): overlapped steps need a scheduler
+        # that leaves placeholders for the tokens being sampled.
         self.step_fn: Callable[..., StepOutputs] = (
             self.step_overlapped if scheduler.config.async_scheduling else self.step
         )

@@ -284,6 +284,30 @@ def test_a_load_error_in_the_core_process_reaches_the_caller_as_itself(tmp_path)
     assert set(multiprocessing.active_children()) <= children_before
 
 
+def test_a_step_that_raises_before_scheduling_fails_every_request(make_fake_engine) -> None:
+    """With no plan to name the step's requests, a step whose schedule() raises fails every
+    request in the core (500s) and frees their blocks; the next step goes on."""
+    from engine.messages import AddRequests, NewRequest
+
+    engine = make_fake_engine(start=False)
+    core = engine._in_process_core()
+    core.apply(AddRequests([NewRequest(request_id=i, prompt_token_ids=[1, 2],
+                                       sampling_params=GREEDY) for i in ("a", "b")]))
+    schedule = core.scheduler.schedule
+
+    def broken():
+        core.scheduler.schedule = schedule
+        raise RuntimeError("injected")
+
+    core.scheduler.schedule = broken
+    message = core.step()
+    assert [(d.request_id, d.error_status) for d in message.deltas] == [("a", 500), ("b", 500)]
+    assert not core.has_work and core.scheduler.kv_cache.usage == 0
+    core.apply(AddRequests([NewRequest(request_id="c", prompt_token_ids=[1, 2],
+                                       sampling_params=GREEDY)]))
+    assert [d.request_id for d in core.step().deltas] == ["c"]
+
+
 def test_the_step_message_carries_the_scheduler_stats_when_they_changed(
     make_fake_engine,
 ) -> None:
