@@ -9,7 +9,7 @@ step. A stream holds one merging slot per choice, so a client that stops reading
 no growing queue.
 
 The core runs in its own process (`create_engine`, or `start_engine` and
-`EngineStart.wait`: engine/core_process.py) or, for the unit tests, on a thread of this
+`EngineStart.wait`: engine/core_client.py) or, for the unit tests, on a thread of this
 one (`Engine.in_process`: `InProcessCoreClient`). If the core dies, every pending request
 fails at once and `is_alive` turns False with the reason.
 """
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.core import EngineCore, Runner, run_core_loop
-from engine.core_process import CoreConfig, ProcessCoreClient
+from engine.core_client import ProcessCoreClient
+from engine.core_process import CoreConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import (
     AddRequests,
@@ -48,7 +49,7 @@ from model_runner.loader import load_model_spec
 from scheduler.config import SchedulerConfig
 from scheduler.output import PromptLogprobs, SampleLogprobs, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerStats
 from structured.compiler import build_ll_tokenizer
 from structured.matchers import StructuredOutputs
 
@@ -204,6 +205,12 @@ class Tenancy:
 
 
 NO_TENANCY = Tenancy()
+# The core's stats before its first message: nothing counted yet.
+_NO_STATS = SchedulerStats(
+    num_running=0, num_waiting=0, num_preemptions_total=0, kv_cache_usage=0.0,
+    prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0, num_free_blocks=0,
+    num_cached_blocks=0, num_blocks=0,
+)
 
 
 @dataclass
@@ -339,7 +346,7 @@ class Engine:
         self._query_ids = itertools.count()
         self._num_pending_adds = 0
         self._num_waiting = 0
-        self._stats: dict[str, Any] = {}
+        self._stats = _NO_STATS
         self._started = False
         self._stopping = False
         self._dead: str | None = None
@@ -404,9 +411,9 @@ class Engine:
         equal or better priority (as of the last step, counting those not yet queued as
         such) and the KV cache's usage (0 to 1)."""
         with self._lock:
-            by_priority = self._stats.get("num_waiting_by_priority", {})
-            ahead = sum(n for p, n in by_priority.items() if int(p) <= priority)
-            return ahead + self._num_pending_adds, float(self._stats.get("kv_cache_usage", 0.0))
+            by_priority = self._stats.num_waiting_by_priority
+            ahead = sum(n for p, n in by_priority.items() if p <= priority)
+            return ahead + self._num_pending_adds, self._stats.kv_cache_usage
 
     def start(self) -> None:
         """Start taking outputs from the core (idempotent)."""
@@ -462,10 +469,13 @@ class Engine:
                 index = p * n + i
                 scheduler_id = f"{request_id}-{index}"
                 new_requests.append(NewRequest(
-                    scheduler_id, list(prompt), params, priority, arrival,
-                    f"{request_id}-{p * n}" if i > 0 else None,
-                    tenancy.tenant, tenancy.weight, tenancy.deadline, tenancy.cache_salt,
-                    shares_token_lists, tenancy.priority_bound,
+                    request_id=scheduler_id, prompt_token_ids=list(prompt),
+                    sampling_params=params, arrival_time=arrival, priority=priority,
+                    tenant=tenancy.tenant, weight=tenancy.weight,
+                    priority_bound=tenancy.priority_bound, deadline=tenancy.deadline,
+                    cache_salt=tenancy.cache_salt,
+                    prompt_leader_id=f"{request_id}-{p * n}" if i > 0 else None,
+                    shares_token_lists=shares_token_lists,
                 ))
                 detokenizer = IncrementalDetokenizer(
                     self._decode_tokenizer, prompt, stop, skip_special_tokens,
@@ -726,28 +736,27 @@ class Engine:
                 now - first_token if first_token is not None else None,
             )
 
-    def _record_stats(self, stats: dict[str, Any]) -> None:
+    def _record_stats(self, stats: SchedulerStats | None) -> None:
+        """The core's stats, when they changed (None: those of its last message)."""
+        if stats is None:
+            return
         seen = self._stats
         metrics = self.metrics
-        metrics.inc_preemptions(
-            stats["num_preemptions_total"] - seen.get("num_preemptions_total", 0)
-        )
+        metrics.inc_preemptions(stats.num_preemptions_total - seen.num_preemptions_total)
         metrics.inc_prefix_cache(
-            stats["prefix_cache_queries_tokens"] - seen.get("prefix_cache_queries_tokens", 0),
-            stats["prefix_cache_hits_tokens"] - seen.get("prefix_cache_hits_tokens", 0),
+            stats.prefix_cache_queries_tokens - seen.prefix_cache_queries_tokens,
+            stats.prefix_cache_hits_tokens - seen.prefix_cache_hits_tokens,
         )
-        metrics.set_scheduler_gauges(
-            stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"]
-        )
-        seen_preemptions = seen.get("num_preemptions_by_priority", {})
+        metrics.set_scheduler_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        seen_preemptions = seen.num_preemptions_by_priority
         metrics.set_priority_stats(
-            stats["num_waiting_by_priority"],
-            stats["num_running_by_priority"],
+            stats.num_waiting_by_priority,
+            stats.num_running_by_priority,
             {p: n - seen_preemptions.get(p, 0)
-             for p, n in stats["num_preemptions_by_priority"].items()},
+             for p, n in stats.num_preemptions_by_priority.items()},
         )
         self._stats = stats
-        self._num_waiting = stats["num_waiting"]
+        self._num_waiting = stats.num_waiting
 
     def _on_death(self, reason: str) -> None:
         """On the client's thread: the core is gone; fail everything pending."""

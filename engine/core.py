@@ -1,18 +1,20 @@
 """The engine core: the scheduler and the model runner, stepped on one thread.
 
 `EngineCore` takes the API side's commands (engine/messages.py) and runs each step as
-three calls (`schedule`, `launch`, `update` with the launched step's result); with
+three calls (`schedule`, `launch`, `update` with the launched step's result): `step`. With
 `async_scheduling` the next step is scheduled and launched before the last one's result
-is read, so the host work of one overlaps the device work of the other (see `step`).
+is read, so the host work of one overlaps the device work of the other:
+`step_overlapped`. `step_fn` is the one of the two the scheduler's config asks for.
 Once scheduled, a step is announced by a small `StepScheduled` message, and what it did
 leaves as one `StepOutputs` message: the new token ids of every request that got one,
-finish reasons, preemption counts, logprobs and the scheduler's stats. It knows no text,
-no HTTP and no transport: `run_core_loop` drives it between a command source and a
-message sink, on a thread of the API process (tests) or as the main loop of the core
-process (engine/core_process.py).
+finish reasons, preemption counts, logprobs and the scheduler's stats (when they changed).
+It knows no text, no HTTP and no transport: `run_core_loop` drives it between a command
+source and a message sink, on a thread of the API process (tests) or as the main loop of
+the core process (engine/core_process.py).
 
-A step that raises fails the requests it scheduled (an `error` delta) and aborts them,
-freeing their blocks; the loop goes on. Any other exception ends the loop.
+A step that raises fails the requests it scheduled or had in flight (an `error` delta)
+and aborts them, freeing their blocks (`_fail`); the loop goes on. Any other exception
+ends the loop.
 
 Requests with a grammar go through `StructuredOutputs` (structured/matchers.py): they
 reach the scheduler once their grammar is compiled, each step's plan carries the masks of
@@ -44,7 +46,7 @@ from engine.messages import (
 )
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerStats
 from structured.matchers import GrammarState, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ logger = logging.getLogger(__name__)
 # With work that cannot be scheduled now (e.g. a full pool), wait this long for a command
 # instead of spinning.
 STUCK_WAIT_S = 0.01
+
+OnScheduled = Callable[[StepScheduled], None]
 
 
 class LaunchedStep(Protocol):
@@ -109,7 +113,7 @@ class EngineCore:
     """Scheduler + runner behind commands and per-step messages; single-threaded.
 
     `fault_hook` is for tests only: when set, every step calls it with the plan, after
-    `schedule()` and before `execute()`; an Exception it raises fails that step, any other
+    `schedule()` and before `launch()`; an Exception it raises fails that step, any other
     BaseException ends the loop.
     """
 
@@ -128,6 +132,11 @@ class EngineCore:
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
         self.step_clock: StepClock = LocalStepClock() if step_clock is None else step_clock
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        # NOTE: chosen once, as vLLM V1 does (step_fn): overlapped steps need a scheduler
+        # that leaves placeholders for the tokens being sampled.
+        self.step_fn: Callable[..., StepOutputs] = (
+            self.step_overlapped if scheduler.config.async_scheduling else self.step
+        )
         self.stuck = False  # the last step scheduled nothing
         self._num_sent: dict[str, int] = {}  # tokens already reported, by request id
         self._scheduled_once: set[str] = set()
@@ -135,6 +144,7 @@ class EngineCore:
         self._num_added = 0
         self._dirty = False  # commands changed the state since the last message
         self._in_flight: _InFlight | None = None  # overlapped steps: launched, not finished
+        self._stats_sent: SchedulerStats | None = None
 
     @property
     def has_work(self) -> bool:
@@ -227,68 +237,89 @@ class EngineCore:
 
     # ------------------------------------------------------------ steps
 
-    def step(self, on_scheduled: Callable[[StepScheduled], None] | None = None) -> StepOutputs:
-        """One step: schedule and launch it (`on_scheduled` once scheduled), then finish a
-        step (its tokens, update, grammars) and return its message. That is this step,
-        or with overlapped steps (`async_scheduling`) the one launched before, which ran
-        on the device while this one was scheduled. A step in flight whose requests need
-        its tokens on the host to schedule the next (a grammar, penalties, min_tokens) is
-        finished first."""
-        start = time.monotonic()
-        self.step_clock.value = start
+    def step(self, on_scheduled: OnScheduled | None = None) -> StepOutputs:
+        """One plain step: schedule it, launch it, update with its result; its message.
+        `on_scheduled` gets the step's `StepScheduled` before it runs."""
+        start, deltas = self._begin_step()
         plan: SchedulerOutput | None = None
-        previous = self._in_flight  # launched by the last call, still to finish
-        overlapped: _InFlight | None = None  # finished after this step is launched
-        self._schedule_compiled()
-        deltas, first = self._pending, []
-        self._pending = []
         try:
-            if previous is not None and _needs_host_tokens(previous.plan):
-                self._in_flight = None
-                deltas.extend(self._finish_step(previous))
-            elif previous is not None:
-                overlapped = previous
-            plan = self.scheduler.schedule()
-            if self.structured is not None:
-                plan.grammar_bitmask = self.structured.bitmask(plan)
-            for scheduled in plan.scheduled:
-                if scheduled.request_id not in self._scheduled_once:
-                    self._scheduled_once.add(scheduled.request_id)
-                    first.append(scheduled.request_id)
-            if on_scheduled is not None:
-                num_added, self._num_added = self._num_added, 0
-                on_scheduled(StepScheduled(start, first, self.scheduler.num_waiting, num_added,
-                                           plan.num_scheduled_tokens))
-            if self.fault_hook is not None:
-                self.fault_hook(plan)
-            # NOTE: an empty plan too: its finished ids reach the runner, and its update
-            # returns the requests whose deadline passed in schedule()
-            current = _InFlight(plan, self.runner.launch(plan))
-            self._in_flight = current
-            if overlapped is not None:
-                deltas.extend(self._finish_step(overlapped))
-            if plan.is_empty or not self.scheduler.config.async_scheduling:
-                self._in_flight = None
-                deltas.extend(self._finish_step(current))
-        except Exception:
-            error_id = f"err-{uuid.uuid4().hex}"
-            logger.exception("engine step failed (error id %s); aborting its requests", error_id)
-            in_flight = [f.plan for f in (previous, self._in_flight) if f is not None]
-            plans = [p for p in (plan, *in_flight) if p is not None]
-            self._in_flight = None
-            ids = ([s.request_id for p in plans for s in p.scheduled] if plans
-                   else list(self._num_sent))
-            ids = list(dict.fromkeys(i for i in ids if i in self._num_sent))
-            message = (f"internal error in an engine step (error id {error_id}; the server "
-                       "log has the details)")
-            deltas.extend(RequestDelta(i, [], error=message) for i in ids)
-            self._finish(ids, RequestStatus.FINISHED_ABORTED)
+            plan = self._schedule(start, on_scheduled)
+            launched = self._launch(plan)
+            deltas += self._update(launched)
+        except Exception as exc:
+            deltas += self._fail([plan], exc)
         finally:
             self.step_clock.value = 0.0
-        self.stuck = plan is not None and plan.is_empty and previous is None  # nothing moved
+        self.stuck = plan is not None and plan.is_empty
         return self._message(deltas)
 
-    def _finish_step(self, in_flight: _InFlight) -> list[RequestDelta]:
+    def step_overlapped(self, on_scheduled: OnScheduled | None = None) -> StepOutputs:
+        """One overlapped step (`async_scheduling`): schedule and launch step n+1, then
+        update with step n's result, which the device computed meanwhile; its message.
+        Step n is read first when scheduling n+1 needs its tokens on the host (a grammar,
+        penalties, min_tokens), and an empty step n+1 is read at once."""
+        start, deltas = self._begin_step()
+        last, self._in_flight = self._in_flight, None  # step n, launched by the last call
+        plan: SchedulerOutput | None = None
+        try:
+            unread = last
+            if last is not None and _needs_host_tokens(last.plan):
+                deltas += self._update(last)
+                unread = None
+            plan = self._schedule(start, on_scheduled)
+            launched = self._launch(plan)
+            if unread is not None:
+                deltas += self._update(unread)
+            if plan.is_empty:
+                deltas += self._update(launched)
+            else:
+                self._in_flight = launched
+        except Exception as exc:
+            deltas += self._fail([plan, last.plan if last is not None else None], exc)
+        finally:
+            self.step_clock.value = 0.0
+        self.stuck = plan is not None and plan.is_empty and last is None  # nothing moved
+        return self._message(deltas)
+
+    def _begin_step(self) -> tuple[float, list[RequestDelta]]:
+        """Start the step clock and hand the scheduler the requests whose grammar is now
+        compiled: the step's start and the deltas waiting to go out (rejected adds)."""
+        start = time.monotonic()
+        self.step_clock.value = start
+        self._schedule_compiled()
+        deltas, self._pending = self._pending, []
+        return start, deltas
+
+    def _schedule(self, start: float, on_scheduled: OnScheduled | None) -> SchedulerOutput:
+        """The scheduler's plan, with the masks of its grammar rows (filled while the step
+        runs), announced to `on_scheduled`."""
+        plan = self.scheduler.schedule()
+        if self.structured is not None:
+            plan.grammar_bitmask = self.structured.bitmask(plan)
+        first = self._first_scheduled(plan)
+        if on_scheduled is not None:
+            num_added, self._num_added = self._num_added, 0
+            on_scheduled(StepScheduled(start, first, self.scheduler.num_waiting, num_added,
+                                       plan.num_scheduled_tokens))
+        return plan
+
+    def _first_scheduled(self, plan: SchedulerOutput) -> list[str]:
+        """The requests `plan` schedules for the first time."""
+        first = []
+        for scheduled in plan.scheduled:
+            if scheduled.request_id not in self._scheduled_once:
+                self._scheduled_once.add(scheduled.request_id)
+                first.append(scheduled.request_id)
+        return first
+
+    def _launch(self, plan: SchedulerOutput) -> _InFlight:
+        """Start `plan` on the device. NOTE: an empty plan too: its finished ids reach the
+        runner, and its update returns the requests whose deadline passed in schedule()."""
+        if self.fault_hook is not None:
+            self.fault_hook(plan)
+        return _InFlight(plan, self.runner.launch(plan))
+
+    def _update(self, in_flight: _InFlight) -> list[RequestDelta]:
         """Wait for a launched step's tokens and apply them: the deltas of its requests."""
         runner_output = in_flight.launched.result()
         updated = self.scheduler.update(in_flight.plan, runner_output)
@@ -297,7 +328,7 @@ class EngineCore:
             failed = self._advance_grammars(self.structured, in_flight.plan, updated)
         deltas = [self._delta(request) for request in updated
                   if request.request_id not in failed]
-        return deltas + self._fail(failed)
+        return deltas + self._abort_with_errors(failed, 400)
 
     def _advance_grammars(
         self, structured: StructuredOutputs, plan: SchedulerOutput, updated: list[Request]
@@ -321,12 +352,26 @@ class EngineCore:
             self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
         return failed
 
-    def _fail(self, errors: dict[str, str]) -> list[RequestDelta]:
-        """End these requests with an error (not a finish reason), freeing their blocks;
-        the token a step sampled for them is not sent."""
+    def _fail(self, plans: list[SchedulerOutput | None], exc: Exception) -> list[RequestDelta]:
+        """A step raised `exc`: fail the requests of the plans it scheduled or launched
+        (every request, when it raised before any) with an internal error (a 500)."""
+        error_id = f"err-{uuid.uuid4().hex}"
+        logger.error("engine step failed (error id %s); aborting its requests", error_id,
+                     exc_info=exc)
+        scheduled = [plan for plan in plans if plan is not None]
+        ids = ([s.request_id for plan in scheduled for s in plan.scheduled] if scheduled
+               else list(self._num_sent))
+        message = (f"internal error in an engine step (error id {error_id}; the server "
+                   "log has the details)")
+        return self._abort_with_errors(dict.fromkeys(ids, message), 500)
+
+    def _abort_with_errors(self, errors: dict[str, str], status: int) -> list[RequestDelta]:
+        """End these requests with an error (not a finish reason) of HTTP `status`, freeing
+        their blocks; the token a step sampled for them is not sent."""
         ids = [request_id for request_id in errors if request_id in self._num_sent]
         self._finish(ids, RequestStatus.FINISHED_ABORTED)
-        return [_request_error(request_id, errors[request_id]) for request_id in ids]
+        return [RequestDelta(request_id, [], error=errors[request_id], error_status=status)
+                for request_id in ids]
 
     def idle_message(self) -> StepOutputs | None:
         """Between steps: the errors and stats that commands produced, if any."""
@@ -367,7 +412,15 @@ class EngineCore:
 
     def _message(self, deltas: list[RequestDelta]) -> StepOutputs:
         num_added, self._num_added, self._dirty = self._num_added, 0, False
-        return StepOutputs(deltas, dataclasses.asdict(self.scheduler.stats), num_added)
+        return StepOutputs(deltas, self._changed_stats(), num_added)
+
+    def _changed_stats(self) -> SchedulerStats | None:
+        """The scheduler's stats if they changed since the last sent, else None."""
+        stats = self.scheduler.stats
+        if stats == self._stats_sent:
+            return None
+        self._stats_sent = stats
+        return stats
 
 
 def run_core_loop(
@@ -400,7 +453,7 @@ def run_core_loop(
                 return
         if core.has_work:
             went_idle = False
-            send(core.step(send))
+            send(core.step_fn(send))
         else:
             message = core.idle_message()
             if message is not None:

@@ -12,7 +12,7 @@ from engine.messages import CoreInfo
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.distributed.tp_workers import start_tensor_parallel
-from model_runner.loader import load_model, load_model_spec
+from model_runner.loader import LoadedModel, ModelSpec, load_model, load_model_spec
 from model_runner.runner import ModelRunner
 from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
@@ -35,31 +35,15 @@ def build_core_parts(
     """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
     SimulatedRunner), size the KV cache and build the scheduler that matches it. With
     model_config.tensor_parallel_size > 1 this process is rank 0 and the other ranks'
-    worker processes start here (model_runner/distributed/tp_workers.py); a worker that dies later
-    ends this process.
+    worker processes start here (model_runner/distributed/tp_workers.py); a worker that
+    dies later ends this process.
 
     The context length is the model's (or model_config.max_model_len), capped to what
     the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
     `grammar_step_timeout_s` is the steps' grammar-mask deadline (StructuredOutputs).
     """
-    runner: ModelRunner | SimulatedRunner
-    if simulate_step_ms is not None:
-        spec = load_model_spec(model_config)
-        runner = SimulatedRunner(spec, model_config, simulate_step_ms)
-        hf_config, model_len = spec.hf_config, spec.max_model_len
-        name = spec.served_model_name
-        eos_token_ids = spec.eos_token_ids
-        tokenizer = spec.tokenizer
-    else:
-        if model_config.tensor_parallel_size > 1:
-            loaded, runner = start_tensor_parallel(model_config)
-        else:
-            loaded = load_model(model_config)
-            runner = ModelRunner(loaded, model_config)
-        hf_config, model_len = loaded.hf_config, loaded.max_model_len
-        name = loaded.served_model_name
-        eos_token_ids = loaded.eos_token_ids
-        tokenizer = loaded.tokenizer
+    runner, model = _load_runner(model_config, simulate_step_ms)
+    model_len = model.max_model_len
     cache_config = CacheConfig(
         num_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
@@ -76,15 +60,30 @@ def build_core_parts(
             model_len, max_model_len, runner.num_kv_blocks, runner.block_size,
         )
     info = CoreInfo(
-        model_name=served_model_name or name,
+        model_name=served_model_name or model.served_model_name,
         max_model_len=max_model_len,
-        vocab_size=int(hf_config.vocab_size),
+        vocab_size=int(model.hf_config.vocab_size),
         policy=scheduler_config.policy,
-        eos_token_ids=sorted(eos_token_ids),
+        eos_token_ids=sorted(model.eos_token_ids),
     )
-    structured = _structured_outputs(tokenizer, info, grammar_step_timeout_s)
+    structured = _structured_outputs(model.tokenizer, info, grammar_step_timeout_s)
     info.structured_outputs = structured is not None
     return scheduler, runner, info, structured
+
+
+def _load_runner(
+    model_config: ModelConfig, simulate_step_ms: float | None
+) -> tuple[ModelRunner | SimulatedRunner, LoadedModel | ModelSpec]:
+    """The runner and what it was loaded from (with `simulate_step_ms`, only the model's
+    config and tokenizer)."""
+    if simulate_step_ms is not None:
+        spec = load_model_spec(model_config)
+        return SimulatedRunner(spec, model_config, simulate_step_ms), spec
+    if model_config.tensor_parallel_size > 1:
+        loaded, runner = start_tensor_parallel(model_config)
+        return runner, loaded
+    loaded = load_model(model_config)
+    return ModelRunner(loaded, model_config), loaded
 
 
 def _structured_outputs(

@@ -1,7 +1,7 @@
 """`pagedserve bench --engine-loop`: the in-process engine step loop, no HTTP.
 
 Builds the engine core as `pagedserve serve --simulate-step-ms MS` does (the default
-model's tokenizer, a SimulatedRunner) and steps it in this process (schedule, execute,
+model's tokenizer, a SimulatedRunner) and steps it in this process (schedule, launch,
 update, and the per-step message the core would send) with the same requests as the
 HTTP load generator, at most `concurrency` in flight, so that the HTTP figure of one run
 has the in-process ceiling beside it.
@@ -62,14 +62,16 @@ def run_engine_loop(
                 item_ids = item.prompt
             params = SamplingParams(temperature=config.temperature, max_tokens=item.max_tokens,
                                     ignore_eos=config.ignore_eos)
-            core.apply(AddRequests([NewRequest(f"r{len(pending)}", item_ids, params)]))
+            new = NewRequest(request_id=f"r{len(pending)}", prompt_token_ids=item_ids,
+                             sampling_params=params)
+            core.apply(AddRequests([new]))
 
     num_tokens = num_steps = 0
     start = time.perf_counter()
     cpu_start = time.process_time()
     admit()
     while core.has_work:
-        num_tokens += sum(len(d.new_token_ids) for d in core.step().deltas)
+        num_tokens += sum(len(d.new_token_ids) for d in core.step_fn().deltas)
         num_steps += 1
         admit()
     duration = time.perf_counter() - start

@@ -3,9 +3,8 @@
 In (API -> core): `AddRequests`, `FinishRequests` (aborts, and stop strings the API
 process matched), `SnapshotQuery`, `Shutdown`. Out (core -> API): `Ready` or
 `LoadFailed` once, then per step a `StepScheduled` and a `StepOutputs`, and a
-`SnapshotReply` per query. The
-same structs travel in-process (the unit tests' engine) and, msgpack-encoded, over the
-pyzmq sockets between the two processes.
+`SnapshotReply` per query. The same structs travel in-process (the unit tests' engine)
+and, msgpack-encoded, over the pyzmq sockets between the two processes.
 """
 
 from __future__ import annotations
@@ -17,25 +16,31 @@ import msgspec
 
 from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import SchedulerStats
 
 
-class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One scheduler request (one choice of an HTTP request)."""
+class NewRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """One scheduler request (one choice of an HTTP request), built with keywords.
+    NOTE: array_like drops only trailing defaults: the fields most often set come first."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    priority: int = 0
     arrival_time: float | None = None  # time.monotonic(), the same clock in both processes
-    prompt_leader_id: str | None = None
-    tenant: str | None = None  # fair share inside a priority level, by weight
+    # Whose it is: its priority, its tenant's fair share (inside a priority level, by
+    # weight) and the tenant's bounds.
+    priority: int = 0
+    tenant: str | None = None
     weight: float = 1.0
-    deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
-    cache_salt: str | None = None
-    # Its allowed_token_ids and logit_bias are left out of `sampling_params`: they are
-    # those of the first request of its AddRequests (the lists travel once per HTTP request).
-    shares_token_lists: bool = False
     priority_bound: int | None = None  # the tenant's max_priority: aging stops there
+    deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
+    cache_salt: str | None = None  # keys its prefix-cache blocks apart from other salts
+    # Its place among the choices of its HTTP request (n > 1): the choice that computes
+    # the shared prompt, and whether its allowed_token_ids and logit_bias are left out of
+    # `sampling_params`: they are then those of the first request of its AddRequests (the
+    # lists travel once per HTTP request).
+    prompt_leader_id: str | None = None
+    shares_token_lists: bool = False
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
@@ -129,10 +134,10 @@ class StepScheduled(msgspec.Struct, tag=True, array_like=True):
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     """What a step did (or, between steps, what commands did: rejected adds, stats);
-    `stats` is `dataclasses.asdict(scheduler.stats)`."""
+    `stats` is the scheduler's, None when they are those of the last message."""
 
     deltas: list[RequestDelta]
-    stats: dict[str, Any]
+    stats: SchedulerStats | None
     num_added: int = 0
 
 

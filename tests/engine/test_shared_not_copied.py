@@ -106,9 +106,11 @@ def test_token_masks_sample_what_the_per_row_masks_sampled(temperature, seed, ma
 
 def test_a_mask_is_built_once_per_request_and_released_with_its_last_choice():
     allowed, bias = unique_token_lists([7, 3, 7, 250, 3], [(4, 1.0)])
-    command = AddRequests([NewRequest("r-0", [1], SamplingParams(
-        allowed_token_ids=allowed, logit_bias=bias))] + [
-        NewRequest(f"r-{i}", [1], SamplingParams(seed=i), shares_token_lists=True)
+    command = AddRequests([NewRequest(request_id="r-0", prompt_token_ids=[1],
+                                      sampling_params=SamplingParams(allowed_token_ids=allowed,
+                                                                     logit_bias=bias))] + [
+        NewRequest(request_id=f"r-{i}", prompt_token_ids=[1],
+                   sampling_params=SamplingParams(seed=i), shares_token_lists=True)
         for i in (1, 2, 3)])
     params = command_decoder.decode(command_encoder.encode(command)).sampling_params()
     sampler = Sampler(torch.device("cpu"), frozenset({0}))
@@ -210,7 +212,7 @@ WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logp
 def choices_of(prompts: list[list[int]], n: int, params: SamplingParams) -> AddRequests:
     """What Engine.add_request sends for `n` choices per prompt."""
     return AddRequests([
-        NewRequest(f"q-{p * n + i}", prompt, params,
+        NewRequest(request_id=f"q-{p * n + i}", prompt_token_ids=prompt, sampling_params=params,
                    prompt_leader_id=f"q-{p * n}" if i else None)
         for p, prompt in enumerate(prompts) for i in range(n)])
 
@@ -230,7 +232,7 @@ def test_the_core_sends_prompt_logprobs_once_per_prompt(async_scheduling):
     for _ in range(300):
         if not core.has_work:
             break
-        for delta in core.step().deltas:
+        for delta in core.step_fn().deltas:
             assert delta.error is None
             if delta.prompt_logprobs is not None:
                 carried.append(delta.request_id)

@@ -250,14 +250,15 @@ def test_the_core_sends_them_once_with_the_first_token(llama: TinyModel, async_s
                       llama.runner(block_size=4, num_kv_blocks=num_blocks), frozenset({2}))
     ids = prompts([30, 21, 25, 17], seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
-    core.apply(AddRequests([NewRequest(f"r{i}", p, params, priority=-i, arrival_time=i)
+    core.apply(AddRequests([NewRequest(request_id=f"r{i}", prompt_token_ids=p,
+                                       sampling_params=params, priority=-i, arrival_time=i)
                             for i, p in enumerate(ids)]))
     sent: dict[str, list[PromptLogprobs]] = {f"r{i}": [] for i in range(len(ids))}
     first_tokens: dict[str, bool] = {}
     for _ in range(500):
         if not core.has_work:
             break
-        for delta in core.step().deltas:
+        for delta in core.step_fn().deltas:
             assert delta.error is None, delta.error
             if delta.prompt_logprobs is not None:
                 sent[delta.request_id].append(delta.prompt_logprobs)

@@ -252,7 +252,8 @@ def _start(core: EngineCore, grammars: dict[str, str | None]) -> None:
     for grammar in {g for g in grammars.values() if g is not None}:
         core.structured.compiler.compile(grammar).result(timeout=10)  # type: ignore[union-attr]
     core.apply(AddRequests([
-        NewRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=50, grammar=grammar))
+        NewRequest(request_id=request_id, prompt_token_ids=[1, 2, 3],
+                   sampling_params=SamplingParams(max_tokens=50, grammar=grammar))
         for request_id, grammar in grammars.items()
     ]))
 

@@ -215,8 +215,10 @@ def test_core_outputs_follow_their_grammars(num_blocks: int) -> None:
     for i in range(12):
         kind = list(grammars)[i % 3]
         params = SamplingParams(max_tokens=120, grammar=grammars[kind])
-        new.append(NewRequest(f"{kind}-{i}", list(range(1, 9)), params, priority=i % 2))
-    new.append(NewRequest("free", [1, 2], SamplingParams(max_tokens=8)))
+        new.append(NewRequest(request_id=f"{kind}-{i}", prompt_token_ids=list(range(1, 9)),
+                              sampling_params=params, priority=i % 2))
+    new.append(NewRequest(request_id="free", prompt_token_ids=[1, 2],
+                          sampling_params=SamplingParams(max_tokens=8)))
     core.apply(AddRequests(new))
     results = _run(core)
     assert set(results) == {r.request_id for r in new}
@@ -241,8 +243,9 @@ def test_core_n_choices_share_one_compile_and_each_validates() -> None:
     core = _core(structured)
     grammar = json_schema_grammar(PERSON)
     params = SamplingParams(max_tokens=120, grammar=grammar)
-    new = [NewRequest("r-0", [1, 2, 3, 4, 5], params)]
-    new += [NewRequest(f"r-{i}", [1, 2, 3, 4, 5], params, prompt_leader_id="r-0")
+    new = [NewRequest(request_id="r-0", prompt_token_ids=[1, 2, 3, 4, 5], sampling_params=params)]
+    new += [NewRequest(request_id=f"r-{i}", prompt_token_ids=[1, 2, 3, 4, 5],
+                       sampling_params=params, prompt_leader_id="r-0")
             for i in range(1, 4)]
     core.apply(AddRequests(new))
     results = _run(core)
@@ -257,9 +260,11 @@ def test_core_abort_while_compiling_and_while_running_frees_everything() -> None
     core = _core(structured)
     grammar = regex_grammar("[a-z]{300}")  # longer than max_tokens: runs until aborted
     params = SamplingParams(max_tokens=200, grammar=grammar)
-    core.apply(AddRequests([NewRequest("early", [1, 2], params)]))
+    core.apply(AddRequests([NewRequest(request_id="early", prompt_token_ids=[1, 2],
+                                       sampling_params=params)]))
     core.apply(FinishRequests(["early"]))  # still compiling
-    core.apply(AddRequests([NewRequest("late", [1, 2], params)]))
+    core.apply(AddRequests([NewRequest(request_id="late", prompt_token_ids=[1, 2],
+                                       sampling_params=params)]))
     deadline = time.monotonic() + 10
     while not core.scheduler.requests.get("late") and time.monotonic() < deadline:
         core.step()  # the compile runs on its own thread
@@ -275,7 +280,8 @@ def test_core_abort_while_compiling_and_while_running_frees_everything() -> None
 def test_core_reports_a_grammar_that_fails_to_compile() -> None:
     core = _core(make_structured())
     params = SamplingParams(max_tokens=10, grammar=regex_grammar("a("))
-    core.apply(AddRequests([NewRequest("bad", [1, 2], params)]))
+    core.apply(AddRequests([NewRequest(request_id="bad", prompt_token_ids=[1, 2],
+                                       sampling_params=params)]))
     results = _run(core)
     assert not results or results["bad"][1].startswith("error")
     assert not core.has_work
@@ -284,7 +290,8 @@ def test_core_reports_a_grammar_that_fails_to_compile() -> None:
 def test_core_without_structured_outputs_fails_constrained_requests() -> None:
     core = _core(None)
     params = SamplingParams(max_tokens=10, grammar=regex_grammar("a+"))
-    core.apply(AddRequests([NewRequest("r", [1, 2], params)]))
+    core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=[1, 2],
+                                       sampling_params=params)]))
     message = core.idle_message()
     assert message is not None and "not available" in (message.deltas[0].error or "")
 
@@ -334,6 +341,7 @@ def test_random_sampling_under_a_grammar_is_reproducible() -> None:
     for _ in range(2):
         core = _core(make_structured())
         params = SamplingParams(max_tokens=120, grammar=json_schema_grammar(PERSON))
-        core.apply(AddRequests([NewRequest("r", [1, 2, 3], params)]))
+        core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                           sampling_params=params)]))
         texts.append(_text(_run(core)["r"][0]))
     assert texts[0] == texts[1]
