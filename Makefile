@@ -45,6 +45,8 @@ bench: install
 soak: install
 	$(PY) -m bench.soak --duration 120
 
+# on a CUDA host: the GPU tests (tests/gpu and the runner's kernel tests) by pytest, then the
+# GPU measures, written to $OUT; -dry: the same on the CPU at tiny shapes (Triton interpreted)
 gpu-check: install
 	$(PY) -m bench.gpu_check
 

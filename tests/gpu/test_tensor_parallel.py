@@ -52,8 +52,7 @@ def test_one_rank_tensor_parallel_runner_equals_the_plain_one(tmp_path, dry_run:
         sharded = scheduler_loop(runner, prompts, params, max_num_seqs=16,
                                  max_num_batched_tokens=256)
     finally:
-        if runner.workers is not None:
-            runner.workers.close()
+        runner.workers.close()
         runner.model.tp.close()
     identical, pct, first = agreement(sharded.outputs, plain.outputs)
     assert identical == len(prompts), f"{pct:.1f}% agree; {first}"
