@@ -35,7 +35,7 @@ def tokens_within(room: int, start: int, attention_cost_context: int) -> int:
 
 
 def prefill_cap(config: SchedulerConfig, num_unfinished: int, has_decodes: bool) -> int | None:
-    """The most prefill cost, in all, a step (that `has_decodes`) carries:
+    """The most prefill tokens (by `prefill_cost`), in all, a step (that `has_decodes`) carries:
     max(long_prefill_token_threshold, prefill_tokens_per_request x the batch about to
     decode); None (only the budget) for a step without decodes (a lone prefill delays
     nobody) or with the threshold off.
