@@ -35,8 +35,8 @@ class NewRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tr
     priority_bound: int | None = None  # the tenant's max_priority: aging stops there
     deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
     cache_salt: str | None = None  # keys its prefix-cache blocks apart from other salts
-    # Its place among the choices of its HTTP request (n > 1): the choice that computes
-    # the shared prompt, and whether its allowed_token_ids and logit_bias are left out of
+    # Its place among the choices of its HTTP request: the choice that computes the prompt
+    # it shares (n > 1), and whether its allowed_token_ids and logit_bias are left out of
     # `sampling_params`: they are then those of the first request of its AddRequests (the
     # lists travel once per HTTP request).
     prompt_leader_id: str | None = None
