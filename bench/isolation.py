@@ -39,8 +39,8 @@ from typing import Any
 import httpx
 
 from bench.soak import read_rss_kib
-from tests.support.reliability_helpers import wait_idle
 from tests.support.server_process import ServerProcess, cpu_seconds
+from tests.support.waits import wait_idle
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 KEYS = {"victim": "isolation-victim-key", "attacker": "isolation-attacker-key",

@@ -7,10 +7,8 @@ SIGTERM; teardown asserts a clean exit (status 0).
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from tests.support.server_process import ServerProcess as BaseServerProcess
@@ -32,17 +30,6 @@ class ServerProcess(BaseServerProcess):
             assert returncode == 0, f"exit status {returncode}:\n{self.log_tail()}"
         finally:
             self.remove_log()
-
-
-def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    """The sum of the server's `name` series whose labels include `labels`."""
-    text = httpx.get(f"{server.url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def _require_default_model() -> None:

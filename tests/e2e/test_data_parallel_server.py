@@ -14,8 +14,10 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, _require_default_model, metric
-from tests.support.reliability_helpers import assert_sse_body, wait_idle
+from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.metrics import metric
+from tests.support.reliability_helpers import assert_sse_body
+from tests.support.waits import wait_idle
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "Water boils at"]

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, _require_default_model, metric
+from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.metrics import metric
 from tests.support.server_process import free_port
 
 SIM_FLAGS = ("--simulate-step-ms", "5", "--scheduling-policy", "priority",

@@ -9,24 +9,25 @@ alone.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import httpx
 import pytest
 
-from bench.async_steps_bench import steps_per_s
 from engine.core import EngineCore
 from engine.messages import AddRequests, FinishRequests, NewRequest
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import DecodeGraphRunner
 from model_runner.loader import load_model, load_model_spec
+from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from tests.support.live_server import LiveServer
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
-from tests.support.reliability_helpers import LiveServer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -159,9 +160,33 @@ def test_eos_and_stop_strings_end_a_stream_with_no_token_of_the_next_step(
     assert texts[(True, True)] == texts[(False, True)] == ("Hello, wörld", "stop")
 
 
+def steps_per_s(spec, step_ms: float, host_ms: float, batch: int, steps: int,
+                async_scheduling: bool) -> float:
+    """Decode steps per second once `batch` requests run (the prefill step excluded) on a
+    SimulatedRunner whose steps take `step_ms` of device time after `host_ms` of host work."""
+    blocks = batch * (-(-(16 + steps + 2) // 16))
+    runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=blocks), step_ms, host_ms)
+    config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * 16,
+                             async_scheduling=async_scheduling)
+    core = EngineCore(Scheduler(config, CacheConfig(num_blocks=blocks, block_size=16)),
+                      runner, frozenset(spec.eos_token_ids))
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    core.apply(AddRequests([NewRequest(f"r{i}", list(range(1, 17)), params)
+                            for i in range(batch)]))
+    core.step()  # the prefill
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    elapsed = time.perf_counter() - start
+    while core.has_work:
+        core.step()
+    return steps / elapsed
+
+
+@pytest.mark.timing
 def test_the_step_rate_follows_the_device_time_alone() -> None:
     """Simulated device time T = 20 ms and host work H = 10 ms per step: plain steps take
-    T + H, overlapped ones T (bench/async_steps_bench.py's measurement, 8 requests)."""
+    T + H, overlapped ones T (8 requests)."""
     spec = load_model_spec(ModelConfig())
     plain, overlapped = (steps_per_s(spec, 20, 10, batch=8, steps=28, async_scheduling=mode)
                          for mode in (False, True))
