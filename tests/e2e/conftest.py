@@ -1,19 +1,28 @@
 """End-to-end fixtures: the real `pagedserve serve` in a subprocess, on the default model.
 
 Each server is module-scoped (one model load per test module) and is stopped with
-SIGTERM; teardown asserts a clean exit (status 0).
+SIGTERM; teardown asserts a clean exit (status 0). Every test here is marked `e2e`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.support.server_process import ServerProcess as BaseServerProcess
 
 STARTUP_TIMEOUT_S = 300.0  # the first start converts the GGUF; later ones take seconds
+E2E_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test under tests/e2e `e2e` (the hook sees the whole session's items)."""
+    for item in items:
+        if E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 class ServerProcess(BaseServerProcess):

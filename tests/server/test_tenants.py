@@ -238,6 +238,8 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
     wait_idle(server.url, headers=auth(KEY_A))
 
 
+# NOTE: a wall-clock share; tests/scheduler/test_fair_share.py proves the 2:1 without a clock
+@pytest.mark.timing
 def test_fair_share_serves_tenants_two_to_one_when_both_wait(serve) -> None:
     # NOTE: steps slow enough that the core, not the API process, is the bottleneck, so
     # both tenants keep a backlog in it (2 ms steps outran the API on an AVX2 2-core host)
