@@ -27,11 +27,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy scheduler kvcache
 
+# the suite without the wall-clock bounds, then those once, with one retry of the failed ones
 test: install lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not timing" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m timing $(PYTEST_ARGS) || $(PY) -m pytest -q -m timing --lf $(PYTEST_ARGS)
 
+# everything but the end-to-end and GPU tests
 unit: install
-	$(PY) -m pytest -q --ignore=tests/e2e
+	$(PY) -m pytest -q tests --ignore=tests/e2e --ignore=tests/gpu -m "not gpu"
 
 e2e: install
 	$(PY) -m pytest -q tests/e2e

@@ -1,5 +1,6 @@
 """Shared fixtures: a byte-level tokenizer and a scripted model runner, so that the server's
-engine and HTTP app run on the real Scheduler without a model."""
+engine and HTTP app run on the real Scheduler without a model; the app over such an engine
+in a TestClient or a live uvicorn server."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from scheduler.output import (
 from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
+from tests.support.live_server import LiveServer
 
 BYTE_EOS = 256
 
@@ -179,3 +181,20 @@ def open_client() -> Iterator[Callable[..., TestClient]]:
     yield open_
     for client in clients:
         client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def live_servers() -> Iterator[Callable[..., LiveServer]]:
+    """live_servers(engine, tenants=None, **config) -> a started LiveServer; each one still
+    running is stopped after the test."""
+    servers: list[LiveServer] = []
+
+    def start(engine: Engine, tenants: object = None, **config: object) -> LiveServer:
+        server = LiveServer(engine, tenants, **config)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        if server.thread.is_alive():
+            server.stop()

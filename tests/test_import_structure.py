@@ -125,24 +125,29 @@ def test_no_import_loops() -> None:
             visit(node)
 
 
+def _absolute_imports(path: Path) -> list[str]:
+    """The modules `path` imports by absolute name (from-imports by their module)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+    return found
+
+
+WORKSHOP_AND_TESTS = {_module_name(p): p for folder in ("bench", "tests")
+                      for p in (ROOT / folder).rglob("*.py")}
+
+
 def test_every_import_of_ours_resolves() -> None:
     """The workshop (bench/) and the tests import only modules of ours that exist (a
     bench left pointing at a moved module fails here, not when someone runs it)."""
-    trees = {**MODULES, **{_module_name(p): p for folder in ("bench", "tests")
-                           for p in (ROOT / folder).rglob("*.py")}}
+    trees = {**MODULES, **WORKSHOP_AND_TESTS}
     ours = (*PACKAGES, "bench", "tests")
-    missing = []
-    for name, path in trees.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                targets = [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                continue
-            for target in targets:
-                if target.split(".")[0] in ours and target not in trees:
-                    missing.append(f"{name} imports {target}")
+    missing = [f"{name} imports {target}" for name, path in trees.items()
+               for target in _absolute_imports(path)
+               if target.split(".")[0] in ours and target not in trees]
     assert not missing, missing
 
 

@@ -1,21 +1,28 @@
 """End-to-end fixtures: the real `pagedserve serve` in a subprocess, on the default model.
 
 Each server is module-scoped (one model load per test module) and is stopped with
-SIGTERM; teardown asserts a clean exit (status 0).
+SIGTERM; teardown asserts a clean exit (status 0). Every test here is marked `e2e`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
 from collections.abc import Iterator
+from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support.server_process import ServerProcess as BaseServerProcess
 
 STARTUP_TIMEOUT_S = 300.0  # the first start converts the GGUF; later ones take seconds
+E2E_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test under tests/e2e `e2e` (the hook sees the whole session's items)."""
+    for item in items:
+        if E2E_DIR in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 class ServerProcess(BaseServerProcess):
@@ -32,17 +39,6 @@ class ServerProcess(BaseServerProcess):
             assert returncode == 0, f"exit status {returncode}:\n{self.log_tail()}"
         finally:
             self.remove_log()
-
-
-def metric(server: ServerProcess, name: str, **labels: str) -> float:
-    """The sum of the server's `name` series whose labels include `labels`."""
-    text = httpx.get(f"{server.url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def _require_default_model() -> None:

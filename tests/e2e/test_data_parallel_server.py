@@ -14,8 +14,10 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, _require_default_model, metric
-from tests.support.reliability_helpers import assert_sse_body, wait_idle
+from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.metrics import metric
+from tests.support.reliability_helpers import assert_sse_body
+from tests.support.waits import wait_idle
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "Water boils at"]
@@ -74,6 +76,9 @@ async def ttft(client: httpx.AsyncClient, priority: int, max_tokens: int = 4) ->
     return first
 
 
+# NOTE: a wall-clock bound; without a clock, tests/scheduler proves the urgent admission and
+# tests/engine/test_data_parallel.py the balancer's choice
+@pytest.mark.timing
 def test_an_urgent_request_starts_within_idle_plus_two_steps(sim_dp) -> None:
     async def run() -> tuple[float, list[float]]:
         async with httpx.AsyncClient(base_url=sim_dp.url, timeout=120) as client:

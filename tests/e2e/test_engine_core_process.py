@@ -24,8 +24,8 @@ from tests.support.reliability_helpers import (
     assert_openai_error,
     assert_sse_body,
     disconnect_storm,
-    wait_idle,
 )
+from tests.support.waits import wait_idle
 
 SIM_FLAGS = ("--simulate-step-ms", "20", "--num-kv-blocks", "512", "--max-num-seqs", "16")
 

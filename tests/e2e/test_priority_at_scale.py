@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.metrics import metric
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +31,6 @@ def server() -> Iterator[ServerProcess]:
     )
     yield server
     server.stop()
-
-
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{"))
 
 
 def complete(server: ServerProcess, prompt: list[int], priority: int, **fields) -> dict:

@@ -24,8 +24,8 @@ from tests.support.reliability_helpers import (
     assert_sse_body,
     disconnect_storm,
     fuzz_operation,
-    wait_idle,
 )
+from tests.support.waits import wait_idle
 
 pytestmark = pytest.mark.e2e
 

@@ -5,16 +5,16 @@ sticks to one replica, and a killed replica drops out while the router keeps ser
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, _require_default_model, metric
+from tests.e2e.conftest import ServerProcess, _require_default_model
+from tests.support.metrics import metric
+from tests.support.server_process import ServerProcess as BaseServerProcess
 from tests.support.server_process import free_port
 
 SIM_FLAGS = ("--simulate-step-ms", "5", "--scheduling-policy", "priority",
@@ -34,33 +34,22 @@ def replicas_and_router():
     binary = router_binary()
     replicas = [ServerProcess(*SIM_FLAGS) for _ in range(2)]
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="vllm-router-", suffix=".log", delete=False)
-    router = subprocess.Popen(
-        [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-         "--worker-urls", *(r.url for r in replicas), "--health-check-endpoint", "/health",
-         "--health-check-interval-secs", "1", "--health-failure-threshold", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
+    router = BaseServerProcess(
+        command=[binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                 "--worker-urls", *(r.url for r in replicas), "--health-check-endpoint",
+                 "/health", "--health-check-interval-secs", "1",
+                 "--health-failure-threshold", "1"],
+        port=port, log_prefix="vllm-router-",
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert router.poll() is None, Path(log.name).read_text()[-3000:]
-        assert time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
-        time.sleep(0.25)
-    yield url, replicas
-    router.terminate()
-    router.wait(10)
+    router.wait_healthy(60)
+    yield router.url, replicas
+    router.terminate(10)
+    router.remove_log()
     for replica in replicas:
         if replica.proc.poll() is None:
             replica.stop()
         else:
             replica.remove_log()
-    Path(log.name).unlink()
 
 
 def test_replicas_behind_vllm_router(replicas_and_router) -> None:

@@ -10,7 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ServerProcess, metric
+from tests.e2e.conftest import ServerProcess
+from tests.support.metrics import metric
+from tests.support.waits import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -39,16 +41,6 @@ def complete(client, model, **kw):
 def assert_works(client, model) -> None:
     response = complete(client, model, max_tokens=2, temperature=0)
     assert response.choices[0].text and response.usage.completion_tokens == 2
-
-
-def wait_idle(server: ServerProcess, timeout_s: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = httpx.get(f"{server.url}/scheduler/state").json()
-        if not state["running"] and not state["waiting"]:
-            return state
-        assert time.monotonic() < deadline, f"still in flight: {state}"
-        time.sleep(0.05)
 
 
 def test_models_and_health(server, client, model) -> None:
@@ -215,7 +207,7 @@ def test_streaming_disconnect_frees_blocks(server, client, model) -> None:
             seen += line.startswith("data: ")
             if seen == 3:
                 break
-    state = wait_idle(server)
+    state = wait_idle(server.url)
     assert state["kv_cache"]["num_free_blocks"] == state["kv_cache"]["num_blocks"]
     assert state["kv_cache"]["usage"] == 0
     after = metric(server, "pagedserve_request_success_total", finished_reason="abort")
@@ -227,13 +219,13 @@ def test_non_streaming_disconnect_frees_blocks(server, client, model) -> None:
     body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
-    state = wait_idle(server)
+    state = wait_idle(server.url)
     assert state["kv_cache"]["usage"] == 0
     assert_works(client, model)
 
 
 def test_metrics_move_by_the_right_amounts(server, client, model) -> None:
-    wait_idle(server)
+    wait_idle(server.url)
     names = {
         "prompt": ("pagedserve_prompt_tokens_total", {}),
         "generation": ("pagedserve_generation_tokens_total", {}),
@@ -249,7 +241,7 @@ def test_metrics_move_by_the_right_amounts(server, client, model) -> None:
     response = complete(client, model, prompt=prompt, max_tokens=5, temperature=0,
                         extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == 5
-    wait_idle(server)
+    wait_idle(server.url)
     after = {k: metric(server, name, **labels) for k, (name, labels) in names.items()}
     delta = {k: after[k] - before[k] for k in names}
     assert delta["prompt"] == 37 and delta["generation"] == 5 and delta["length"] == 1
@@ -264,7 +256,7 @@ def test_prefix_cache_hits_on_a_repeated_prompt(server, client, model) -> None:
     complete(client, model, prompt=prompt, max_tokens=1)
     before = metric(server, "pagedserve_prefix_cache_hits_total")
     complete(client, model, prompt=prompt, max_tokens=1)
-    wait_idle(server)
+    wait_idle(server.url)
     assert metric(server, "pagedserve_prefix_cache_hits_total") - before >= 32
 
 

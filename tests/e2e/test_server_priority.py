@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from tests.e2e.conftest import PRIORITY_API_KEY, ServerProcess
+from tests.support.metrics import metric
+from tests.support.waits import wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +53,6 @@ def body(name: str, prompt: list[int], stream: bool = False) -> dict:
     }
 
 
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + "{"))
-
-
 def test_api_key_is_required_except_for_health_and_metrics(server) -> None:
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("GET", "/scheduler/state")):
@@ -86,14 +82,6 @@ def test_over_context_on_the_small_cache_is_400(server) -> None:
     ok = httpx.post(f"{server.url}/v1/completions", headers=AUTH,
                     json={"prompt": [100] * 100, "max_tokens": 20, "priority": 1}, timeout=120)
     assert ok.status_code == 200
-
-
-def metric_line(server: ServerProcess, series: str) -> float:
-    """One series' value (0 when it is not exposed yet)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    values = [float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith(series + " ")]
-    return values[0] if values else 0.0
 
 
 async def _stream(client: httpx.AsyncClient, name: str, prompt: list[int], progress: dict,
@@ -145,9 +133,8 @@ def test_high_priority_preempts_finishes_first_and_outputs_match_solo_runs(
         solo[name] = choice["text"]
 
     preemptions_before = metric(server, "pagedserve_num_preemptions_total")
-    low_preemptions = ('pagedserve_num_preemptions_by_priority_total'
-                       '{model_name="SmolLM2-135M-Instruct",priority="10"}')
-    by_priority_before = metric_line(server, low_preemptions)
+    low_preemptions = "pagedserve_num_preemptions_by_priority_total"
+    by_priority_before = metric(server, low_preemptions, priority="10")
     results, finished = asyncio.run(_contend(server, prompts))
 
     assert finished[0] == "high", finished
@@ -156,18 +143,12 @@ def test_high_priority_preempts_finishes_first_and_outputs_match_solo_runs(
     new_preemptions = metric(server, "pagedserve_num_preemptions_total") - preemptions_before
     assert new_preemptions > 0
     # every victim was a low-priority request
-    assert metric_line(server, low_preemptions) - by_priority_before == new_preemptions
+    assert metric(server, low_preemptions, priority="10") - by_priority_before == new_preemptions
     for name in prompts:
         assert results[name]["finish_reason"] == "length"
         assert results[name]["text"] == solo[name], name
 
-    deadline = time.monotonic() + 5
-    while True:
-        state = httpx.get(f"{server.url}/scheduler/state", headers=AUTH).json()
-        if not state["running"] and not state["waiting"]:
-            break
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    state = wait_idle(server.url, AUTH)
     assert state["policy"] == "priority"
     assert state["kv_cache"]["usage"] == 0
     assert metric(server, "pagedserve_kv_cache_usage_perc") == 0

@@ -25,8 +25,8 @@ from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ScriptedRunner
+from tests.support.live_server import LiveServer
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
-from tests.support.reliability_helpers import LiveServer
 from tests.support.step_rate import steps_per_s
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -194,6 +194,7 @@ def test_a_failing_overlapped_step_fails_its_requests_and_those_in_flight() -> N
     assert len(tokens["c"]) == GREEDY.max_tokens and finish == {"c": "length"}
 
 
+@pytest.mark.timing
 def test_the_step_rate_follows_the_device_time_alone() -> None:
     """Simulated device time T = 20 ms and host work H = 10 ms per step: plain steps take
     T + H, overlapped ones T (8 requests)."""

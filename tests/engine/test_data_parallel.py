@@ -19,7 +19,10 @@ from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ByteTokenizer, ScriptedRunner
-from tests.support.reliability_helpers import LiveServer, assert_openai_error, wait_idle
+from tests.support.live_server import LiveServer
+from tests.support.metrics import engine_metric
+from tests.support.reliability_helpers import assert_openai_error
+from tests.support.waits import wait_idle
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
@@ -198,15 +201,9 @@ def test_metrics_carry_the_engine_label_and_aborts_reach_the_right_core(dp) -> N
         assert state["integrity"] == "ok" and set(state["engines"]) == {"0", "1"}
 
     asyncio.run(run())
-    registry = engine.metrics.registry
-    by_engine = [registry.get_sample_value(
-        "pagedserve_request_success_total",
-        {"model_name": "fake-model", "engine": str(i), "finished_reason": "length"}) or 0
-        for i in (0, 1)]
-    aborted = sum(registry.get_sample_value(
-        "pagedserve_request_success_total",
-        {"model_name": "fake-model", "engine": str(i), "finished_reason": "abort"}) or 0
-        for i in (0, 1))
+    by_engine = [engine_metric(engine, "pagedserve_request_success_total", engine=str(i),
+                               finished_reason="length") for i in (0, 1)]
+    aborted = engine_metric(engine, "pagedserve_request_success_total", finished_reason="abort")
     assert sum(by_engine) == 3 and all(by_engine) and aborted == 1
     assert engine._owner == {}
 

@@ -17,13 +17,9 @@ from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ByteTokenizer, ScriptedRunner
-from tests.support.reliability_helpers import (
-    FUZZED_ROUTES,
-    LiveServer,
-    assert_openai_error,
-    fuzz_operation,
-    wait_idle,
-)
+from tests.support.live_server import LiveServer
+from tests.support.reliability_helpers import FUZZED_ROUTES, assert_openai_error, fuzz_operation
+from tests.support.waits import wait_idle
 
 POSITIVE_EXAMPLES = 50
 NEGATIVE_EXAMPLES = 30

@@ -8,23 +8,23 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tests.conftest import SyncRunner
+from tests.support.live_server import LiveServer
+from tests.support.metrics import metric
 from tests.support.reliability_helpers import (
-    LiveServer,
     assert_openai_error,
     assert_sse_body,
     disconnect_storm,
-    wait_idle,
 )
+from tests.support.waits import wait_idle
 
 
 def expected_text(prompt: str, num_tokens: int) -> str:
@@ -63,30 +63,14 @@ class PromptRunner(SyncRunner):
 
 
 @pytest.fixture
-def live(make_fake_engine) -> Iterator:
-    servers: list[LiveServer] = []
-
+def live(make_fake_engine, live_servers) -> Callable[..., LiveServer]:
     def make(runner, *, policy: str = "priority", num_blocks: int = 64, block_size: int = 4,
              max_num_seqs: int = 16, **config) -> LiveServer:
         engine = make_fake_engine(policy=policy, num_blocks=num_blocks, block_size=block_size,
                                   max_num_seqs=max_num_seqs, runner=runner, start=False)
-        server = LiveServer(engine, **config)
-        servers.append(server)
-        return server
+        return live_servers(engine, **config)
 
-    yield make
-    for server in servers:
-        if server.thread.is_alive():
-            server.stop()
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
+    return make
 
 
 def stream_text(events: list[dict]) -> str:
@@ -128,12 +112,12 @@ def test_disconnect_storm_frees_everything(live) -> None:
     # so every request that did not time out must be counted, and none twice.
     must_count = 64 - result.outcomes.get("timeout", 0)
     deadline = time.monotonic() + 20
-    while metric(server.url, "pagedserve_request_success_total") < must_count:
+    while metric(server, "pagedserve_request_success_total") < must_count:
         assert time.monotonic() < deadline, "requests were never accounted for"
         time.sleep(0.1)
     wait_idle(server.url)
-    assert must_count <= metric(server.url, "pagedserve_request_success_total") <= 64
-    assert metric(server.url, "pagedserve_request_success_total", finished_reason="abort") >= 10
+    assert must_count <= metric(server, "pagedserve_request_success_total") <= 64
+    assert metric(server, "pagedserve_request_success_total", finished_reason="abort") >= 10
     assert_still_serving(server.url)
 
 

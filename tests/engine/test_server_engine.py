@@ -15,7 +15,9 @@ from engine.client import Engine, EngineDeadError, EngineStepError, RequestOutpu
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.support.metrics import engine_metric
 from tests.support.model_helpers import CONFIGS, make_model_folder
+from tests.support.waits import wait_engine_idle
 
 SCRIPT = "Hello, wörld! Bye."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -31,20 +33,6 @@ def text_of(outputs: list[RequestOutput], index: int = 0) -> str:
     return "".join(o.text for o in outputs if o.index == index)
 
 
-async def wait_idle(engine: Engine) -> dict:
-    for _ in range(200):
-        state = await engine.snapshot()
-        if not state["running"] and not state["waiting"]:
-            return state
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine never went idle: {state}")
-
-
-def sample(engine: Engine, name: str, **labels: str) -> float:
-    value = engine.metrics.registry.get_sample_value(name, {"model_name": "fake-model", **labels})
-    return value or 0.0
-
-
 def test_generates_the_script_and_finishes_on_eos(make_fake_engine) -> None:
     engine = make_fake_engine()
     outputs = asyncio.run(collect(engine))
@@ -52,7 +40,7 @@ def test_generates_the_script_and_finishes_on_eos(make_fake_engine) -> None:
     last = outputs[-1]
     assert last.finish_reason == "stop" and last.num_preemptions == 0
     assert last.num_output_tokens == len(SCRIPT.encode()) + 1
-    assert sample(engine, "pagedserve_prompt_tokens_total") == 2
+    assert engine_metric(engine, "pagedserve_prompt_tokens_total") == 2
     assert all(not o.finished for o in outputs[:-1])
     assert all("\ufffd" not in o.text for o in outputs)
 
@@ -69,7 +57,7 @@ def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> 
 
     async def run():
         outputs = await collect(engine, stop=["wörld"])
-        return outputs, await wait_idle(engine)
+        return outputs, await wait_engine_idle(engine)
 
     outputs, state = asyncio.run(run())
     assert text_of(outputs) == "Hello, "
@@ -77,7 +65,7 @@ def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> 
     # the last token sampled is the one that completed the stop string
     assert outputs[-1].num_output_tokens == len("Hello, wörld".encode())
     assert state["kv_cache"]["usage"] == 0.0
-    assert sample(engine, "pagedserve_request_success_total", finished_reason="stop") == 1
+    assert engine_metric(engine, "pagedserve_request_success_total", finished_reason="stop") == 1
 
 
 def test_n_choices_are_separate_scheduler_requests(make_fake_engine) -> None:
@@ -101,7 +89,7 @@ def test_two_prompts_times_n_number_their_choices(make_fake_engine) -> None:
     outputs = asyncio.run(run())
     finished = {o.index: o for o in outputs if o.finished}
     assert sorted(finished) == [0, 1, 2, 3]
-    assert sample(engine, "pagedserve_prompt_tokens_total") == 2 + 2 + 1 + 1
+    assert engine_metric(engine, "pagedserve_prompt_tokens_total") == 2 + 2 + 1 + 1
 
 
 def test_logprobs_follow_their_tokens(make_fake_engine) -> None:
@@ -126,13 +114,13 @@ def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
             outputs.append(out)
             if len(outputs) == 1:
                 engine.abort("long")
-        return outputs, await wait_idle(engine)
+        return outputs, await wait_engine_idle(engine)
 
     outputs, state = asyncio.run(run())
     assert outputs[-1].finish_reason == "abort"
     assert outputs[-1].num_output_tokens < 10
     assert state["kv_cache"]["usage"] == 0.0
-    assert sample(engine, "pagedserve_request_success_total", finished_reason="abort") == 1
+    assert engine_metric(engine, "pagedserve_request_success_total", finished_reason="abort") == 1
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engine,
@@ -151,7 +139,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         with pytest.raises(EngineStepError, match="error id") as failed:
             await collect(engine, "bad")
         assert "injected" not in str(failed.value) and "injected" in caplog.text
-        state = await wait_idle(engine)
+        state = await wait_engine_idle(engine)
         return state, await collect(engine, "good")
 
     state, outputs = asyncio.run(run())
@@ -191,7 +179,7 @@ def test_integrity_is_checked_when_idle(make_fake_engine) -> None:
 
     async def run():
         await collect(engine)
-        await wait_idle(engine)
+        await wait_engine_idle(engine)
         for _ in range(100):
             if checks:
                 return
@@ -207,17 +195,17 @@ def test_metrics_count_tokens_and_latencies(make_fake_engine) -> None:
 
     async def run():
         await collect(engine, prompt="abc", params=params, priority=0)
-        await wait_idle(engine)  # the engine thread has recorded the step's stats
+        await wait_engine_idle(engine)  # the engine thread has recorded the step's stats
 
     asyncio.run(run())
-    assert sample(engine, "pagedserve_prompt_tokens_total") == 3
-    assert sample(engine, "pagedserve_generation_tokens_total") == 6
-    assert sample(engine, "pagedserve_request_success_total", finished_reason="length") == 1
-    assert sample(engine, "pagedserve_time_to_first_token_seconds_count", priority="0") == 1
-    assert sample(engine, "pagedserve_request_queue_time_seconds_count", priority="0") == 1
-    assert sample(engine, "pagedserve_inter_token_latency_seconds_count") == 5
-    assert sample(engine, "pagedserve_e2e_request_latency_seconds_count") == 1
-    assert sample(engine, "pagedserve_kv_cache_usage_perc") == 0
+    assert engine_metric(engine, "pagedserve_prompt_tokens_total") == 3
+    assert engine_metric(engine, "pagedserve_generation_tokens_total") == 6
+    assert engine_metric(engine, "pagedserve_request_success_total", finished_reason="length") == 1
+    assert engine_metric(engine, "pagedserve_time_to_first_token_seconds_count", priority="0") == 1
+    assert engine_metric(engine, "pagedserve_request_queue_time_seconds_count", priority="0") == 1
+    assert engine_metric(engine, "pagedserve_inter_token_latency_seconds_count") == 5
+    assert engine_metric(engine, "pagedserve_e2e_request_latency_seconds_count") == 1
+    assert engine_metric(engine, "pagedserve_kv_cache_usage_perc") == 0
 
 
 def test_num_waiting_counts_queued_requests_not_running_ones(make_fake_engine) -> None:

@@ -25,7 +25,7 @@ from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.requests import ChatTool
 from server.tenants import TenantRegistry, TenantSpec
 from tests.conftest import ByteTokenizer
-from tests.support.reliability_helpers import LiveServer, assert_openai_error
+from tests.support.reliability_helpers import assert_openai_error
 
 USER = {"role": "user", "content": "hi"}
 LIMITS = RequestLimits(max_n=3, max_logprobs=4, max_prompt_logprobs_entries=40,
@@ -251,25 +251,22 @@ ENDLESS = ("{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% en
 
 @pytest.mark.parametrize("whose", ["the request's", "the server's"])
 def test_a_template_past_its_time_is_a_400_and_the_tokenizer_thread_serves_on(
-        make_fake_engine, whose) -> None:
+        make_fake_engine, live_servers, whose) -> None:
     engine = make_fake_engine(start=False)
     engine.info.tokenizer = JinjaTokenizer()
     limits = RequestLimits(chat_template_timeout_s=0.001, trust_request_chat_template=True)
     chat: dict[str, Any] = {"messages": [USER], "max_tokens": 2}
     if whose == "the server's":
-        server = LiveServer(engine, limits=limits, chat_template=ENDLESS)
+        server = live_servers(engine, limits=limits, chat_template=ENDLESS)
     else:
-        server = LiveServer(engine, limits=limits)
+        server = live_servers(engine, limits=limits)
         chat["chat_template_kwargs"] = {"chat_template": ENDLESS}
-    try:
-        response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
-        assert_openai_error(response, 400, "--chat-template-timeout-s", "the limit is 0.001")
-        # The same (one) tokenizer thread tokenizes the next request at once.
-        response = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                              json={"prompt": "hi", "max_tokens": 2})
-        assert response.status_code == 200, response.text
-    finally:
-        server.stop()
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+    assert_openai_error(response, 400, "--chat-template-timeout-s", "the limit is 0.001")
+    # The same (one) tokenizer thread tokenizes the next request at once.
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200, response.text
 
 
 def test_call_with_deadline_stops_at_the_first_call_past_it() -> None:

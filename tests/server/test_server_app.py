@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from server.config import ServerConfig
 from server.limits import RequestLimits
+from tests.support.metrics import metric_in
 
 SCRIPT = "Hello, wörld! Bye."
 SPEC_METRICS = {
@@ -409,11 +410,6 @@ def test_max_waiting_is_503_with_retry_after(serve) -> None:
     ok(client)
 
 
-def metric_value(text: str, series: str) -> float:
-    (line,) = [line for line in text.splitlines() if line.startswith(series + " ")]
-    return float(line.split()[-1])
-
-
 def test_cached_prompt_tokens_reach_usage(serve) -> None:
     client, _ = serve()
     prompt = list(range(40, 60))  # 20 tokens: 4 full blocks of 4 a later request can hit
@@ -436,12 +432,11 @@ def test_priority_and_step_metrics(serve) -> None:
             "prompt": "hi", "max_tokens": 4, "priority": priority})
         assert response.status_code == 200
     text = client.get("/metrics").text
-    m = 'model_name="fake-model"'
+    running = "pagedserve_num_requests_running_by_priority"
     for priority in ("3", "-2"):  # seen running, and none running now
-        labels = f'{{{m},priority="{priority}"}}'
-        assert metric_value(text, f"pagedserve_num_requests_running_by_priority{labels}") == 0
-    assert metric_value(text, f"pagedserve_request_prefill_time_seconds_count{{{m}}}") == 2
-    assert metric_value(text, f"pagedserve_request_decode_time_seconds_count{{{m}}}") == 2
+        assert f'{running}{{model_name="fake-model",priority="{priority}"}} 0.0' in text
+    assert metric_in(text, "pagedserve_request_prefill_time_seconds_count") == 2
+    assert metric_in(text, "pagedserve_request_decode_time_seconds_count") == 2
     # a prefill step and 3 decode steps per request, each of its own
-    assert metric_value(text, f"pagedserve_iteration_tokens_count{{{m}}}") == 8
-    assert metric_value(text, f"pagedserve_iteration_tokens_sum{{{m}}}") == 2 * (2 + 3)
+    assert metric_in(text, "pagedserve_iteration_tokens_count") == 8
+    assert metric_in(text, "pagedserve_iteration_tokens_sum") == 2 * (2 + 3)

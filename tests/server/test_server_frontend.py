@@ -23,7 +23,7 @@ from server.responses import (
     DeltaMessage,
 )
 from server.streaming import chunk_head, fast_chunk
-from tests.support.reliability_helpers import LiveServer
+from tests.support.live_server import LiveServer
 
 SCRIPT = "Hello, wörld! Bye."
 
@@ -94,17 +94,11 @@ def test_fast_chunks_are_the_chunk_models_json(finish_reason, text) -> None:
 
 
 @pytest.fixture
-def live_server(make_fake_engine):
-    servers = []
-
+def live_server(make_fake_engine, live_servers):
     def make(**config) -> LiveServer:
-        server = LiveServer(make_fake_engine(start=False), **config)
-        servers.append(server)
-        return server
+        return live_servers(make_fake_engine(start=False), **config)
 
-    yield make
-    for server in servers:
-        server.stop()
+    return make
 
 
 def test_a_body_that_does_not_arrive_is_a_408(live_server) -> None:

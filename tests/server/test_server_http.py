@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -15,39 +15,24 @@ from loadgen.cli import build_bench_config
 from loadgen.client import BenchConfig, Result, _send, format_summary, run_bench
 from loadgen.workloads import BenchItem
 from server.cli import build_parser
-from tests.support.reliability_helpers import LiveServer
+from tests.support.live_server import LiveServer
+from tests.support.waits import wait_idle
 
 
 @pytest.fixture
-def live(make_fake_engine) -> Iterator:
-    servers: list[LiveServer] = []
-
+def live(make_fake_engine, live_servers) -> Callable[..., LiveServer]:
     def make(policy: str = "fcfs", step_s: float = 0.0, **config) -> LiveServer:
         engine = make_fake_engine(policy=policy, start=False)
         if step_s:
             engine.fault_hook = lambda plan: time.sleep(step_s)
-        server = LiveServer(engine, **config)
-        servers.append(server)
-        return server
+        return live_servers(engine, **config)
 
-    yield make
-    for server in servers:
-        server.stop()
-
-
-def wait_until_idle(url: str, timeout_s: float = 2.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = httpx.get(f"{url}/scheduler/state").json()
-        if not state["running"] and not state["waiting"]:
-            return state
-        assert time.monotonic() < deadline, f"request still in flight: {state}"
-        time.sleep(0.01)
+    return make
 
 
 def assert_aborted(url: str) -> None:
     """The one request in flight was aborted, well before it could have finished."""
-    state = wait_until_idle(url, timeout_s=2.0)
+    state = wait_idle(url, timeout_s=2.0)
     assert state["kv_cache"]["usage"] == 0.0
     metrics = httpx.get(f"{url}/metrics").text
     abort = 'pagedserve_request_success_total{finished_reason="abort",model_name="fake-model"}'
@@ -175,6 +160,6 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
     release.set()
     hung.join(10)
     assert statuses == [200]  # the slow step's request still completes
-    wait_until_idle(server.url)
+    wait_idle(server.url)
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200

@@ -18,12 +18,10 @@ import pytest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from server.tenants import TenantRefused, TenantRegistry, TenantsFileError, load_tenants_file
 from tests.conftest import ScriptedRunner
-from tests.support.reliability_helpers import (
-    LiveServer,
-    assert_openai_error,
-    assert_sse_body,
-    wait_idle,
-)
+from tests.support.live_server import LiveServer
+from tests.support.metrics import metric
+from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
+from tests.support.waits import wait_idle
 
 KEY_A, KEY_B, KEY_C = "alpha-secret-key", "beta-secret-key", "gamma-secret-key"
 KEY_D = "delta-secret-key"
@@ -81,19 +79,13 @@ def tenants_file(tmp_path: Path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def serve(make_fake_engine, tenants_file):
-    servers: list[LiveServer] = []
-
+def serve(make_fake_engine, tenants_file, live_servers):
     def make(step_s: float = 0.0, **engine_kwargs) -> LiveServer:
         engine = make_fake_engine(policy="priority", runner=SlowRunner(step_s), start=False,
                                   fair_share=True, **engine_kwargs)
-        server = LiveServer(engine, TenantRegistry.from_file(tenants_file))
-        servers.append(server)
-        return server
+        return live_servers(engine, TenantRegistry.from_file(tenants_file))
 
-    yield make
-    for server in servers:
-        server.stop()
+    return make
 
 
 def auth(key: str) -> dict[str, str]:
@@ -104,12 +96,6 @@ def post(server: LiveServer, key: str | None, **body) -> httpx.Response:
     body = {"prompt": "hi", "max_tokens": 3, **body}
     return httpx.post(f"{server.url}/v1/completions", json=body,
                       headers=auth(key) if key else {}, timeout=30)
-
-
-def metric(server: LiveServer, name: str, **labels: str) -> float:
-    value = server.engine.metrics.registry.get_sample_value(
-        name, {"model_name": "fake-model", **labels})
-    return value or 0.0
 
 
 def test_keys_identify_tenants_and_bound_their_priority(serve) -> None:
@@ -149,8 +135,7 @@ def test_the_fifth_request_in_flight_is_a_429_and_seats_come_back(serve) -> None
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 10
-    while server.engine.metrics.registry.get_sample_value(
-            "pagedserve_num_requests_running", {"model_name": "fake-model"}) != 4:
+    while metric(server, "pagedserve_num_requests_running") != 4:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     response = post(server, KEY_A)
@@ -253,6 +238,8 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
     wait_idle(server.url, headers=auth(KEY_A))
 
 
+# NOTE: a wall-clock share; tests/scheduler/test_fair_share.py proves the 2:1 without a clock
+@pytest.mark.timing
 def test_fair_share_serves_tenants_two_to_one_when_both_wait(serve) -> None:
     # NOTE: steps slow enough that the core, not the API process, is the bottleneck, so
     # both tenants keep a backlog in it (2 ms steps outran the API on an AVX2 2-core host)

@@ -1,15 +1,12 @@
-"""Shared by the reliability tests (tests/unit and tests/e2e) and bench/soak.py: the
-OpenAI error shape, waiting for an idle and intact engine, a schemathesis fuzz pass over
-the server's own OpenAPI schema, and storms of clients that vanish."""
+"""Shared by the reliability tests (tests/engine, tests/server and tests/e2e): the OpenAI
+error shape, a schemathesis fuzz pass over the server's own OpenAPI schema, and storms of
+clients that vanish."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,54 +47,6 @@ def assert_sse_body(text: str) -> list[dict]:
     if events and "error" in events[-1]:
         assert set(events[-1]["error"]) == ERROR_KEYS, events[-1]
     return events
-
-
-def wait_idle(url: str, headers: dict | None = None, timeout_s: float = 10.0) -> dict:
-    """Polls /scheduler/state until nothing runs or waits; then asserts the KV pool is whole
-    (no block held) and the scheduler's integrity check passes. Returns the state."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        state = httpx.get(f"{url}/scheduler/state?check=1", headers=headers, timeout=10).json()
-        if not state["running"] and not state["waiting"]:
-            break
-        assert time.monotonic() < deadline, f"still in flight: {state}"
-        time.sleep(0.05)
-    kv = state["kv_cache"]
-    assert kv["num_free_blocks"] == kv["num_blocks"] and kv["usage"] == 0, kv
-    assert state["integrity"] == "ok", state["integrity"]
-    return state
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LiveServer:
-    """The app over `engine`, served by `GracefulServer` (what `pagedserve serve` runs) in a
-    thread on a free loopback port; stop() is what SIGTERM does."""
-
-    def __init__(self, engine: Any, tenants: Any = None, **config: Any) -> None:
-        from server.app import GracefulServer, build_app
-        from server.config import ServerConfig
-
-        server_config = ServerConfig(port=free_port(), log_level="warning", **config)
-        self.engine = engine
-        self.url = f"http://127.0.0.1:{server_config.port}"
-        app = build_app(engine, server_config, tenants)
-        self.server = GracefulServer(app, engine, server_config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the server did not stop"
 
 
 # ------------------------------------------------------------------ fuzzing

@@ -25,13 +25,14 @@ def steps_per_s(spec, step_ms: float, host_ms: float, batch: int, steps: int,
     core = EngineCore(Scheduler(config, CacheConfig(num_blocks=blocks, block_size=16)),
                       runner, frozenset(spec.eos_token_ids))
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    core.apply(AddRequests([NewRequest(f"r{i}", list(range(1, 17)), params)
+    core.apply(AddRequests([NewRequest(request_id=f"r{i}", prompt_token_ids=list(range(1, 17)),
+                                       sampling_params=params)
                             for i in range(batch)]))
-    core.step()  # the prefill
+    core.step_fn()  # the prefill
     start = time.perf_counter()
     for _ in range(steps):
-        core.step()
+        core.step_fn()
     elapsed = time.perf_counter() - start
     while core.has_work:
-        core.step()
+        core.step_fn()
     return steps / elapsed
