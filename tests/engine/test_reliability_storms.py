@@ -18,6 +18,7 @@ import pytest
 
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tests.conftest import SyncRunner
+from tests.support.engine_helpers import core_of
 from tests.support.reliability_helpers import (
     LiveServer,
     assert_openai_error,
@@ -260,7 +261,7 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
         if runner.num_steps >= 5:
             started.set()
 
-    engine.fault_hook = die_later
+    core_of(engine).fault_hook = die_later
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         body = {"prompt": f"d{i}", "max_tokens": 60, "ignore_eos": True, "stream": i % 2 == 0}

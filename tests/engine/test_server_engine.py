@@ -12,10 +12,13 @@ import time
 import pytest
 
 from engine import client as engine_module
-from engine.client import Engine, EngineDeadError, EngineStepError, RequestOutput
+from engine.client import Engine
+from engine.outputs import EngineDeadError, EngineStepError, RequestOutput
+from engine.request import EngineRequest
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.support.engine_helpers import core_of
 from tests.support.model_helpers import CONFIGS, make_model_folder
 
 SCRIPT = "Hello, wörld! Bye."
@@ -24,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 async def collect(engine: Engine, request_id: str = "r", prompt: str = "hi", **kw):
     params = kw.pop("params", GREEDY)
-    stream = engine.add_request(request_id, [list(prompt.encode())], params, **kw)
+    stream = engine.add_request(EngineRequest(request_id, [list(prompt.encode())], params, **kw))
     return [out async for out in stream]
 
 
@@ -84,7 +87,7 @@ def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> 
 def test_n_choices_are_separate_scheduler_requests(make_fake_engine) -> None:
     engine = make_fake_engine()
     seen: set[str] = set()
-    engine.fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
+    core_of(engine).fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
     outputs = asyncio.run(collect(engine, "req", params=params, n=3))
     assert seen == {"req-0", "req-1", "req-2"}
@@ -96,7 +99,7 @@ def test_two_prompts_times_n_number_their_choices(make_fake_engine) -> None:
     engine = make_fake_engine()
 
     async def run():
-        stream = engine.add_request("m", [[1, 2], [3]], GREEDY, n=2)
+        stream = engine.add_request(EngineRequest("m", [[1, 2], [3]], GREEDY, n=2))
         return [out async for out in stream]
 
     outputs = asyncio.run(run())
@@ -117,11 +120,11 @@ def test_logprobs_follow_their_tokens(make_fake_engine) -> None:
 
 def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
     engine = make_fake_engine()
-    engine.fault_hook = lambda plan: time.sleep(0.005)
+    core_of(engine).fault_hook = lambda plan: time.sleep(0.005)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
     async def run():
-        stream = engine.add_request("long", [[1, 2, 3]], params)
+        stream = engine.add_request(EngineRequest("long", [[1, 2, 3]], params))
         outputs = []
         async for out in stream:
             outputs.append(out)
@@ -146,7 +149,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         if len(calls) == 1:
             raise RuntimeError("injected")
 
-    engine.fault_hook = fail_once
+    core_of(engine).fault_hook = fail_once
 
     async def run():
         with pytest.raises(EngineStepError, match="error id") as failed:
@@ -171,7 +174,7 @@ def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engin
     def die(plan) -> None:
         raise _Fatal("boom")
 
-    engine.fault_hook = die
+    core_of(engine).fault_hook = die
 
     async def run():
         with pytest.raises(EngineStepError, match="died"):
@@ -186,7 +189,7 @@ def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engin
 def test_integrity_is_checked_when_idle(make_fake_engine) -> None:
     engine = make_fake_engine()
     checks = []
-    scheduler = engine._in_process_core().scheduler
+    scheduler = core_of(engine).scheduler
     original = scheduler.check_integrity
     scheduler.check_integrity = lambda: (checks.append(1), original())[1]
 
@@ -229,14 +232,14 @@ def test_num_waiting_counts_queued_requests_not_running_ones(make_fake_engine) -
         entered.set()
         release.wait(5)
 
-    engine.fault_hook = block
+    core_of(engine).fault_hook = block
 
     async def run():
-        first = engine.add_request("a", [[1]], GREEDY)
+        first = engine.add_request(EngineRequest("a", [[1]], GREEDY))
         await asyncio.to_thread(entered.wait, 5)
-        second = engine.add_request("b", [[1]], GREEDY, n=2)
+        second = engine.add_request(EngineRequest("b", [[1]], GREEDY, n=2))
         waiting = engine.num_waiting
-        engine.fault_hook = None
+        core_of(engine).fault_hook = None
         release.set()
         for stream in (first, second):
             async for _ in stream:
@@ -291,7 +294,7 @@ def test_every_scheduler_stat_reaches_the_step_message(make_fake_engine) -> None
     from scheduler.scheduler import SchedulerStats
 
     engine = make_fake_engine(start=False)
-    core = engine._in_process_core()
+    core = core_of(engine)
     core.apply(AddRequests([NewRequest("r", [1, 2], GREEDY)]))
     message = core.step()
     assert set(message.stats) == {f.name for f in dataclasses.fields(SchedulerStats)}
