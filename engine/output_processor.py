@@ -5,8 +5,9 @@ One asyncio task owns every choice's state: it turns a step's new tokens into te
 (incremental detokenization, stop strings: a match finishes the request in the core),
 holds a choice's tokens back for --stream-interval, records the metrics and pushes each
 output to its handler's stream. The core client's thread only hands it each message
-(`put`: one `call_soon_threadsafe`, so one event-loop wakeup per message); requests join
-and leave on the same loop (`add`, `abort`), so nothing takes a lock.
+(`put`: at most one event-loop wakeup per message, one for all that arrive before the
+task reads them); requests join and leave on the same loop (`add`, `abort`), so nothing
+takes a lock.
 
 The task runs on the loop that first adds a request or starts the engine; once that loop
 has stopped, the next one takes over (tests run one `asyncio.run` after another), and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +41,8 @@ from engine.outputs import EngineDeadError, RequestOutput, RequestStream
 from engine.request import EngineRequest
 from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -104,6 +108,7 @@ class OutputProcessor:
         self._stats = _NO_STATS
         self._inbox: deque[CoreMessage | CoreDied] = deque()
         self._binding: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._waking = False  # a wakeup is on its way to the task (see put)
         self._task: asyncio.Task[None] | None = None  # NOTE: the loop holds it weakly
 
     # ------------------------------------------------------------ the event loop
@@ -120,6 +125,7 @@ class OutputProcessor:
                 raise RuntimeError("the engine serves another event loop")
         wakeup = asyncio.Event()
         self._binding = (loop, wakeup)
+        self._waking = False  # one sent to the previous loop is lost
         self._task = loop.create_task(self._run(wakeup), name="output-processor")
         if self._inbox:
             wakeup.set()
@@ -127,12 +133,17 @@ class OutputProcessor:
     def put(self, item: CoreMessage | CoreDied) -> None:
         """From any thread (the core client's): a message of the core, or its death."""
         self._inbox.append(item)
+        # NOTE: no wakeup while one is on its way: the task clears `_waking` before it
+        # reads the inbox, so it reads this item too (a step's two messages, one wakeup
+        # when the loop is busy).
         binding = self._binding
-        if binding is not None:
-            try:
-                binding[0].call_soon_threadsafe(binding[1].set)
-            except RuntimeError:
-                pass  # that loop is closed: the next loop's task reads the inbox
+        if binding is None or self._waking:
+            return
+        self._waking = True
+        try:
+            binding[0].call_soon_threadsafe(binding[1].set)
+        except RuntimeError:
+            self._waking = False  # that loop is closed: the next loop's task reads the inbox
 
     def call(self, fn: Callable[[], _T]) -> _T:
         """`fn()` from any thread: on the event loop while it runs on another thread
@@ -160,7 +171,14 @@ class OutputProcessor:
         while True:
             await wakeup.wait()
             wakeup.clear()
-            self._drain()
+            self._waking = False
+            try:
+                self._drain()
+            except Exception:  # a bug here must not leave every stream waiting forever
+                logger.exception("the output processor failed")
+                ids = list(self._choices)
+                self.fail_all("the engine's output processing failed")
+                self._send(FinishRequests(ids))
 
     def _drain(self) -> None:
         inbox = self._inbox

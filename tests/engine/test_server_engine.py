@@ -13,6 +13,7 @@ import pytest
 
 from engine import client as engine_module
 from engine.client import Engine
+from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineDeadError, EngineStepError, RequestOutput
 from engine.request import EngineRequest
 from model_runner.config import ModelConfig
@@ -159,6 +160,34 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         return state, await collect(engine, "good")
 
     state, outputs = asyncio.run(run())
+    assert state["kv_cache"]["usage"] == 0.0
+    assert text_of(outputs) == SCRIPT
+    assert engine.is_alive
+
+
+def test_a_failure_in_output_processing_fails_what_is_pending_and_the_engine_goes_on(
+    make_fake_engine, monkeypatch, caplog
+) -> None:
+    engine = make_fake_engine()
+    step = IncrementalDetokenizer.step
+    calls: list[str] = []
+
+    def step_failing_once(self, token_ids):
+        calls.append("step")
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return step(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step", step_failing_once)
+
+    async def run():
+        with pytest.raises(EngineStepError, match="output processing failed"):
+            await collect(engine, "bad")
+        state = await wait_idle(engine)  # the core finished it too
+        return state, await collect(engine, "good")
+
+    state, outputs = asyncio.run(run())
+    assert "injected" in caplog.text
     assert state["kv_cache"]["usage"] == 0.0
     assert text_of(outputs) == SCRIPT
     assert engine.is_alive
