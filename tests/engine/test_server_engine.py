@@ -240,7 +240,7 @@ def test_metrics_count_tokens_and_latencies(make_fake_engine) -> None:
 
     async def run():
         await collect(engine, prompt="abc", params=params, priority=0)
-        await wait_idle(engine)  # the engine thread has recorded the step's stats
+        await wait_idle(engine)  # the last step's stats are read before the snapshot
 
     asyncio.run(run())
     assert sample(engine, "pagedserve_prompt_tokens_total") == 3
