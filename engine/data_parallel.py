@@ -18,9 +18,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.client import Engine, EngineDeadError, EngineStart, RequestStream
+from engine.client import Engine, EngineStart
 from engine.metrics import ServerMetrics
-from scheduler.sampling_params import SamplingParams
+from engine.outputs import EngineDeadError, RequestStream
+from engine.request import EngineRequest
 
 AFFINITY_CHUNK_TOKENS = 16
 AFFINITY_MAX_CHUNKS = 128  # prefixes up to 2048 tokens
@@ -123,20 +124,13 @@ class DataParallelEngine:
         return min(live, key=key)
 
     def add_request(
-        self,
-        request_id: str,
-        prompts: Sequence[list[int]],
-        sampling_params: SamplingParams,
-        *,
-        priority: int = 0,
-        on_done: Callable[[], None] | None = None,
-        **kwargs: Any,
+        self, request: EngineRequest, on_done: Callable[[], None] | None = None
     ) -> RequestStream:
-        """`Engine.add_request` (the other keywords go to it as they are) on the core
-        `pick` chooses: all of a request's choices on one core, so that n > 1 shares its
-        prompt."""
-        core = self.pick(prompts[0], priority)
-        self.affinity.record(prompts[0], core)
+        """`Engine.add_request` on the core `pick` chooses: all of a request's choices on
+        one core, so that n > 1 shares its prompt."""
+        request_id = request.request_id
+        core = self.pick(request.prompts[0], request.priority)
+        self.affinity.record(request.prompts[0], core)
 
         def done() -> None:
             self._owner.pop(request_id, None)
@@ -145,9 +139,7 @@ class DataParallelEngine:
 
         self._owner[request_id] = core
         try:
-            return self.engines[core].add_request(
-                request_id, prompts, sampling_params, priority=priority, on_done=done, **kwargs
-            )
+            return self.engines[core].add_request(request, on_done=done)
         except BaseException:
             self._owner.pop(request_id, None)
             raise

@@ -21,8 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.client import Engine, EngineDeadError
+from engine.client import Engine
 from engine.data_parallel import DataParallelEngine
+from engine.outputs import EngineDeadError
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig

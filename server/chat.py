@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from orjson import Fragment
 
-from engine.client import RequestOutput, RequestStream
+from engine.outputs import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
 from server.chat_output import (
     ChatOutputParser,

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from orjson import Fragment
 
-from engine.client import RequestOutput, RequestStream
+from engine.outputs import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
 from server.rendering import Choice, json_response, response_json, usage
 from server.requests import CompletionRequest

@@ -13,7 +13,7 @@ import orjson
 import pydantic
 from fastapi.responses import Response
 
-from engine.client import RequestOutput
+from engine.outputs import RequestOutput
 from scheduler.output import PromptLogprobs, SampleLogprobs
 from server.responses import PromptTokensDetails, UsageInfo
 

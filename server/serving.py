@@ -20,14 +20,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine.client import (
-    Engine,
-    EngineDeadError,
-    EngineStepError,
-    RequestStream,
-    Tenancy,
-)
+from engine.client import Engine
 from engine.data_parallel import DataParallelEngine
+from engine.outputs import EngineDeadError, EngineStepError, RequestStream
+from engine.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from server.admission import Admission, Placement
 from server.chat_template import apply_chat_template
@@ -176,16 +172,16 @@ class Serving(Admission):
             placement.seat.charge(asked)
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
-        tenancy = Tenancy(tenant.name, tenant.weight, placement.deadline, placement.cache_salt,
-                          tenant.spec.max_priority)
+        request = EngineRequest(
+            request_id, prompts, params, n=body.n, stop=body.stop_strings,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            priority=placement.priority, arrival_time=arrival, tenant=tenant.name,
+            weight=tenant.weight, deadline=placement.deadline, cache_salt=placement.cache_salt,
+            priority_bound=tenant.spec.max_priority,
+        )
         try:
-            stream = self.engine.add_request(
-                request_id, prompts, params, n=body.n, stop=body.stop_strings,
-                priority=placement.priority, arrival_time=arrival,
-                skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output,
-                tenancy=tenancy, on_done=placement.seat.release,
-            )
+            stream = self.engine.add_request(request, on_done=placement.seat.release)
         except EngineDeadError as exc:
             raise server_error(503, str(exc)) from exc
         placement.submitted = True

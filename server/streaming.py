@@ -19,8 +19,9 @@ import pydantic
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.client import Engine, EngineStepError, RequestOutput, RequestStream
+from engine.client import Engine
 from engine.data_parallel import DataParallelEngine
+from engine.outputs import EngineStepError, RequestOutput, RequestStream
 from server.rendering import Choice, response_json
 from server.responses import ErrorInfo, ErrorResponse
 

@@ -11,20 +11,27 @@ import time
 import httpx
 import pytest
 
-from engine.client import Engine, EngineInfo, EngineStepError
+from engine.client import Engine, EngineInfo
 from engine.data_parallel import DataParallelEngine, PrefixAffinity
 from engine.metrics import ServerMetrics
+from engine.outputs import EngineStepError
+from engine.request import EngineRequest
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ByteTokenizer, ScriptedRunner
+from tests.support.engine_helpers import core_of
 from tests.support.live_server import LiveServer
 from tests.support.metrics import engine_metric
 from tests.support.reliability_helpers import assert_openai_error
 from tests.support.waits import wait_idle
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def greedy(request_id: str, prompt: list[int], priority: int = 0) -> EngineRequest:
+    return EngineRequest(request_id, [prompt], GREEDY, priority=priority)
 
 
 class SlowRunner(ScriptedRunner):
@@ -89,16 +96,16 @@ def test_requests_go_where_fewer_of_equal_or_better_priority_wait(dp) -> None:
                 pass
 
     async def run() -> tuple[list[int], int]:
-        spread = [engine.add_request(f"low{i}", [[65 + i]], GREEDY, priority=10)
+        spread = [engine.add_request(greedy(f"low{i}", [65 + i], 10))
                   for i in range(4)]
         cores = [engine._owner[f"low{i}"] for i in range(4)]  # pending adds count
         await drain(spread)
         # Core 0: one runs and two wait at priority 10; core 1: one runs, one waits at 0.
-        held = [a.add_request(f"a{i}", [[70 + i]], GREEDY, priority=10) for i in range(3)]
-        held += [b.add_request(f"b{i}", [[80 + i]], GREEDY, priority=0) for i in range(2)]
+        held = [a.add_request(greedy(f"a{i}", [70 + i], 10)) for i in range(3)]
+        held += [b.add_request(greedy(f"b{i}", [80 + i], 0)) for i in range(2)]
         await asyncio.sleep(0.1)  # both cores have reported their queues
         assert a.load(5)[0] == 0 and b.load(5)[0] == 1
-        stream = engine.add_request("mid", [[90]], GREEDY, priority=5)
+        stream = engine.add_request(greedy("mid", [90], 5))
         chosen = engine._owner["mid"]
         await drain([*held, stream])
         return cores, chosen
@@ -117,7 +124,7 @@ def test_a_shared_prefix_sticks_to_one_core(dp) -> None:
     async def run() -> list[int]:
         cores = []
         for i in range(8):  # one after another: the queues are equal, the prefix decides
-            stream = engine.add_request(f"p{i}", [prefix + [200 + i]], GREEDY)
+            stream = engine.add_request(greedy(f"p{i}", prefix + [200 + i]))
             cores.append(engine._owner[f"p{i}"])
             async for _ in stream:
                 pass
@@ -154,7 +161,7 @@ def test_a_dead_core_fails_its_own_requests_and_the_other_serves(dp) -> None:
         def die(plan) -> None:
             raise _Fatal
 
-        doomed.fault_hook = die
+        core_of(doomed).fault_hook = die
         for thread in threads:
             thread.join()
         statuses = sorted(r.status_code for r in results.values())
@@ -189,7 +196,7 @@ def test_metrics_carry_the_engine_label_and_aborts_reach_the_right_core(dp) -> N
     engine.start()
 
     async def run() -> None:
-        streams = [engine.add_request(f"r{i}", [[70 + i]], GREEDY) for i in range(4)]
+        streams = [engine.add_request(greedy(f"r{i}", [70 + i])) for i in range(4)]
         engine.abort("r3")
         for stream in streams:
             try:

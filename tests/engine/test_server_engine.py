@@ -11,10 +11,14 @@ import time
 import pytest
 
 from engine import client as engine_module
-from engine.client import Engine, EngineDeadError, EngineStepError, RequestOutput
+from engine.client import Engine
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import EngineDeadError, EngineStepError, RequestOutput
+from engine.request import EngineRequest
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.support.engine_helpers import core_of
 from tests.support.metrics import engine_metric
 from tests.support.model_helpers import CONFIGS, make_model_folder
 from tests.support.waits import wait_engine_idle
@@ -25,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 async def collect(engine: Engine, request_id: str = "r", prompt: str = "hi", **kw):
     params = kw.pop("params", GREEDY)
-    stream = engine.add_request(request_id, [list(prompt.encode())], params, **kw)
+    stream = engine.add_request(EngineRequest(request_id, [list(prompt.encode())], params, **kw))
     return [out async for out in stream]
 
 
@@ -71,7 +75,7 @@ def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> 
 def test_n_choices_are_separate_scheduler_requests(make_fake_engine) -> None:
     engine = make_fake_engine()
     seen: set[str] = set()
-    engine.fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
+    core_of(engine).fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
     outputs = asyncio.run(collect(engine, "req", params=params, n=3))
     assert seen == {"req-0", "req-1", "req-2"}
@@ -83,7 +87,7 @@ def test_two_prompts_times_n_number_their_choices(make_fake_engine) -> None:
     engine = make_fake_engine()
 
     async def run():
-        stream = engine.add_request("m", [[1, 2], [3]], GREEDY, n=2)
+        stream = engine.add_request(EngineRequest("m", [[1, 2], [3]], GREEDY, n=2))
         return [out async for out in stream]
 
     outputs = asyncio.run(run())
@@ -104,11 +108,11 @@ def test_logprobs_follow_their_tokens(make_fake_engine) -> None:
 
 def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
     engine = make_fake_engine()
-    engine.fault_hook = lambda plan: time.sleep(0.005)
+    core_of(engine).fault_hook = lambda plan: time.sleep(0.005)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
     async def run():
-        stream = engine.add_request("long", [[1, 2, 3]], params)
+        stream = engine.add_request(EngineRequest("long", [[1, 2, 3]], params))
         outputs = []
         async for out in stream:
             outputs.append(out)
@@ -133,7 +137,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         if len(calls) == 1:
             raise RuntimeError("injected")
 
-    engine.fault_hook = fail_once
+    core_of(engine).fault_hook = fail_once
 
     async def run():
         with pytest.raises(EngineStepError, match="error id") as failed:
@@ -143,6 +147,34 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         return state, await collect(engine, "good")
 
     state, outputs = asyncio.run(run())
+    assert state["kv_cache"]["usage"] == 0.0
+    assert text_of(outputs) == SCRIPT
+    assert engine.is_alive
+
+
+def test_a_failure_in_output_processing_fails_what_is_pending_and_the_engine_goes_on(
+    make_fake_engine, monkeypatch, caplog
+) -> None:
+    engine = make_fake_engine()
+    step = IncrementalDetokenizer.step
+    calls: list[str] = []
+
+    def step_failing_once(self, token_ids):
+        calls.append("step")
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return step(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step", step_failing_once)
+
+    async def run():
+        with pytest.raises(EngineStepError, match="output processing failed"):
+            await collect(engine, "bad")
+        state = await wait_engine_idle(engine)  # the core finished it too
+        return state, await collect(engine, "good")
+
+    state, outputs = asyncio.run(run())
+    assert "injected" in caplog.text
     assert state["kv_cache"]["usage"] == 0.0
     assert text_of(outputs) == SCRIPT
     assert engine.is_alive
@@ -158,7 +190,7 @@ def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engin
     def die(plan) -> None:
         raise _Fatal("boom")
 
-    engine.fault_hook = die
+    core_of(engine).fault_hook = die
 
     async def run():
         with pytest.raises(EngineStepError, match="died"):
@@ -173,7 +205,7 @@ def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engin
 def test_integrity_is_checked_when_idle(make_fake_engine) -> None:
     engine = make_fake_engine()
     checks = []
-    scheduler = engine._in_process_core().scheduler
+    scheduler = core_of(engine).scheduler
     original = scheduler.check_integrity
     scheduler.check_integrity = lambda: (checks.append(1), original())[1]
 
@@ -216,14 +248,14 @@ def test_num_waiting_counts_queued_requests_not_running_ones(make_fake_engine) -
         entered.set()
         release.wait(5)
 
-    engine.fault_hook = block
+    core_of(engine).fault_hook = block
 
     async def run():
-        first = engine.add_request("a", [[1]], GREEDY)
+        first = engine.add_request(EngineRequest("a", [[1]], GREEDY))
         await asyncio.to_thread(entered.wait, 5)
-        second = engine.add_request("b", [[1]], GREEDY, n=2)
+        second = engine.add_request(EngineRequest("b", [[1]], GREEDY, n=2))
         waiting = engine.num_waiting
-        engine.fault_hook = None
+        core_of(engine).fault_hook = None
         release.set()
         for stream in (first, second):
             async for _ in stream:
@@ -278,7 +310,7 @@ def test_a_step_that_raises_before_scheduling_fails_every_request(make_fake_engi
     from engine.messages import AddRequests, NewRequest
 
     engine = make_fake_engine(start=False)
-    core = engine._in_process_core()
+    core = core_of(engine)
     core.apply(AddRequests([NewRequest(request_id=i, prompt_token_ids=[1, 2],
                                        sampling_params=GREEDY) for i in ("a", "b")]))
     schedule = core.scheduler.schedule
@@ -310,7 +342,7 @@ def test_the_step_message_carries_the_scheduler_stats_when_they_changed(
     )
 
     engine = make_fake_engine(policy="priority", start=False)
-    core = engine._in_process_core()
+    core = core_of(engine)
     core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=[1, 2],
                                        sampling_params=GREEDY, priority=-3)]))
     message = core.step()

@@ -21,6 +21,7 @@ import torch
 
 from engine.core import EngineCore
 from engine.messages import AddRequests, NewRequest, command_decoder, command_encoder
+from engine.request import EngineRequest
 from kvcache.config import CacheConfig
 from model_runner.sampler import Sampler
 from scheduler.config import SchedulerConfig
@@ -153,7 +154,7 @@ def test_the_token_lists_are_deduplicated_once_and_travel_once(make_fake_engine)
     engine._client.send = lambda command: (commands.append(command), send(command))
 
     async def run() -> None:
-        async for _ in engine.add_request("cmpl", [[1, 2], [3, 4]], params, n=3):
+        async for _ in engine.add_request(EngineRequest("cmpl", [[1, 2], [3, 4]], params, n=3)):
             pass
 
     asyncio.run(run())
@@ -194,7 +195,7 @@ def test_the_core_builds_one_mask_for_all_choices_over_all_steps(make_fake_engin
                             allowed_token_ids=allowed, logit_bias=bias)
 
     async def run() -> list[list[int]]:
-        stream = engine.add_request("cmpl", [[1, 2, 3], [4, 5]], params, n=3)
+        stream = engine.add_request(EngineRequest("cmpl", [[1, 2, 3], [4, 5]], params, n=3))
         tokens: dict[int, list[int]] = {}
         async for output in stream:
             tokens.setdefault(output.index, []).extend(output.token_ids)
@@ -210,7 +211,7 @@ WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logp
 
 
 def choices_of(prompts: list[list[int]], n: int, params: SamplingParams) -> AddRequests:
-    """What Engine.add_request sends for `n` choices per prompt."""
+    """What Engine.add_request sends for `n` choices per prompt (EngineRequest.new_requests)."""
     return AddRequests([
         NewRequest(request_id=f"q-{p * n + i}", prompt_token_ids=prompt, sampling_params=params,
                    prompt_leader_id=f"q-{p * n}" if i else None)
@@ -249,7 +250,8 @@ def test_a_prompts_choices_share_one_prompt_logprobs_object(make_fake_engine):
     engine = make_fake_engine(max_num_seqs=2)
 
     async def run() -> dict[int, PromptLogprobs]:
-        stream = engine.add_request("cmpl", [[1] * 9, [2] * 6], WITH_PROMPT_LOGPROBS, n=3)
+        stream = engine.add_request(
+            EngineRequest("cmpl", [[1] * 9, [2] * 6], WITH_PROMPT_LOGPROBS, n=3))
         got: dict[int, PromptLogprobs] = {}
         async for output in stream:
             if output.prompt_logprobs is not None:

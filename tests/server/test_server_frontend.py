@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from engine.client import RequestOutput
+from engine.outputs import RequestOutput, RequestStream
+from engine.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
 from server.cli import build_configs, build_parser
 from server.responses import (
@@ -30,18 +31,19 @@ SCRIPT = "Hello, wörld! Bye."
 
 async def outputs_of(engine, max_tokens: int = 64) -> list[RequestOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    stream = engine.add_request("r", [list(b"hi")], params)
+    stream = engine.add_request(EngineRequest("r", [list(b"hi")], params))
     return [out async for out in stream]
 
 
 @pytest.mark.parametrize("interval", [1, 4, 7])
 def test_stream_interval_sends_every_n_tokens_but_never_holds_the_first_or_last(
-    make_fake_engine, interval: int
+    make_fake_engine, monkeypatch, interval: int
 ) -> None:
     engine = make_fake_engine(stream_interval=interval)
     sent: list[RequestOutput] = []  # what the engine hands the stream, step by step
-    dispatch = engine._dispatch
-    engine._dispatch = lambda outputs: (sent.extend(o for _, o in outputs), dispatch(outputs))
+    push = RequestStream.push
+    monkeypatch.setattr(RequestStream, "push",
+                        lambda stream, output: (sent.append(output), push(stream, output)))
     outputs = asyncio.run(outputs_of(engine))
     assert "".join(o.text for o in outputs) == "".join(o.text for o in sent) == SCRIPT
     sizes = [len(o.token_ids) for o in sent]
@@ -57,7 +59,7 @@ def test_a_stream_not_read_holds_one_merged_output_per_choice(make_fake_engine) 
 
     async def run():
         params = SamplingParams(temperature=0.0, max_tokens=64)
-        stream = engine.add_request("r", [list(b"hi")], params, n=2)
+        stream = engine.add_request(EngineRequest("r", [list(b"hi")], params, n=2))
         for _ in range(200):  # let the engine finish while nobody reads
             await asyncio.sleep(0.01)
             if len(stream._pending) == 2 and all(o.finished for o in stream._pending.values()):

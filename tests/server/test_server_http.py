@@ -15,6 +15,7 @@ from loadgen.cli import build_bench_config
 from loadgen.client import BenchConfig, Result, _send, format_summary, run_bench
 from loadgen.workloads import BenchItem
 from server.cli import build_parser
+from tests.support.engine_helpers import core_of
 from tests.support.live_server import LiveServer
 from tests.support.waits import wait_idle
 
@@ -24,7 +25,7 @@ def live(make_fake_engine, live_servers) -> Callable[..., LiveServer]:
     def make(policy: str = "fcfs", step_s: float = 0.0, **config) -> LiveServer:
         engine = make_fake_engine(policy=policy, start=False)
         if step_s:
-            engine.fault_hook = lambda plan: time.sleep(step_s)
+            core_of(engine).fault_hook = lambda plan: time.sleep(step_s)
         return live_servers(engine, **config)
 
     return make
@@ -141,7 +142,7 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
     server = live()
     release = threading.Event()
     server.engine.step_timeout_s = 0.2
-    server.engine.fault_hook = lambda plan: release.wait(10)
+    core_of(server.engine).fault_hook = lambda plan: release.wait(10)
     body = {"prompt": "hang", "max_tokens": 2}
     statuses: list[int] = []
     hung = threading.Thread(target=lambda: statuses.append(
@@ -156,7 +157,7 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
     start = time.monotonic()
     refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=5)
     assert refused.status_code == 503 and time.monotonic() - start < 2
-    server.engine.fault_hook = None
+    core_of(server.engine).fault_hook = None
     release.set()
     hung.join(10)
     assert statuses == [200]  # the slow step's request still completes

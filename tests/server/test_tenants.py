@@ -18,6 +18,7 @@ import pytest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from server.tenants import TenantRefused, TenantRegistry, TenantsFileError, load_tenants_file
 from tests.conftest import ScriptedRunner
+from tests.support.engine_helpers import core_of
 from tests.support.live_server import LiveServer
 from tests.support.metrics import metric
 from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
@@ -193,7 +194,7 @@ def load_tenants_file_text(text: str):
 
 def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(serve) -> None:
     server = serve(step_s=0.005, max_num_seqs=2)
-    scheduler = server.engine._in_process_core().scheduler
+    scheduler = core_of(server.engine).scheduler
     late: list[str] = []
 
     def check_plan(plan: SchedulerOutput) -> None:  # on the core's thread, before execute
@@ -203,7 +204,7 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
             if request is not None and request.deadline is not None and now > request.deadline:
                 late.append(scheduled.request_id)
 
-    server.engine.fault_hook = check_plan
+    core_of(server.engine).fault_hook = check_plan
     blockers = [threading.Thread(target=post, args=(server, KEY_B),
                                  kwargs={"max_tokens": 120, "ignore_eos": True})
                 for _ in range(2)]
@@ -399,9 +400,9 @@ def test_a_tenants_file_that_is_not_utf8_is_one_clear_line(tenants_file, caplog)
 def test_requests_carry_their_tenants_priority_bound_into_the_scheduler(serve) -> None:
     """The bound aging stops at (scheduler/request_queue.py)."""
     server = serve()
-    core = server.engine._in_process_core()
+    core = core_of(server.engine)
     bounds: dict[str, int | None] = {}
-    server.engine.fault_hook = lambda _: bounds.update(
+    core_of(server.engine).fault_hook = lambda _: bounds.update(
         {r.tenant: r.priority_bound for r in core.scheduler.requests.values()})
     for key in (KEY_A, KEY_B, KEY_D):
         assert post(server, key).status_code == 200
