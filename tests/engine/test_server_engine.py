@@ -227,7 +227,7 @@ def test_metrics_count_tokens_and_latencies(make_fake_engine) -> None:
 
     async def run():
         await collect(engine, prompt="abc", params=params, priority=0)
-        await wait_engine_idle(engine)  # the engine thread has recorded the step's stats
+        await wait_engine_idle(engine)  # the last step's stats are read before the snapshot
 
     asyncio.run(run())
     assert engine_metric(engine, "pagedserve_prompt_tokens_total") == 3
