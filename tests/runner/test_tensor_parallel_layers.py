@@ -128,7 +128,7 @@ def test_sharded_layers_match_the_whole_ones(tmp_path: Path):
                          tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     make_model_folder(tmp_path, config)
     store = open_store(2)
-    entry = (f"from tests.unit.test_tensor_parallel_layers import rank_main; "
+    entry = (f"from tests.runner.test_tensor_parallel_layers import rank_main; "
              f"rank_main({store.port}, {str(tmp_path)!r})")
     rank_1 = subprocess.Popen([sys.executable, "-c", entry], cwd=REPO)
     threads = torch.get_num_threads()
