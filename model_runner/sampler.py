@@ -21,22 +21,15 @@ import numpy as np
 import torch
 
 from model_runner.sampling_batch import (
-    FREQUENCY_PENALTY,
     GREEDY,
-    IS_GREEDY,
     LOGPROBS,
     MIN_P,
-    MIN_P_VALUE,
     MIN_TOKENS,
     PENALTIES,
-    PRESENCE_PENALTY,
     REPETITION,
-    REPETITION_PENALTY,
-    TEMPERATURE,
     TOKEN_MASK,
-    TOP_K,
     TOP_K_OR_P,
-    TOP_P,
+    Column,
     SamplingBatch,
     StepRows,
     device_index,
@@ -281,7 +274,7 @@ class Sampler:
             return SamplerOutput(logits.argmax(-1), [None] * len(requests))
 
         if not step.all(GREEDY):  # NOTE: greedy rows divide by 1, which changes nothing
-            logits.div_(step.column(TEMPERATURE)[:, None])
+            logits.div_(step.column(Column.TEMPERATURE)[:, None])
         # NOTE: logprobs are of the penalised, temperature-scaled distribution before the
         # top_k / top_p / min_p cut, so that the top-N alternatives are all finite.
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -292,7 +285,7 @@ class Sampler:
             probs = torch.softmax(self._filter(logits, step), dim=-1)
             sampled = self._draw(probs, generators)
             if step.any(GREEDY):
-                sampled = torch.where(step.column(IS_GREEDY) > 0, greedy_ids, sampled)
+                sampled = torch.where(step.column(Column.IS_GREEDY) > 0, greedy_ids, sampled)
         if logprobs is None:
             return SamplerOutput(sampled, [None] * len(requests))
         params = [row.params for row in step.rows]
@@ -336,11 +329,11 @@ class Sampler:
         x = logits if index is None else logits.index_select(0, index)  # [n, vocab]
         values = step.values if index is None else step.values.index_select(0, index)
         if step.any(REPETITION):
-            repetition = values[:, REPETITION_PENALTY, None]
+            repetition = values[:, Column.REPETITION_PENALTY, None]
             penalised = torch.where(x > 0, x / repetition, x * repetition)
             x = torch.where(prompt_seen | (counts > 0), penalised, x)
-        x = (x - values[:, FREQUENCY_PENALTY, None] * counts
-             - values[:, PRESENCE_PENALTY, None] * (counts > 0))
+        x = (x - values[:, Column.FREQUENCY_PENALTY, None] * counts
+             - values[:, Column.PRESENCE_PENALTY, None] * (counts > 0))
         if index is None:
             logits.copy_(x)
         else:
@@ -352,15 +345,15 @@ class Sampler:
         if step.any(TOP_K_OR_P):
             sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [N, vocab]
             ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-            sorted_logits.masked_fill_(ranks >= step.column(TOP_K)[:, None], float("-inf"))
+            sorted_logits.masked_fill_(ranks >= step.column(Column.TOP_K)[:, None], float("-inf"))
             sorted_probs = torch.softmax(sorted_logits, dim=-1)
             # drop a token when the more likely ones already reach top_p (keeps the first)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_logits.masked_fill_(before > step.column(TOP_P)[:, None], float("-inf"))
+            sorted_logits.masked_fill_(before > step.column(Column.TOP_P)[:, None], float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
         if step.any(MIN_P):
             probs = torch.softmax(logits, dim=-1)
-            threshold = step.column(MIN_P_VALUE)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = step.column(Column.MIN_P)[:, None] * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 

@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import torch
@@ -35,12 +36,20 @@ LOGPROBS = 64
 MIN_TOKENS = 128  # stop tokens to hold back while the output is short
 _ALL_NEEDS = 255
 
-# The columns of a row on the device, float32. NOTE: top_k as a float is exact (vocabularies
-# are far below 2**24); inf for no cut. A greedy row's temperature is 1 (nothing to scale).
-COLUMNS = ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty",
-           "frequency_penalty", "presence_penalty")
-TEMPERATURE, IS_GREEDY, TOP_K, TOP_P, MIN_P_VALUE, REPETITION_PENALTY, FREQUENCY_PENALTY, \
-    PRESENCE_PENALTY = range(len(COLUMNS))
+
+class Column(IntEnum):
+    """The columns of a row on the device, float32. NOTE: top_k as a float is exact
+    (vocabularies are far below 2**24), inf for no cut; a greedy row's temperature is 1
+    (nothing to scale)."""
+
+    TEMPERATURE = 0
+    IS_GREEDY = 1
+    TOP_K = 2
+    TOP_P = 3
+    MIN_P = 4
+    REPETITION_PENALTY = 5
+    FREQUENCY_PENALTY = 6
+    PRESENCE_PENALTY = 7
 
 
 @dataclass(slots=True)
@@ -74,18 +83,18 @@ class StepRows:
 
     @functools.cached_property
     def values(self) -> torch.Tensor:
-        """The rows' parameters: [n, len(COLUMNS)] float32 on the device."""
+        """The rows' parameters: [n, len(Column)] float32 on the device."""
         slots = device_index([row.slot for row in self.rows], self._table.device)
         return self._table.index_select(0, slots)
 
-    def column(self, column: int) -> torch.Tensor:
+    def column(self, column: Column) -> torch.Tensor:
         """One parameter of every row: [n] float32 on the device."""
         return self.values[:, column]
 
 
 class SamplingBatch:
     """The rows of the requests that sample, by request id, over one device table
-    [capacity, len(COLUMNS)] float32, grown on demand."""
+    [capacity, len(Column)] float32, grown on demand."""
 
     def __init__(self, device: torch.device, eos_token_ids: frozenset[int]) -> None:
         self.device = device
@@ -93,7 +102,7 @@ class SamplingBatch:
         self.num_writes = 0  # rows written so far (tests count them)
         self._rows: dict[str, SamplingRow] = {}  # request id -> row
         self._free_slots: list[int] = []
-        self._table = torch.zeros(0, len(COLUMNS), device=device)
+        self._table = torch.zeros(0, len(Column), device=device)
 
     @property
     def num_rows(self) -> int:
@@ -146,7 +155,7 @@ class SamplingBatch:
         if not self._free_slots:
             capacity = len(self._table)
             new_capacity = max(8, 2 * capacity)
-            table = torch.zeros(new_capacity, len(COLUMNS), device=self.device)
+            table = torch.zeros(new_capacity, len(Column), device=self.device)
             table[:capacity] = self._table
             self._table = table
             self._free_slots += range(new_capacity - 1, capacity - 1, -1)
@@ -174,7 +183,7 @@ def _needs(params: SamplingParams, holds_stop_ids: bool) -> int:
 
 
 def _values(params: SamplingParams) -> tuple[float, ...]:
-    """A row's columns (COLUMNS' order)."""
+    """A row's values, in the order of `Column`."""
     return (
         1.0 if params.greedy else params.temperature,
         float(params.greedy),

@@ -1,7 +1,7 @@
 """The model runner on tiny random Llama-family models against Hugging Face, in float32.
 
 Each model is saved to a temporary folder (safetensors and a word-level tokenizer), loaded
-through the loader, and driven by the minimal engine loop of tests/model_helpers.py
+through the loader, and driven by the minimal engine loop of tests/support/model_helpers.py
 (`Engine`): no scheduler, blocks handed out by a counter.
 """
 

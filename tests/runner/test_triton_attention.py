@@ -2,7 +2,7 @@
 
 Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before
 triton is imported), which executes every program in numpy: shapes stay small. On CUDA
-the same tests run compiled kernels (bench/gpu_check.py does that on the GPU machine).
+the same tests run compiled kernels (`python -m bench.gpu_check` does that on the GPU machine).
 
 Every cache starts filled with NaN and only the slots a sequence owns get real values,
 so a kernel that reads a key outside its sequence, a padded block-table entry or a

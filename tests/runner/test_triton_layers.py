@@ -2,7 +2,7 @@
 model's torch code, and whole models on them against Hugging Face.
 
 Without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported); on CUDA (bench/gpu_check.py) the same tests run compiled kernels.
+imported); on CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
 """
 
 from __future__ import annotations
