@@ -359,8 +359,8 @@ class Scheduler(Admission):
         Under priority, a step's prefill work stays within one priority level, the first
         one that gets any. NOTE: a step ends when all its work ends, so worse-priority
         prefill tokens in the step of an urgent prompt would delay that prompt's first
-        token (measured with bench.priority_sim: TTFT at idle + 2.7 loaded steps with
-        them, + 0.8 without); they wait for the next step instead.
+        token (a scheduler simulation on a fitted step cost measured TTFT at idle + 2.7
+        loaded steps with them, + 0.8 without); they wait for the next step instead.
         """
         chunks = [r for r in self.running if _num_left(r) > 1]
         if self.policy is SchedulingPolicy.PRIORITY:

@@ -64,7 +64,6 @@ class StructuredOutputs:
         self._collector = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="grammar-masks"
         )
-        self.mask_seconds = 0.0  # time spent filling masks (bench/structured_bench.py)
 
     @property
     def num_compiling(self) -> int:
@@ -132,14 +131,11 @@ class StructuredOutputs:
         return self._collector.submit(self._collect, masks, deadline)
 
     def _collect(self, masks: StepMasks, deadline: float | None) -> GrammarBitmask:
-        start = time.perf_counter()
         masks.wait(deadline)
-        result = masks.result(
+        return masks.result(
             f"its grammar's token mask took longer than the step allows "
             f"({self.step_timeout_s} s, --grammar-step-timeout-s)"
         )
-        self.mask_seconds += time.perf_counter() - start
-        return result
 
     def accept(self, request: Request) -> GrammarState:
         """Feed the request's tokens generated since the last call to its matcher."""
