@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 
 from tests.support.attacks import COMPLETIONS, KEYS, Answer, Attack, Context, RunConfig, auth
-from tests.support.reliability_helpers import wait_idle
 from tests.support.server_process import ServerProcess, cpu_seconds, read_rss_kib
+from tests.support.waits import wait_idle
 
 MAX_ITL_S, ITL_FACTOR, MAX_HEALTH_S, MAX_RSS_GROWTH_MB = 1.0, 8.0, 1.0, 400.0
 VICTIM_BODY = {"prompt": "The history of the old harbour town begins", "max_tokens": 16,
