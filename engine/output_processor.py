@@ -46,13 +46,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_NO_STATS = SchedulerStats(
-    num_running=0, num_waiting=0, num_preemptions_total=0, kv_cache_usage=0.0,
-    prefix_cache_queries_tokens=0, prefix_cache_hits_tokens=0, num_free_blocks=0,
-    num_cached_blocks=0, num_blocks=0,
-)
-
-
 @dataclass(frozen=True)
 class CoreDied:
     """Put after the core's last message: every pending request fails with `reason`."""
@@ -105,7 +98,7 @@ class OutputProcessor:
         self._query_ids = itertools.count()
         self._num_pending_adds = 0  # choices the core has not taken in yet
         self._num_waiting = 0
-        self._stats = _NO_STATS
+        self._stats = SchedulerStats()  # none yet: all zero
         self._inbox: deque[CoreMessage | CoreDied] = deque()
         self._binding: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._waking = False  # a wakeup is on its way to the task (see put)

@@ -67,17 +67,18 @@ from scheduler.request_queue import SchedulingPolicy, create_request_queue
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Counters and gauges for metrics (token counts for the prefix cache)."""
+    """Counters and gauges for metrics (token counts for the prefix cache); the defaults
+    are those of a scheduler that has seen nothing."""
 
-    num_running: int
-    num_waiting: int
-    num_preemptions_total: int
-    kv_cache_usage: float
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_blocks: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions_total: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    num_blocks: int = 0
     num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
