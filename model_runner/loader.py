@@ -38,7 +38,8 @@ from transformers import (
 from model_runner.config import ModelConfig
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
-from model_runner.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, WeightSource
+from model_runner.models.llama import LlamaForCausalLM, WeightSource
+from model_runner.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedM
     hf_config, max_model_len = spec.hf_config, spec.max_model_len
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, tp)
+        model = model_class(hf_config)(hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(_iter_safetensors(spec.folder))
     model.init_rope_cache(max_model_len)
@@ -239,11 +240,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {gguf}: {e}") from e
     hf_config = model.config
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"GGUF {gguf.name}: unsupported architecture {hf_config.model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    try:
+        model_class(hf_config)
+    except ValueError as e:
+        raise ValueError(f"GGUF {gguf.name}: {e}") from e
     # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so the pieces are
     # written one by one, without the (now de-quantized) quantization_config.
     config_dict = hf_config.to_dict()
@@ -266,11 +266,10 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
         hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read the config of {folder}: {e}") from e
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {hf_config.model_type!r} in {folder} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    try:
+        model_class(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from e
     return hf_config
 
 

@@ -40,7 +40,7 @@ from model_runner.distributed.tensor_parallel import (
 )
 from model_runner.distributed.tp_plan import BlockTables, PlanWriter
 from model_runner.loader import LoadedModel, load_model, load_model_spec, resolve_device
-from model_runner.models.llama import LlamaForCausalLM
+from model_runner.models.registry import model_class
 from model_runner.process_lifetime import die_with_parent
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest
@@ -163,8 +163,10 @@ def start_tensor_parallel(
         raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs, "
                          f"this host has {torch.cuda.device_count()}")
     with torch.device("meta"):  # the shape checks of every rank, on no memory
-        LlamaForCausalLM(load_model_spec(config).hf_config,
-                         TensorParallel(0, world_size, dist.group.WORLD, dist.group.WORLD))
+        hf_config = load_model_spec(config).hf_config
+        model_class(hf_config)(
+            hf_config, TensorParallel(0, world_size, dist.group.WORLD, dist.group.WORLD)
+        )
     num_threads = torch.get_num_threads()
     if device.type == "cpu":
         num_threads = max(1, num_threads // world_size)

@@ -30,8 +30,6 @@ from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
 
 def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     """RoPE settings as one dict (rope_theta, rope_type, and the type's own fields).
@@ -267,11 +265,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model type {config.model_type!r} "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
         self.config = config

@@ -1,0 +1,40 @@
+"""Which model class serves a checkpoint: config.json's architecture picks it.
+
+A config without `architectures` (a GGUF converted by transformers has none) is read by
+its `model_type`, through transformers' own table of causal-LM architectures. To add a
+family: write its class (model_runner/models/), then give it a row in `MODEL_CLASSES`.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from model_runner.models.llama import LlamaForCausalLM
+
+# config.json's architecture -> the class that serves it
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def architecture(config: PretrainedConfig) -> str:
+    """The architecture string of `config` (its first `architectures` entry, else the
+    causal-LM architecture of its `model_type`)."""
+    names = getattr(config, "architectures", None)
+    if names:
+        return str(names[0])
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
+
+
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:
+    """The class serving `config`; ValueError naming the supported architectures if none."""
+    name = architecture(config)
+    if name not in MODEL_CLASSES:
+        raise ValueError(
+            f"unsupported architecture {name!r} (supported: {', '.join(sorted(MODEL_CLASSES))})"
+        )
+    return MODEL_CLASSES[name]
