@@ -4,9 +4,11 @@ in a TestClient or a live uvicorn server."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from engine.client import Engine, EngineInfo
@@ -23,6 +25,12 @@ from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
 from tests.support.live_server import LiveServer
+
+# NOTE: `make test` runs two pytest workers (pytest-xdist) on this 2-core machine: each, and
+# every server it starts, then takes one core's worth of torch threads rather than both.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 BYTE_EOS = 256
 

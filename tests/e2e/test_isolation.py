@@ -23,7 +23,9 @@ from tests.support.attacks import (
 )
 from tests.support.isolation import run_attack, server_pids
 
-pytestmark = pytest.mark.e2e
+# NOTE: timing: the victim's gap and /health bounds are wall-clock; `make test` runs them
+# apart from the rest, with one retry.
+pytestmark = [pytest.mark.e2e, pytest.mark.timing]
 
 # Each attack a few seconds at most: streaming attacks read for 2 s.
 CONFIG = RunConfig(timeout_s=20.0, stream_s=2.0, min_window_s=1.0, baseline_s=2.0)

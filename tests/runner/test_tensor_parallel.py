@@ -68,10 +68,12 @@ def models(request, tmp_path_factory) -> Iterator[Models]:
     deaths: list[str] = []
     try:
         _, tp = start_tensor_parallel(replace(config, tensor_parallel_size=2), deaths.append)
-        yield Models(hf, single, tp, deaths)
-        tp.workers.close()  # EOF on its socket: the worker exits by itself
-        assert [p.returncode for p in tp.workers.processes] == [0]
-        tp.model.tp.close()
+        try:
+            yield Models(hf, single, tp, deaths)
+            tp.workers.close()  # EOF on its socket: the worker exits by itself
+            assert [p.returncode for p in tp.workers.processes] == [0]
+        finally:
+            tp.model.tp.close()  # whatever happened, the next module can start its group
     finally:
         torch.set_num_threads(threads)
     assert not deaths

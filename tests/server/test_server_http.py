@@ -109,10 +109,12 @@ def test_the_raw_bench_client_reports_errors(live) -> None:
     assert "HTTP 400" in summary["errors"][0] and "priority" in summary["errors"][0]
 
 
+@pytest.mark.timing
 def test_bench_client_asking_logprobs_times_every_token(live) -> None:
     """The fake model's vocabulary is bytes, so some tokens' text is held back (a
     character's first byte); asked for logprobs, each token still comes in a chunk of its
-    own and is timed."""
+    own and is timed. (timing: a loop that falls a step behind rightly sends two steps'
+    tokens in one chunk.)"""
     server = live(step_s=0.01)
     config = BenchConfig(url=server.url, ignore_eos=True, logprobs=0)
 
