@@ -128,7 +128,7 @@ VLLM_GAUGES = (
 )
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # The labels of vLLM's CacheConfig that we have (vLLM lists every field; the endpoint
-# picker reads block_size and num_gpu_blocks), and `engine` last, as vLLM's.
+# picker reads block_size and num_gpu_blocks), with `engine`, as vLLM's.
 VLLM_CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "engine")
 
 
@@ -205,7 +205,7 @@ class ServerMetrics:
             self._families = {s.key: s.create(base_labels, self.registry) for s in SERIES}
             self._cache_configs = {}
             self.registry.register(VllmAliases(self._families, self._cache_configs))
-        self._engine = engine or "0"
+        self._engine_label = engine or "0"
         # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
         # token) use the children of the series without labels of their own, made once
         # (which also exposes them before traffic); the others' children are made once
@@ -221,7 +221,7 @@ class ServerMetrics:
 
     def set_cache_config(self, cache_config: CacheConfig) -> None:
         """This core's KV pool, for `vllm:cache_config_info`."""
-        self._cache_configs[self._engine] = cache_config
+        self._cache_configs[self._engine_label] = cache_config
 
     def inc_preemptions(self, n: int) -> None:
         if n > 0:
