@@ -31,6 +31,7 @@ from engine.metrics import ServerMetrics
 from engine.output_processor import CoreDied, OutputProcessor
 from engine.outputs import EngineDeadError, RequestStream
 from engine.request import EngineRequest
+from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model_spec
 from scheduler.config import SchedulerConfig
@@ -55,6 +56,7 @@ class EngineInfo:
     # the llguidance tokenizer the API process compiles grammars with (server/serving.py);
     # None without structured outputs
     grammar_tokenizer: Any = field(default=None, repr=False)
+    cache_config: CacheConfig | None = None  # the core's KV pool (None: not told)
 
 
 class CoreClient(Protocol):
@@ -98,6 +100,8 @@ class Engine:
         self.info = info
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics or ServerMetrics(info.model_name)
+        if info.cache_config is not None:
+            self.metrics.set_cache_config(info.cache_config)
         # NOTE: a fast tokenizer is not thread-safe; handlers encode with info.tokenizer
         # (on the tokenizer's thread), the output processor decodes with its own copy.
         self._processor = OutputProcessor(copy.deepcopy(info.tokenizer), self.metrics,
@@ -119,7 +123,8 @@ class Engine:
         structured: StructuredOutputs | None = None,
     ) -> Engine:
         """An engine whose core runs on a thread of this process (not started); the
-        core's grammar tokenizer is this process's too."""
+        core's grammar tokenizer is this process's too, its KV pool the scheduler's."""
+        info = replace(info, cache_config=scheduler.cache_config)
         if structured is not None:
             info = replace(info, grammar_tokenizer=structured.compiler.tokenizer)
         core = EngineCore(scheduler, runner, info.eos_token_ids, structured=structured)
@@ -275,6 +280,7 @@ class EngineStart:
             eos_token_ids=frozenset(core_info.eos_token_ids),
             structured_outputs=core_info.structured_outputs,
             grammar_tokenizer=grammar_tokenizer,
+            cache_config=core_info.cache_config,
         )
         engine = Engine(self._client, info, step_timeout_s=self._step_timeout_s,
                         stream_interval=self._stream_interval,

@@ -65,6 +65,7 @@ def build_core_parts(
         vocab_size=int(model.hf_config.vocab_size),
         policy=scheduler_config.policy,
         eos_token_ids=sorted(model.eos_token_ids),
+        cache_config=cache_config,
     )
     structured = _structured_outputs(model.tokenizer, info, grammar_step_timeout_s)
     info.structured_outputs = structured is not None

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from kvcache.config import CacheConfig
 from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerStats
@@ -86,6 +87,7 @@ class CoreInfo(msgspec.Struct, array_like=True):
     vocab_size: int
     policy: str
     eos_token_ids: list[int]
+    cache_config: CacheConfig  # the KV pool the runner allocated
     structured_outputs: bool = False  # grammars can be compiled (structured/)
 
 

@@ -8,15 +8,24 @@ time, the per-priority gauges and the per-priority preemption counter also carry
 "other"). The `pagedserve_tenant_*` series carry `tenant`, a name from the tenants file
 (or "default"), so they are bounded. The engine's output processing records, the HTTP
 handlers count tenant rejections; /metrics reads through `render()`.
+
+Beside them, `VllmAliases` exposes what the Gateway API Inference Extension's endpoint
+picker (llm-d's router) reads by default, under vLLM's names: `vllm:num_requests_waiting`,
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc` and `vllm:cache_config_info`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvcache.config import CacheConfig
 
 MAX_PRIORITY_LABELS = 16
 OTHER_PRIORITY = "other"
@@ -111,6 +120,49 @@ SERIES = (
 )
 
 
+# Our gauge -> vLLM's name for it (vllm/v1/metrics/loggers.py).
+VLLM_GAUGES = (
+    ("num_requests_running", "vllm:num_requests_running"),
+    ("num_requests_waiting", "vllm:num_requests_waiting"),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+)
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# The labels of vLLM's CacheConfig that we have (vLLM lists every field; the endpoint
+# picker reads block_size and num_gpu_blocks), with `engine`, as vLLM's.
+VLLM_CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "engine")
+
+
+class VllmAliases(Collector):
+    """vLLM's names for our scheduler gauges and KV pool, read at scrape time.
+
+    Each `vllm:` gauge is our gauge of the same key, read when /metrics renders: the same
+    values (no work per step), under vLLM's labels, `model_name` and `engine` ("0" without
+    data parallelism; with it, one series per core, as vLLM's). `vllm:cache_config_info`
+    is 1 per core, its KV pool in the labels, with no `model_name` (as vLLM's).
+    """
+
+    def __init__(self, families: dict[str, Any], cache_configs: dict[str, CacheConfig]) -> None:
+        self._families = families
+        self._cache_configs = cache_configs  # engine label -> its core's KV pool
+
+    def collect(self) -> Iterator[Metric]:
+        for key, name in VLLM_GAUGES:
+            (ours,) = self._families[key].collect()
+            alias = GaugeMetricFamily(name, f"{ours.documentation} (vLLM's name)",
+                                      labels=("model_name", "engine"))
+            for sample in ours.samples:
+                labels = sample.labels
+                alias.add_metric((labels["model_name"], labels.get("engine", "0")),
+                                 sample.value)
+            yield alias
+        info = GaugeMetricFamily(VLLM_CACHE_CONFIG_INFO, "The KV cache's configuration "
+                                 "(vLLM's name and labels).", labels=VLLM_CACHE_CONFIG_LABELS)
+        for engine, config in self._cache_configs.items():
+            info.add_metric((str(config.block_size), str(config.num_blocks),
+                             str(config.enable_prefix_caching), engine), 1)
+        yield info
+
+
 class PriorityLabels:
     """Maps priorities to label values: the first `limit` distinct ones as themselves."""
 
@@ -145,11 +197,15 @@ class ServerMetrics:
             self.registry = shared.registry
             self.priority_label = shared.priority_label
             self._families: dict[str, Any] = shared._families
+            self._cache_configs: dict[str, CacheConfig] = shared._cache_configs
         else:
             self.registry = CollectorRegistry()
             self.priority_label = PriorityLabels()
             base_labels = ["model_name"] if engine is None else ["model_name", "engine"]
             self._families = {s.key: s.create(base_labels, self.registry) for s in SERIES}
+            self._cache_configs = {}
+            self.registry.register(VllmAliases(self._families, self._cache_configs))
+        self._engine_label = engine or "0"
         # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
         # token) use the children of the series without labels of their own, made once
         # (which also exposes them before traffic); the others' children are made once
@@ -162,6 +218,10 @@ class ServerMetrics:
         for series in SERIES:
             for value in series.exposed:
                 self._child(series.key, value)
+
+    def set_cache_config(self, cache_config: CacheConfig) -> None:
+        """This core's KV pool, for `vllm:cache_config_info`."""
+        self._cache_configs[self._engine_label] = cache_config
 
     def inc_preemptions(self, n: int) -> None:
         if n > 0:

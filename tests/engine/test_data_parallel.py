@@ -268,3 +268,19 @@ def test_every_core_starts_before_any_is_waited_for_and_a_failure_stops_the_rest
     # the ones waited for before are shut down; the failed one and the rest are cancelled
     assert events[3 + waited:] == [f"cancel core{i}" for i in range(waited - 1, 3)]
     assert all(not s.engine.is_alive for s in starts[:waited - 1])
+
+
+def test_vllm_names_carry_one_series_per_core_as_vllms(dp) -> None:
+    """Under vLLM's names each core's gauges are its own series (`engine`, as vLLM labels
+    them), equal to ours, and each core's KV pool is its own `vllm:cache_config_info`."""
+    engine = dp()
+    for i, core in enumerate(engine.engines):
+        core.metrics.set_scheduler_gauges(running=1 + i, waiting=3 * i, kv_cache_usage=0.25 * i)
+    for i in (0, 1):
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            value = engine_metric(engine, f"vllm:{name}", engine=str(i), model_name="fake-model")
+            assert value == engine_metric(engine, f"pagedserve_{name}", engine=str(i)), name
+        assert engine_metric(engine, "vllm:cache_config_info", engine=str(i), block_size="4",
+                             num_gpu_blocks="64") == 1
+    assert engine_metric(engine, "vllm:num_requests_waiting") == 3
+    assert engine_metric(engine, "vllm:cache_config_info") == 2

@@ -276,6 +276,8 @@ def test_create_engine_runs_the_core_in_its_own_process(tmp_path) -> None:
     try:
         assert engine.is_alive  # comes back started
         assert process.pid != os.getpid() and process.is_alive()
+        # the core's KV pool, told the API process once ready
+        assert engine_metric(engine, "vllm:cache_config_info", num_gpu_blocks="64") == 1
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
         outputs = asyncio.run(collect(engine, prompt="t3 t4", params=params))
         assert outputs[-1].finish_reason == "length"

@@ -1,5 +1,6 @@
-"""The Kubernetes example in docs/ parses and has the shape the docs promise: a
-Deployment whose pods are ready on /health and a Service that selects them."""
+"""The Kubernetes examples in docs/ parse and have the shape the docs promise: a
+Deployment whose pods are ready on /health and a Service that selects them; an
+InferencePool of those pods behind the endpoint picker."""
 
 from __future__ import annotations
 
@@ -30,3 +31,29 @@ def test_the_kubernetes_example_is_a_deployment_and_a_service() -> None:
     grace = spec["template"]["spec"]["terminationGracePeriodSeconds"]
     shutdown_grace = float(container["args"][container["args"].index("--shutdown-grace-s") + 1])
     assert grace > shutdown_grace
+
+
+def test_the_inference_pool_example_selects_the_pagedserve_pods() -> None:
+    """The InferencePool selects the Deployment's pods on their port, and its endpoint
+    picker applies its default (vLLM) metric mapping to them; the objectives and the route
+    name that pool."""
+    pods = {d["kind"]: d for d in yaml.safe_load_all(MANIFEST.read_text())}["Deployment"]
+    template = pods["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    pool_file = MANIFEST.with_name("inferencepool.yaml")
+    documents = list(yaml.safe_load_all(pool_file.read_text()))
+    (pool,) = [d for d in documents if d["kind"] == "InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert not any(key.endswith("/engine-type") for key in template["metadata"]["labels"])
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [
+        container["ports"][0]["containerPort"]]
+    name = pool["metadata"]["name"]
+    objectives = [d for d in documents if d["kind"] == "InferenceObjective"]
+    assert objectives and all(o["spec"]["poolRef"]["name"] == name for o in objectives)
+    (route,) = [d for d in documents if d["kind"] == "HTTPRoute"]
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", name)
+    # the body's priority is pagedserve's: the pods must schedule by it
+    args = container["args"]
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
