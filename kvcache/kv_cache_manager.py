@@ -146,9 +146,7 @@ class KVCacheManager:
         if new_computed_blocks and blocks is not None:
             raise ValueError(f"request {request_id} already has a block table: no prefix hits")
         if self.sliding_window is not None and blocks is not None:
-            self._release_behind_window(
-                request_id, blocks, request.num_computed_tokens, self.sliding_window
-            )
+            self._release_behind_window(request, blocks, self.sliding_window)
         num_held = len(blocks) if blocks is not None else 0
         num_tokens = (
             request.num_computed_tokens
@@ -195,27 +193,28 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
                             request.cache_salt)
         blocks = self._req_blocks[request_id]
-        # NOTE: a block released before it was keyed (overlapped steps) may hold another
-        # request's KV by now: it stays unkeyed.
-        for i in range(max(num_done, self._num_released.get(request_id, 0)), num_full):
+        for i in range(num_done, num_full):
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached_req_blocks[request_id] = num_full
 
     def _release_behind_window(
-        self, request_id: str, blocks: list[KVCacheBlock], num_computed_tokens: int, window: int
+        self, request: KVCacheRequest, blocks: list[KVCacheBlock], window: int
     ) -> None:
-        """Free the leading blocks no query from position num_computed_tokens on can see.
+        """Key, then free, the leading blocks that no query from position
+        request.num_computed_tokens on can see.
 
-        NOTE: a step still in flight may read them, but a step that writes them again for
-        another request runs after it (steps run in launch order).
+        NOTE: a step still in flight (overlapped steps) may still compute or read them, but
+        a step that reads them for a prefix hit, or writes them for another request, runs
+        after it (steps run in launch order); so they are keyed now, as update() would.
         """
-        first_seen = num_computed_tokens - window + 1
+        first_seen = request.num_computed_tokens - window + 1
         num_behind = min(max(0, first_seen) // self.block_size, len(blocks))
-        num_released = self._num_released.get(request_id, 0)
+        num_released = self._num_released.get(request.request_id, 0)
         if num_behind <= num_released:
             return
+        self.cache_blocks(request, num_behind * self.block_size)
         self.pool.free_blocks(reversed(blocks[num_released:num_behind]))
-        self._num_released[request_id] = num_behind
+        self._num_released[request.request_id] = num_behind
 
     def free(self, request: KVCacheRequest) -> None:
         """Release every block of `request` (no-op if it holds none).

@@ -478,18 +478,19 @@ def test_without_a_window_nothing_is_released() -> None:
     assert manager.num_held_blocks("a") == len(manager.get_block_ids("a")) == 8
 
 
-def test_a_released_block_not_yet_keyed_stays_unkeyed() -> None:
-    # overlapped steps: the next step is scheduled before the last one's blocks are keyed
+def test_a_block_released_before_its_step_was_read_is_keyed_first() -> None:
+    # overlapped steps: the next step is scheduled (and the blocks behind its window
+    # released) before the last step's update keys the blocks it filled
     manager = windowed(4)
     req = Req("a", list(range(40)))
     assert manager.allocate_slots(req, 16) is not None
     req.num_computed_tokens = 16
-    assert manager.allocate_slots(req, 1) is not None  # blocks 0..2 released, unkeyed
-    other = Req("other", list(range(100, 140)))
-    compute(manager, other, 40)  # may take the released blocks
-    manager.cache_blocks(req, 17)
-    assert manager.pool.num_cached_blocks == 10 + 1  # other's, and a's held block 3 only
-    assert manager.get_computed_blocks(Req("c", list(range(40))))[1] == 0
+    assert manager.allocate_slots(req, 1) is not None  # blocks 0..2 released
+    table = manager.get_block_ids("a")
+    hits, num_tokens = manager.get_computed_blocks(Req("b", list(range(40))))
+    assert [b.block_id for b in hits] == table[:3] and num_tokens == 12
+    manager.cache_blocks(req, 17)  # the update: block 3 keyed too
+    assert manager.get_computed_blocks(Req("c", list(range(40))))[1] == 16
     manager.check_integrity()
 
 

@@ -1,8 +1,9 @@
 """Gemma 2 and Gemma 3 (text) through the model runner against Hugging Face, in float32.
 
 Tiny random checkpoints (from_config, norm weights moved off 0 so that (1 + w) shows,
-saved as safetensors) with an 8-token sliding window that every context here crosses,
-driven by the minimal engine loop of tests/support/model_helpers.py. Gemma 2: local and
+saved as safetensors with a word-level tokenizer) with an 8-token sliding window that
+every context here crosses, driven by the minimal engine loop of
+tests/support/model_helpers.py. Gemma 2: local and
 global layers alternate, attention and final logits soft-capped. Gemma 3: QK-norm, local
 layers on their own RoPE base, a linearly scaled global RoPE. Mistral and Qwen2 with a
 window use the same attention.
@@ -26,6 +27,7 @@ from tests.support.model_helpers import (
     Engine,
     Seq,
     TinyModel,
+    clear_margin_generations,
     make_model_folder,
     prompts,
 )
@@ -56,33 +58,17 @@ MAX_TOKENS = 10
 MIN_MARGIN = 2e-3  # top-1 minus top-2 logit at every step: 100x float32 noise
 
 
-def make_tiny(folder, hf_config) -> TinyModel:
-    hf_model = make_model_folder(folder, hf_config)
-    with torch.no_grad():  # Gemma inits its norms at 0: make (1 + w) matter
-        gen = torch.Generator().manual_seed(1)
-        for name, param in hf_model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    hf_model.save_pretrained(folder)
-    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def tiny(request, tmp_path_factory) -> TinyModel:
-    return make_tiny(tmp_path_factory.mktemp(request.param), CONFIGS[request.param]())
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model = make_model_folder(folder, CONFIGS[request.param](), norm_noise=0.3)
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
 
 
 @pytest.fixture(scope="module")
 def expected(tiny: TinyModel) -> dict[tuple[int, ...], list[int]]:
     """HF's greedy tokens for the candidate prompts whose margins are clear."""
-    found = {}
-    for prompt in prompts(LENGTHS, seed=3):
-        out = tiny.hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                               do_sample=False, pad_token_id=0, output_logits=True,
-                               return_dict_in_generate=True)
-        top2 = torch.cat(out.logits).topk(2, dim=-1).values
-        if float((top2[:, 0] - top2[:, 1]).min()) > MIN_MARGIN:
-            found[tuple(prompt)] = out.sequences[0, len(prompt):].tolist()
+    found = clear_margin_generations(tiny.hf, prompts(LENGTHS, seed=3), MAX_TOKENS, MIN_MARGIN)
     assert len(found) >= 4, "too few prompts with a clear margin"
     assert max(len(p) for p in found) > 2 * WINDOW
     return found
