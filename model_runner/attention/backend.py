@@ -42,9 +42,11 @@ FULL_ATTENTION = AttentionOptions()
 
 
 class PagedAttention(Protocol):
-    """paged_attention(query [T, heads, D], k_cache, v_cache, meta, scale, options) ->
+    """paged_attention(query [T, heads, D], k_cache, v_cache, meta, scale, options=...) ->
     [T, heads, D]: causal attention of every query row over its sequence's keys in the
-    paged cache, as `options` restricts and caps it (see torch_backend.paged_attention)."""
+    paged cache, as `options` restricts and caps it (see torch_backend.paged_attention).
+    Callers pass `options` by keyword (a backend bound with extra arguments, as the
+    Triton one with its tiles, may take more positional ones)."""
 
     def __call__(
         self,

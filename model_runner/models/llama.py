@@ -199,7 +199,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         attn.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # o: [T, heads, D]
-        o = attn.paged_attention(q, k_cache, v_cache, meta, self.scale, self.options)
+        o = attn.paged_attention(q, k_cache, v_cache, meta, self.scale, options=self.options)
         out = self.o_proj(o.view(num_tokens, self.q_size))  # [T, H]
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -52,7 +52,7 @@ def run(backend: AttentionBackend, options: AttentionOptions, block_size: int,
     backend.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
                            batch.meta.slot_mapping)
     out = backend.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
-                                  batch.scale, options)
+                                  batch.scale, options=options)
     ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
                           options)
     assert_close(out, ref, batch.num_rows)
@@ -88,7 +88,7 @@ def test_softcap_changes_the_result(backend: AttentionBackend) -> None:
     args = (batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
     backend.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
                            batch.meta.slot_mapping)
-    capped = backend.paged_attention(*args, AttentionOptions(softcap=0.5))
+    capped = backend.paged_attention(*args, options=AttentionOptions(softcap=0.5))
     plain = backend.paged_attention(*args)
     assert not torch.allclose(capped[: batch.num_rows], plain[: batch.num_rows], atol=1e-3)
 
