@@ -3,7 +3,8 @@ request's blocks behind its window are freed while it runs and handed to other r
 and greedy tokens still equal Hugging Face `generate`'s (float32), through chunked
 prefill, a prefix-cache hit and preemptions, with plain and overlapped steps.
 
-The model: a tiny random Gemma 2 whose every layer is local (window 8), with its soft caps.
+The model: a tiny random Gemma 2 whose every layer is local (window 8), with its soft caps;
+the core built for it frees early, and not for one with a global layer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from transformers import Gemma2Config
 
 from engine.core import EngineCore
+from engine.core_setup import build_core_parts
 from engine.messages import AddRequests, NewRequest
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
@@ -101,3 +103,17 @@ def test_greedy_tokens_equal_generate_while_blocks_are_freed(tiny, expected,
     assert tokens["again"] == expected[longest]
     core.scheduler.check_integrity()
     assert kv.usage == 0
+
+
+def test_the_core_frees_early_only_for_a_model_windowed_in_every_layer(tiny, tmp_path) -> None:
+    scheduler, *_ = build_core_parts(
+        ModelConfig(model=tiny.loaded.model_path, num_kv_blocks=16), SchedulerConfig()
+    )
+    assert scheduler.kv_cache.sliding_window == WINDOW
+    mixed = Gemma2Config(**dict(TINY, num_hidden_layers=2), head_dim=16, sliding_window=WINDOW)
+    assert mixed.layer_types == ["sliding_attention", "full_attention"]
+    make_model_folder(tmp_path, mixed)
+    scheduler, *_ = build_core_parts(
+        ModelConfig(model=str(tmp_path), num_kv_blocks=16), SchedulerConfig()
+    )
+    assert scheduler.kv_cache.sliding_window is None
