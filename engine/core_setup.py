@@ -13,6 +13,7 @@ from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.distributed.tp_workers import start_tensor_parallel
 from model_runner.loader import LoadedModel, ModelSpec, load_model, load_model_spec
+from model_runner.models.sliding_windows import model_window
 from model_runner.runner import ModelRunner
 from model_runner.simulated_runner import SimulatedRunner
 from scheduler.config import SchedulerConfig
@@ -48,6 +49,8 @@ def build_core_parts(
         num_blocks=runner.num_kv_blocks,
         block_size=runner.block_size,
         enable_prefix_caching=enable_prefix_caching,
+        # NOTE: only a model windowed in every layer frees a request's blocks early
+        sliding_window=model_window(model.hf_config),
     )
     scheduler_config = replace(scheduler_config, max_model_len=model_len)
     scheduler = Scheduler(scheduler_config, cache_config)

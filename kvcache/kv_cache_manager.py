@@ -1,7 +1,13 @@
 """Block tables of requests over the block pool: prefix-cache lookup, allocate, cache, free.
 
 Ask-then-do: `allocate_slots` either allocates everything asked for or returns None and
-changes nothing, so the scheduler can try, then preempt, then try again.
+changes nothing (but the early release below), so the scheduler can try, then preempt,
+then try again.
+
+Sliding window (CacheConfig.sliding_window, when every layer of the model has one): the
+leading blocks of a request that lie wholly behind the window of its next query are
+released (freed; still keyed in the prefix cache) when its table grows. Its block table
+keeps their ids, which no attention reads again; it holds only the blocks after them.
 """
 
 from __future__ import annotations
@@ -57,12 +63,16 @@ class KVCacheManager:
     def __init__(self, cache_config: CacheConfig) -> None:
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
+        self.sliding_window = cache_config.sliding_window
         self.pool = BlockPool(cache_config.num_blocks, self.enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         # Kept beside _req_blocks so building a step's block tables is one list copy each.
         self._req_block_ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are keyed (or were found keyed) already.
         self._num_cached_req_blocks: dict[str, int] = {}
+        # How many of a request's leading blocks fell behind the sliding window and were
+        # released; only requests that released any are here.
+        self._num_released: dict[str, int] = {}
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
 
@@ -125,7 +135,9 @@ class KVCacheManager:
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         satisfy the request; on None nothing has changed. A request's first allocation
         (admission, or resume after preemption) counts as one prefix-cache query of its
-        num_tokens, hitting the tokens of `new_computed_blocks`.
+        num_tokens, hitting the tokens of `new_computed_blocks`. With a sliding window, the
+        blocks behind the window of request.num_computed_tokens are released first, even
+        when None is returned (they are not needed either way).
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
@@ -133,6 +145,8 @@ class KVCacheManager:
         blocks = self._req_blocks.get(request_id)
         if new_computed_blocks and blocks is not None:
             raise ValueError(f"request {request_id} already has a block table: no prefix hits")
+        if self.sliding_window is not None and blocks is not None:
+            self._release_behind_window(request, blocks, self.sliding_window)
         num_held = len(blocks) if blocks is not None else 0
         num_tokens = (
             request.num_computed_tokens
@@ -183,6 +197,25 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached_req_blocks[request_id] = num_full
 
+    def _release_behind_window(
+        self, request: KVCacheRequest, blocks: list[KVCacheBlock], window: int
+    ) -> None:
+        """Key, then free, the leading blocks that no query from position
+        request.num_computed_tokens on can see.
+
+        NOTE: a step still in flight (overlapped steps) may still compute or read them, but
+        a step that reads them for a prefix hit, or writes them for another request, runs
+        after it (steps run in launch order); so they are keyed now, as update() would.
+        """
+        first_seen = request.num_computed_tokens - window + 1
+        num_behind = min(max(0, first_seen) // self.block_size, len(blocks))
+        num_released = self._num_released.get(request.request_id, 0)
+        if num_behind <= num_released:
+            return
+        self.cache_blocks(request, num_behind * self.block_size)
+        self.pool.free_blocks(reversed(blocks[num_released:num_behind]))
+        self._num_released[request.request_id] = num_behind
+
     def free(self, request: KVCacheRequest) -> None:
         """Release every block of `request` (no-op if it holds none).
 
@@ -194,21 +227,27 @@ class KVCacheManager:
             return
         del self._req_block_ids[request.request_id]
         del self._num_cached_req_blocks[request.request_id]
-        self.pool.free_blocks(reversed(blocks))
+        num_released = self._num_released.pop(request.request_id, 0)
+        self.pool.free_blocks(reversed(blocks[num_released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block table of `request_id`: the manager's own list, which only grows at its
-        end while the request holds blocks (read, do not mutate); empty when it holds none."""
+        end while the request holds blocks (read, do not mutate); empty when it holds none.
+        With a sliding window its leading ids may be of blocks it released."""
         return self._req_block_ids.get(request_id, [])
 
     def get_leading_blocks(self, request_id: str, num_blocks: int) -> list[KVCacheBlock]:
         """The first `num_blocks` blocks `request_id` holds (fewer if it holds fewer), to
-        share with a request of the same prefix through `allocate_slots`."""
+        share with a request of the same prefix through `allocate_slots`; none once it
+        released any (sliding window)."""
+        if request_id in self._num_released:
+            return []
         return self._req_blocks.get(request_id, [])[:num_blocks]
 
     def num_held_blocks(self, request_id: str) -> int:
-        """How many blocks `request_id` holds."""
-        return len(self._req_block_ids.get(request_id, ()))
+        """How many blocks `request_id` holds (its table less the blocks it released)."""
+        table = self._req_block_ids.get(request_id, ())
+        return len(table) - self._num_released.get(request_id, 0)
 
     def holders(self) -> set[str]:
         """Ids of the requests holding blocks."""
@@ -221,20 +260,22 @@ class KVCacheManager:
         """
         holds: Counter[int] = Counter()
         for request in requests:
-            holds.update(self._req_block_ids.get(request.request_id, ()))
+            held = self._req_block_ids.get(request.request_id, [])
+            holds.update(held[self._num_released.get(request.request_id, 0):])
         return sum(
             1 for block_id, n in holds.items() if self.pool.blocks[block_id].ref_cnt == n
         )
 
     def check_integrity(self) -> None:
         """RuntimeError unless free + used == total and every ref count equals the number
-        of block tables holding that block."""
+        of block tables holding that block (released blocks not counted)."""
         self.pool.check_integrity()
         holds: Counter[int] = Counter()
         for request_id, blocks in self._req_blocks.items():
             block_ids = [block.block_id for block in blocks]
             if block_ids != self._req_block_ids[request_id]:
                 raise RuntimeError(f"block table of {request_id} out of sync")
+            block_ids = block_ids[self._num_released.get(request_id, 0):]
             if len(set(block_ids)) != len(block_ids):
                 raise RuntimeError(f"request {request_id} holds a block twice")
             holds.update(block_ids)

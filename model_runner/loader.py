@@ -275,22 +275,7 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
 
 def _max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
-    # NOTE: attention here is full causal. A sliding window equals it while the context fits
-    # in the window, so such models are capped at the window.
-    window = _sliding_window(hf_config)
-    if window is not None:
-        limit = min(limit, window)
     return limit if requested is None else min(limit, requested)
-
-
-def _sliding_window(hf_config: PretrainedConfig) -> int | None:
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, WeightSource]]:

@@ -84,9 +84,10 @@ def _check_running(state: SchedulerState) -> None:
     for request in state.running:
         if request.status is not RequestStatus.RUNNING:
             raise RuntimeError(f"{request!r} is in running")
-        num_held = state.kv_cache.num_held_blocks(request.request_id)
-        if num_held * state.kv_cache.block_size < request.num_computed_tokens:
-            raise RuntimeError(f"{request!r} holds {num_held} blocks: too few")
+        # NOTE: the table's length: with a sliding window, blocks behind it are released
+        num_table = len(state.kv_cache.get_block_ids(request.request_id))
+        if num_table * state.kv_cache.block_size < request.num_computed_tokens:
+            raise RuntimeError(f"{request!r} has a table of {num_table} blocks: too few")
 
 
 def _describe(state: SchedulerState, request: Request, now: float) -> dict[str, Any]:

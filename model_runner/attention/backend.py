@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -13,9 +14,49 @@ from model_runner.attention_metadata import AttentionMetadata
 WriteKVCache = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
-PagedAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What one layer's attention asks of a backend beyond plain causal softmax, fixed per
+    layer and passed on every call. A family that needs more (gpt-oss's sinks) adds a
+    field here, and every backend reads it.
+
+    sliding_window: a query at position p sees only the keys at positions
+    p - sliding_window + 1 .. p (Hugging Face's convention: the window counts the query's
+    own key); None sees every earlier key. softcap: each scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax (Gemma 2); None leaves it.
+    """
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"softcap must be > 0, got {self.softcap}")
+
+
+FULL_ATTENTION = AttentionOptions()
+
+
+class PagedAttention(Protocol):
+    """paged_attention(query [T, heads, D], k_cache, v_cache, meta, scale, options=...) ->
+    [T, heads, D]: causal attention of every query row over its sequence's keys in the
+    paged cache, as `options` restricts and caps it (see torch_backend.paged_attention).
+    Callers pass `options` by keyword (a backend bound with extra arguments, as the
+    Triton one with its tiles, may take more positional ones)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        options: AttentionOptions = FULL_ATTENTION,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from model_runner.attention.backend import AttentionBackend, LayerOps
+from model_runner.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionOptions,
+    LayerOps,
+)
 from model_runner.attention.torch_backend import prefill_attention
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
@@ -38,17 +43,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
     """As attention.paged_attention."""
     num_decodes = meta.num_decode_seqs
     decoded = torch.ops.pagedserve.decode_attention(
-        query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+        query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+        options.sliding_window or 0, options.softcap or 0.0,  # 0: none
     )
     if num_decodes == meta.num_seqs:
         return decoded
     out = torch.empty_like(query)
     out[:num_decodes] = decoded
-    prefill_attention(query, k_cache, v_cache, meta, scale, out)
+    prefill_attention(query, k_cache, v_cache, meta, scale, out, options)
     return out
 
 

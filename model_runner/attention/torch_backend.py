@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runner.attention.backend import AttentionBackend
+from model_runner.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionOptions
 from model_runner.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -50,23 +50,54 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's keys in the paged cache.
 
     query: [num_tokens, num_heads, head_dim] laid out as `meta` describes (the first
     meta.num_decode_seqs sequences have one row each); num_heads is a multiple of the
     caches' num_kv_heads (GQA). Query row at position p of sequence i sees the keys at
-    positions 0..p, read through meta.block_tables[i]. The caches may hold a narrower
-    dtype than the query (a float16 cache under a float32 model); keys and values are
-    widened to the query's. Returns [num_tokens, num_heads, head_dim].
+    positions 0..p (with options.sliding_window W, only p - W + 1..p), read through
+    meta.block_tables[i]; blocks wholly before every row's window are never read. The
+    caches may hold a narrower dtype than the query (a float16 cache under a float32
+    model); keys and values are widened to the query's. Returns [num_tokens, num_heads,
+    head_dim].
     """
     out = torch.empty_like(query)
     num_decodes = meta.num_decode_seqs
     if num_decodes > 0:
-        out[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache, meta, scale)
+        out[:num_decodes] = _decode_attention(
+            query[:num_decodes], k_cache, v_cache, meta, scale, options
+        )
     if num_decodes < meta.num_seqs:
-        prefill_attention(query, k_cache, v_cache, meta, scale, out)
+        prefill_attention(query, k_cache, v_cache, meta, scale, out, options)
     return out
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention of q [b, heads, m, D] over keys, values [b, kv_heads, n, D]
+    (each kv head serving a run of heads / kv_heads query heads) where the bool `mask`
+    (broadcast to [b, heads, m, n]; None: everywhere) is True, the scores soft-capped."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+        )
+    # NOTE: torch's fused attention has no soft-capping: the scores are written out here.
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, heads, m, n]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values)
 
 
 # A decode group is padded to its longest context. A new group starts where its padding
@@ -96,14 +127,21 @@ class _DecodePlan:
     value_buffer: torch.Tensor
 
 
-def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan:
-    """Sort the decode sequences by context length and cut them into groups whose padding
-    stays small (see _DECODE_PADDING_SHARE and _decode_attention)."""
+def _decode_plan(
+    meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None
+) -> _DecodePlan:
+    """Sort the decode sequences by how many blocks they read (with a `window`, only the
+    blocks it reaches) and cut them into groups whose padding stays small (see
+    _DECODE_PADDING_SHARE and _decode_attention)."""
     block_size = k_cache.shape[1]
     num_decodes = meta.num_decode_seqs
     lens = meta.context_lens[:num_decodes].tolist()
-    blocks_of = [-(-n // block_size) for n in lens]
-    order = sorted(range(num_decodes), key=lens.__getitem__)
+    # a row sees positions [starts[r], lens[r]); it reads blocks firsts[r] .. lasts[r]
+    starts = [0 if window is None else max(0, n - window) for n in lens]
+    firsts = [start // block_size for start in starts]
+    lasts = [-(-n // block_size) - 1 for n in lens]
+    blocks_of = [last + 1 - first for first, last in zip(firsts, lasts, strict=True)]
+    order = sorted(range(num_decodes), key=blocks_of.__getitem__)
     spans: list[tuple[int, int]] = []  # [start, end) in `order`
     start, real = 0, 0
     for end, row in enumerate(order):
@@ -114,27 +152,48 @@ def _decode_plan(meta: AttentionMetadata, k_cache: torch.Tensor) -> _DecodePlan:
             start, real = end, 0
         real += num_blocks
     spans.append((start, num_decodes))
-
-    device = k_cache.device
-    groups = []
-    for start, end in spans:
-        rows = order[start:end]
-        num_blocks = blocks_of[rows[-1]]  # the longest of the group
-        row_index = torch.tensor(rows, device=device)
-        blocks = meta.block_tables[row_index, :num_blocks].flatten().to(torch.int64)
-        group_lens = torch.tensor([lens[r] for r in rows], device=device)
-        mask = None
-        if lens[rows[0]] < num_blocks * block_size:
-            positions = torch.arange(num_blocks * block_size, device=device)
-            mask = (positions[None, :] < group_lens[:, None])[:, None, None, :]
-        groups.append(_DecodeGroup(row_index, blocks, num_blocks, mask))
+    groups = [
+        _decode_group(meta, [order[i] for i in range(a, b)], lens, starts, firsts, lasts,
+                      block_size, k_cache.device)
+        for a, b in spans
+    ]
     capacity = max(g.blocks.numel() for g in groups)
     buffer_shape = (capacity, *k_cache.shape[1:])
     return _DecodePlan(
         groups,
-        torch.empty(buffer_shape, dtype=k_cache.dtype, device=device),
-        torch.empty(buffer_shape, dtype=k_cache.dtype, device=device),
+        torch.empty(buffer_shape, dtype=k_cache.dtype, device=k_cache.device),
+        torch.empty(buffer_shape, dtype=k_cache.dtype, device=k_cache.device),
     )
+
+
+def _decode_group(
+    meta: AttentionMetadata,
+    rows: list[int],
+    lens: list[int],
+    starts: list[int],
+    firsts: list[int],
+    lasts: list[int],
+    block_size: int,
+    device: torch.device,
+) -> _DecodeGroup:
+    """One group: each row's blocks from its first one on, padded to the group's longest
+    by repeating its last block (masked out, as are the positions outside its window)."""
+    num_blocks = max(lasts[r] + 1 - firsts[r] for r in rows)
+    row_index = torch.tensor(rows, device=device)
+    first = torch.tensor([firsts[r] for r in rows], device=device)
+    last = torch.tensor([lasts[r] for r in rows], device=device)
+    columns = torch.minimum(first[:, None] + torch.arange(num_blocks, device=device), last[:, None])
+    blocks = meta.block_tables[row_index[:, None], columns].flatten().to(torch.int64)
+    mask = None
+    if any(starts[r] > firsts[r] * block_size or lens[r] < (firsts[r] + num_blocks) * block_size
+           for r in rows):
+        # positions: [g, num_blocks * block_size], of each gathered slot
+        positions = first[:, None] * block_size + torch.arange(num_blocks * block_size,
+                                                                device=device)
+        seen_from = torch.tensor([starts[r] for r in rows], device=device)
+        seen_to = torch.tensor([lens[r] for r in rows], device=device)
+        mask = ((positions >= seen_from[:, None]) & (positions < seen_to[:, None]))[:, None, None]
+    return _DecodeGroup(row_index, blocks, num_blocks, mask)
 
 
 def _decode_attention(
@@ -143,6 +202,7 @@ def _decode_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    options: AttentionOptions,
 ) -> torch.Tensor:
     """One query row per sequence; one batched call per group of similar lengths.
 
@@ -155,13 +215,15 @@ def _decode_attention(
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    plan = meta.scratch.get("torch_decode")
-    # NOTE: every layer of a model shares the plan; a caller that brings the same step's
-    # metadata to a cache of another dtype or shape gets a new one.
+    window = options.sliding_window
+    key = "torch_decode" if window is None else f"torch_decode_{window}"
+    plan = meta.scratch.get(key)
+    # NOTE: every layer of a model with the same window shares the plan; a caller that
+    # brings the same step's metadata to a cache of another dtype or shape gets a new one.
     if plan is None or (plan.key_buffer.dtype, plan.key_buffer.shape[1:]) != (
         k_cache.dtype, k_cache.shape[1:]
     ):
-        plan = meta.scratch["torch_decode"] = _decode_plan(meta, k_cache)
+        plan = meta.scratch[key] = _decode_plan(meta, k_cache, window)
     out = torch.empty_like(query)
     for g in plan.groups:
         n = g.rows.numel()
@@ -176,9 +238,7 @@ def _decode_attention(
         # NOTE: the `group_size` query heads that share a kv head ride in the query-length
         # axis, which is free here: a decode row sees all its keys, so they share one mask.
         q = query.index_select(0, g.rows).view(n, num_kv_heads, group_size, head_dim)
-        o = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=scale
-        )
+        o = _attend(q, keys.to(q.dtype), values.to(q.dtype), g.mask, scale, options.softcap)
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
     return out
 
@@ -190,35 +250,40 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    options: AttentionOptions = FULL_ATTENTION,
 ) -> None:
     """Prompt chunks, one sequence at a time; writes into `out`."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    window = options.sliding_window
     starts = meta.query_start_loc.tolist()
     context_lens = meta.context_lens.tolist()
     for i in range(meta.num_decode_seqs, meta.num_seqs):
         start, end, context_len = starts[i], starts[i + 1], context_lens[i]
         query_len = end - start
-        num_blocks = -(-context_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks]
+        cached = context_len - query_len  # the position of the chunk's first row
+        # the first block any row's window reaches, and the position of its first slot
+        first_block = 0 if window is None else max(0, cached - window + 1) // block_size
+        base = first_block * block_size
+        blocks = meta.block_tables[i, first_block : -(-context_len // block_size)]
         # NOTE: 4-d inputs (a batch of one): 3-d ones miss torch's fused CPU kernel.
-        # keys, values: [1, num_kv_heads, context_len, head_dim]
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-        keys = keys.transpose(0, 1)[None].to(query.dtype)
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:context_len]
-        values = values.transpose(0, 1)[None].to(query.dtype)
+        # keys, values: [1, num_kv_heads, context_len - base, head_dim]
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        keys = keys[: context_len - base].transpose(0, 1)[None].to(query.dtype)
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+        values = values[: context_len - base].transpose(0, 1)[None].to(query.dtype)
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_dim]
-        if query_len == context_len:
+        if query_len == context_len and options == FULL_ATTENTION:
             o = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            # causal with an offset: query row j sits at position context_len - query_len + j
-            cached = context_len - query_len
+            # causal with an offset: query row j sits at position cached + j
             rows = torch.arange(query_len, device=query.device)[:, None] + cached
-            mask = torch.arange(context_len, device=query.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            positions = torch.arange(base, context_len, device=query.device)[None, :]
+            mask = positions <= rows
+            if window is not None:
+                mask &= positions > rows - window
+            o = _attend(q, keys, values, mask, scale, options.softcap)
         out[start:end] = o[0].transpose(0, 1)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from model_runner.attention.backend import FULL_ATTENTION, AttentionOptions
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels import triton_attention_kernels as kernels
 
@@ -99,8 +100,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
-    """Causal attention of a flat batch of query rows over the paged KV cache.
+    """Causal attention of a flat batch of query rows over the paged KV cache, as
+    `options` restricts (a sliding window) and caps (softcap) it.
 
     query: [num_tokens, num_heads, head_dim] (the last dim contiguous). k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim], already holding this step's keys
@@ -114,7 +117,7 @@ def paged_attention(
     any context length (each split's range is computed on the device), only less tuned.
     """
     return paged_attention_with_config(query, k_cache, v_cache, meta, scale,
-                                       default_tile_config(query))
+                                       default_tile_config(query), options)
 
 
 def paged_attention_with_config(
@@ -124,6 +127,7 @@ def paged_attention_with_config(
     meta: AttentionMetadata,
     scale: float,
     config: TileConfig,
+    options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
     """`paged_attention` with explicit tile sizes (tests, benchmarks)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -141,7 +145,7 @@ def paged_attention_with_config(
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
     common = _CommonArgs(query, out, k_cache, v_cache, meta, scale * _LOG2E,
-                         num_heads // num_kv_heads)
+                         num_heads // num_kv_heads, options)
     if num_decode > 0:
         _launch_decode(common, num_decode, config)
     if num_prefill > 0:
@@ -158,6 +162,15 @@ class _CommonArgs:
     meta: AttentionMetadata
     qk_scale: float
     group: int
+    options: AttentionOptions
+
+    def option_args(self) -> tuple[int, float]:
+        """The kernels' window and softcap (in log2 units, as their scores) arguments."""
+        return self.options.sliding_window or 0, (self.options.softcap or 0.0) * _LOG2E
+
+    def option_flags(self) -> dict[str, bool]:
+        return {"HAS_WINDOW": self.options.sliding_window is not None,
+                "HAS_SOFTCAP": self.options.softcap is not None}
 
     @property
     def dot_precision(self) -> str:
@@ -174,7 +187,8 @@ def _launch_decode(c: _CommonArgs, num_decode: int, config: TileConfig) -> None:
     num_kv_heads = c.k_cache.shape[2]
     block_d = _block_d(head_dim)
     num_splits = config.num_splits or _pick_num_splits(
-        c.query.device, num_decode * num_kv_heads, c.meta.max_context_len,
+        c.query.device, num_decode * num_kv_heads,
+        min(c.meta.max_context_len, c.options.sliding_window or c.meta.max_context_len),
         config.decode_block_n)
     # Partial outputs (padded to block_d) and their log-sum-exps, one per split.
     part_shape = (num_decode, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
@@ -184,7 +198,7 @@ def _launch_decode(c: _CommonArgs, num_decode: int, config: TileConfig) -> None:
     kernels.decode_kernel[(num_decode, num_kv_heads, num_splits)](
         c.out, part_out, part_lse, c.query, c.k_cache, c.v_cache,
         c.meta.block_tables, c.meta.context_lens, c.meta.query_start_loc,
-        c.qk_scale,
+        c.qk_scale, *c.option_args(),
         c.query.stride(0), c.query.stride(1), c.out.stride(0), c.out.stride(1),
         *c.cache_strides(),
         c.meta.block_tables.stride(0),
@@ -197,6 +211,7 @@ def _launch_decode(c: _CommonArgs, num_decode: int, config: TileConfig) -> None:
         BLOCK_N=config.decode_block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=c.dot_precision,
+        **c.option_flags(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -224,7 +239,7 @@ def _launch_prefill(c: _CommonArgs, first_seq: int, num_prefill: int,
         c.out, c.query, c.k_cache, c.v_cache,
         c.meta.block_tables, c.meta.context_lens, c.meta.query_start_loc,
         first_seq,
-        c.qk_scale,
+        c.qk_scale, *c.option_args(),
         c.query.stride(0), c.query.stride(1), c.out.stride(0), c.out.stride(1),
         *c.cache_strides(),
         c.meta.block_tables.stride(0),
@@ -236,6 +251,7 @@ def _launch_prefill(c: _CommonArgs, first_seq: int, num_prefill: int,
         BLOCK_SIZE=c.k_cache.shape[1],
         BLOCK_N=config.prefill_block_n,
         DOT_PRECISION=c.dot_precision,
+        **c.option_flags(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -18,6 +18,11 @@ into the rows of its tile, so each K/V tile is loaded once per kv head.
 All math is fp32 (scores, softmax, accumulator) whatever the input dtype; the softmax is
 in base 2 (the scale is pre-multiplied by log2(e)). head_dim is padded to a power of two
 and masked, so any head_dim works.
+
+A layer's options (backend.AttentionOptions): with HAS_WINDOW a query at position p sees
+only the keys p - window + 1 .. p, and no key before the earliest row's window is loaded;
+with HAS_SOFTCAP each score s becomes softcap * tanh(s / softcap) (`softcap` in log2
+units, like the scores).
 """
 
 from __future__ import annotations
@@ -138,6 +143,12 @@ def _online_softmax_update(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _soft_cap(s, softcap):
+    """softcap * tanh(s / softcap), with tanh(x) = 2 sigmoid(2 x) - 1."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+
+
 # --------------------------------------------------------------------------------------
 # Decode: one query row per sequence, split over the context
 # --------------------------------------------------------------------------------------
@@ -155,6 +166,8 @@ def decode_kernel(
     context_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys a query sees, its own included (read with HAS_WINDOW)
+    softcap,  # the score cap * log2(e) (read with HAS_SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -179,6 +192,8 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,10 +201,13 @@ def decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     q_row = tl.load(query_start_loc_ptr + seq)
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(context_len - window, 0)
     # Every split of a sequence gets the same whole number of tiles; the last ones may
     # be short or empty.
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
+    split_len = tl.cdiv(tl.cdiv(context_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = first_key + split * split_len
     kv_end = tl.minimum(kv_start + split_len, context_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -216,6 +234,8 @@ def decode_kernel(
         )
         # s: [BLOCK_H, BLOCK_N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(kv_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
@@ -289,6 +309,8 @@ def prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     first_seq,  # sequences before it are handled by the decode kernel
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys a query sees, its own included (read with HAS_WINDOW)
+    softcap,  # the score cap * log2(e) (read with HAS_SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -308,6 +330,8 @@ def prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # keys per tile
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -342,9 +366,14 @@ def prefill_kernel(
     block_table_ptr = block_tables_ptr + seq * stride_bt
     # The last row of the tile sees keys up to its position; no row sees further.
     kv_end = tl.minimum(context_len, num_cached + tile_first_q + BLOCK_Q)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # The first row of the tile sees keys from kv_start on (0 without a window); no row
+    # sees an earlier one, and none is loaded.
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(num_cached + tile_first_q - window + 1, 0)
+    for tile_start in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        kv_mask = offs_n < kv_end
+        kv_mask = (offs_n >= kv_start) & (offs_n < kv_end)
         k_t, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, kv_mask, kv_head, offs_d,
             stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -352,7 +381,11 @@ def prefill_kernel(
         )
         # s: [BLOCK_M, BLOCK_N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            s = _soft_cap(s, softcap)
         visible = kv_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 

@@ -23,10 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from model_runner.attention.backend import AttentionBackend, LayerOps
+from model_runner.attention.backend import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionOptions,
+    LayerOps,
+)
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.models.sliding_windows import layer_windows
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
@@ -131,7 +137,10 @@ class Attention(nn.Module):
     """Self-attention with fused q/k/v, RoPE, optional per-head q/k norm (Qwen3), GQA.
 
     Under tensor parallelism: this rank's heads `q_heads` and `kv_heads` ([start, stop) of
-    the model's), and the o projection's partial sums all-reduced."""
+    the model's), and the o projection's partial sums all-reduced. `options`: the layer's
+    sliding window and soft cap, passed to the backend."""
+
+    options: AttentionOptions = FULL_ATTENTION
 
     def __init__(
         self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None
@@ -189,7 +198,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         attn.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attn.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
+        # o: [T, heads, D]
+        o = attn.paged_attention(q, k_cache, v_cache, meta, self.scale, options=self.options)
         out = self.o_proj(o.view(num_tokens, self.q_size))  # [T, H]
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -283,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.head_dim, tp) for _ in range(config.num_hidden_layers)
         )
+        for layer, window in zip(self.layers, layer_windows(config), strict=True):
+            layer.self_attn.options = AttentionOptions(sliding_window=window)
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not self.tie_word_embeddings:

@@ -10,10 +10,13 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from model_runner.models.gemma import GemmaForCausalLM
 from model_runner.models.llama import LlamaForCausalLM
 
 # config.json's architecture -> the class that serves it
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -430,3 +430,4 @@ def test_eviction_takes_unkeyed_then_worst_priority_class_then_lru() -> None:
     tail = [by_id[i].priority for i in list(b.block_id for b in pool.free_queue)[-2:]]
     assert tail == [-20, -20]
     pool.check_integrity()
+

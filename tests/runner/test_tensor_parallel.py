@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: 2 ranks over gloo (this process is rank 0, one worker
-process is rank 1, one torch thread each), float32, tiny random Llama, Qwen2 and Qwen3.
+process is rank 1, one torch thread each), float32, tiny random Llama, Qwen2, Qwen3 and
+Gemma 2 (local layers of an 8-token window that the prompts cross, soft caps).
 
 Greedy output is token for token that of one rank and of Hugging Face `generate`: batched,
 chunked, and under the real scheduler with prefix caching, chunked prefill and preemption
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 import msgspec
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
@@ -40,6 +41,9 @@ TP_CONFIGS = {
     # q/k norm; 3 KV heads, split 2 and 1 (as SmolLM2-135M's)
     "qwen3": lambda: Qwen3Config(**{**TINY, "num_attention_heads": 6, "num_key_value_heads": 3},
                                  head_dim=32, tie_word_embeddings=False),
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16,
+                                   sliding_window=8, attn_logit_softcapping=20.0,
+                                   final_logit_softcapping=30.0),
 }
 MAX_TOKEN_ID = 250  # prompts stay inside every vocabulary above
 

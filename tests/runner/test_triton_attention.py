@@ -24,10 +24,15 @@ if not ON_CUDA:
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+from model_runner.attention.backend import AttentionOptions  # noqa: E402
 from model_runner.kernels import triton_attention as ta  # noqa: E402
 from model_runner.kernels import triton_attention_kernels  # noqa: E402
 from tests.support import attention_helpers  # noqa: E402
-from tests.support.attention_helpers import assert_close, dense_reference  # noqa: E402
+from tests.support.attention_helpers import (  # noqa: E402
+    assert_close,
+    dense_reference,
+    poison_outside_windows,
+)
 
 if not ON_CUDA:
     from triton.runtime.interpreter import InterpretedFunction
@@ -252,6 +257,37 @@ def test_long_context_default_config(dtype: torch.dtype) -> None:
     out = ta.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
                              batch.scale)
     ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
+# --------------------------------------------------------------------------------------
+# A layer's options: sliding window and soft-capped scores
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(AttentionOptions(sliding_window=6), id="window-6"),
+        pytest.param(AttentionOptions(sliding_window=1), id="window-1"),
+        pytest.param(AttentionOptions(softcap=0.5), id="softcap"),
+        pytest.param(AttentionOptions(sliding_window=20, softcap=0.5), id="both"),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_step_with_options(options: AttentionOptions, num_splits: int) -> None:
+    # Windows start inside blocks of 8 and cross block (and 16-key tile) boundaries; the
+    # blocks wholly before every row's window hold NaN, so reading one fails.
+    batch = mixed_batch(block_size=8)
+    if options.sliding_window is not None and options.sliding_window < 19:
+        assert poison_outside_windows(batch, options.sliding_window) > 0
+    ta.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
+                      batch.meta.slot_mapping)
+    config = ta.TileConfig(16, 16, 16, num_splits=num_splits)
+    out = ta.paged_attention_with_config(batch.query, batch.k_cache, batch.v_cache,
+                                         batch.meta, batch.scale, config, options)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                          options)
     assert_close(out, ref, batch.num_rows)
 
 

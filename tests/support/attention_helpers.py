@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from model_runner.attention.backend import FULL_ATTENTION, AttentionOptions
 from model_runner.attention_metadata import AttentionMetadata
 
 CPU = torch.device("cpu")
@@ -100,25 +101,36 @@ class Batch:
 
 
 def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    options: AttentionOptions = FULL_ATTENTION) -> torch.Tensor:
     """Gather each sequence's keys by its block table, then dense causal-with-offset
-    softmax attention in float64. Rows outside every sequence come back as 0."""
+    softmax attention in float64, with the sliding window and soft cap of `options`
+    (only the blocks the window reaches are gathered). Rows outside every sequence come
+    back as 0."""
+    window = options.sliding_window
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
     starts = meta.query_start_loc.tolist()
     for i, ctx in enumerate(meta.context_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        blocks = meta.block_tables[i, : -(-ctx // block_size)].long()
-        # keys, values: [ctx, num_heads, head_dim]
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        first = 0 if window is None else max(0, ctx - (end - start) - window + 1) // block_size
+        blocks = meta.block_tables[i, first : -(-ctx // block_size)].long()
+        base = first * block_size
+        # keys, values: [ctx - base, num_heads, head_dim]
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[: ctx - base]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[: ctx - base]
         keys = keys.double().repeat_interleave(group, dim=1)
         values = values.double().repeat_interleave(group, dim=1)
         q = query[start:end].double()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if options.softcap is not None:
+            scores = torch.tanh(scores / options.softcap) * options.softcap
         positions = ctx - (end - start) + torch.arange(end - start, device=query.device)
-        visible = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
+        key_positions = torch.arange(base, ctx, device=query.device)[None, :]
+        visible = key_positions <= positions[:, None]
+        if window is not None:
+            visible &= key_positions > positions[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     return out
@@ -127,3 +139,19 @@ def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def assert_close(out: torch.Tensor, ref: torch.Tensor, num_rows: int) -> None:
     atol, rtol = TOLERANCE[out.dtype]
     torch.testing.assert_close(out[:num_rows].double(), ref[:num_rows], atol=atol, rtol=rtol)
+
+
+def poison_outside_windows(batch: Batch, window: int) -> int:
+    """Fill with NaN every block that lies wholly before the window of its sequence's first
+    query row (a block the KV manager may have freed and handed out again), so that a
+    backend that reads one fails; returns how many blocks were poisoned."""
+    meta, block_size = batch.meta, batch.k_cache.shape[1]
+    starts, lens = meta.query_start_loc.tolist(), meta.context_lens.tolist()
+    poisoned = 0
+    for i, ctx in enumerate(lens):
+        num_out = max(0, ctx - (starts[i + 1] - starts[i]) - window + 1) // block_size
+        for block in meta.block_tables[i, :num_out].tolist():
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+        poisoned += num_out
+    return poisoned

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family models saved to disk, and a minimal engine loop over ModelRunner.
+"""Tiny random models saved to disk, and a minimal engine loop over ModelRunner.
 
 Shared by the runner's unit tests, the CUDA-graph tests and the SmolLM2 parity test: the
 loop (`Engine`) drives `ModelRunner.execute` with hand-built `SchedulerOutput`s, blocks
@@ -74,9 +74,16 @@ def save_tokenizer(folder: Path) -> None:
     ).save_pretrained(folder)
 
 
-def make_model_folder(folder: Path, hf_config) -> torch.nn.Module:
+def make_model_folder(folder: Path, hf_config, norm_noise: float = 0.0) -> torch.nn.Module:
+    """A random model from `hf_config` saved to `folder`; `norm_noise` moves the norm
+    weights off their init by that much noise (Gemma inits (1 + w) norms at w = 0)."""
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(hf_config).eval()
+    if norm_noise:
+        with torch.no_grad():
+            for name, param in hf_model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn(param.shape) * norm_noise)
     hf_model.save_pretrained(folder)
     save_tokenizer(folder)
     hf_model.generation_config.eos_token_id = None  # generate fixed lengths
@@ -109,6 +116,22 @@ class TinyModel:
         out = self.hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
         return out[0, len(prompt) :].tolist()
 
+
+
+def clear_margin_generations(
+    hf: torch.nn.Module, candidates: list[list[int]], max_new_tokens: int, min_margin: float
+) -> dict[tuple[int, ...], list[int]]:
+    """HF's greedy tokens for the candidate prompts whose top-1 logit beats the top-2 by
+    more than `min_margin` at every step (random weights give small margins)."""
+    found = {}
+    for prompt in candidates:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+        top2 = torch.cat(out.logits).topk(2, dim=-1).values
+        if float((top2[:, 0] - top2[:, 1]).min()) > min_margin:
+            found[tuple(prompt)] = out.sequences[0, len(prompt):].tolist()
+    return found
 
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

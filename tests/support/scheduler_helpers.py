@@ -37,6 +37,7 @@ def make_scheduler(
     num_blocks: int = 32,
     block_size: int = 4,
     enable_prefix_caching: bool = True,
+    sliding_window: int | None = None,
     fair_share: bool = False,
     clock: Callable[[], float] | None = None,
 ) -> Scheduler:
@@ -57,6 +58,7 @@ def make_scheduler(
             num_blocks=num_blocks,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            sliding_window=sliding_window,
         ),
         clock=clock if clock is not None else FakeClock(),
     )

@@ -44,23 +44,27 @@ inline void prefetch(const char* p, int64_t bytes) {
 // output rescaled when the maximum grows, and the block's values added. A block's rows
 // stay in cache across the group's heads; the query and the output row stay in registers
 // (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
-// constants, 0 takes head_dim at run time). Float32 throughout. The caller's per-thread
+// constants, 0 takes head_dim at run time). Float32 throughout. With a sliding window
+// (window > 0) only the last `window` keys are read, from the block that holds the first;
+// softcap > 0 caps each score at softcap * tanh(score / softcap). The caller's per-thread
 // scratch: scores (a block, padded to 8), acc (num_heads rows), max and sum (num_heads).
 template <int STATIC_D, typename Q, typename T>
 void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
                 const int32_t* table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                int64_t block_size, int64_t block_stride, float scale, float* scores, Vec8* acc,
-                float* max, float* sum, Q* out) {
+                int64_t block_size, int64_t block_stride, float scale, int64_t window,
+                float softcap, float* scores, Vec8* acc, float* max, float* sum, Q* out) {
   const int D = STATIC_D ? STATIC_D : head_dim;
   const int R = D / 8;  // vector registers per row
   constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // first key
   const int64_t token_stride = num_kv_heads * D;
   std::fill(max, max + num_heads, -std::numeric_limits<float>::max());
   std::fill(sum, sum + num_heads, 0.f);
   std::fill(acc, acc + num_heads * R, Vec8{});
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = start / block_size; b < num_blocks; ++b) {
+    const int64_t lo = std::max<int64_t>(0, start - b * block_size);  // first row in the window
     const int64_t n = std::min(block_size, len - b * block_size);
     const int64_t next = table[std::min(b + 1, num_blocks - 1)] * block_stride;
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
@@ -76,22 +80,23 @@ void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
         Vec8 q[MAX_R];
         for (int r = 0; r < R; ++r) q[r] = load8(q_in + h * D + r * 8) * scale;
         float block_max = max[h];
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = lo; i < n; ++i) {
           const T* k = keys + i * token_stride;
           scores[i] = dot(q, k, R);
+          if (softcap > 0.f) scores[i] = softcap * std::tanh(scores[i] / softcap);
           block_max = std::max(block_max, scores[i]);
         }
         Vec8 out_row[MAX_R];
         const float shrink = block_max > max[h] ? std::exp(max[h] - block_max) : 1.f;
         for (int r = 0; r < R; ++r) out_row[r] = acc[h * R + r] * shrink;
         float block_sum = 0.f;
-        for (int64_t i = 0; i < n; i += 8) {
+        for (int64_t i = lo; i < n; i += 8) {
           Vec8 p;
           std::memcpy(&p, scores + i, sizeof(p));
           p = exp8(p - block_max);
           std::memcpy(scores + i, &p, sizeof(p));
         }
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = lo; i < n; ++i) {
           block_sum += scores[i];
           const T* v = values + i * token_stride;
           for (int r = 0; r < R; ++r) out_row[r] += scores[i] * load8(v + r * 8);
@@ -115,7 +120,8 @@ void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
 template <int STATIC_D, typename Q, typename T>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                             const at::Tensor& context_lens, double scale, int64_t window,
+                             double softcap, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t block_stride = k_cache.stride(0), table_stride = block_tables.stride(0);
@@ -132,8 +138,9 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
     for (int64_t seq = begin; seq < end; ++seq) {
       decode_one<STATIC_D>(D, q_all + seq * num_heads * D, k_all, v_all,
                            tables + seq * table_stride, lens[seq], num_heads, num_kv_heads,
-                           block_size, block_stride, static_cast<float>(scale), scores.data(),
-                           acc.data(), max.data(), sum.data(), out_all + seq * num_heads * D);
+                           block_size, block_stride, static_cast<float>(scale), window,
+                           static_cast<float>(softcap), scores.data(), acc.data(), max.data(),
+                           sum.data(), out_all + seq * num_heads * D);
     }
   });
 }
@@ -142,22 +149,28 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
 template <typename Q, typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,
-                            const at::Tensor& lens, double scale, at::Tensor& out) {
+                            const at::Tensor& lens, double scale, int64_t window,
+                            double softcap, at::Tensor& out) {
   switch (q.size(2)) {
     case 64:
-      decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+                                        softcap, out);
       break;
     case 128:
-      decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+                                         softcap, out);
       break;
     default:
-      decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, scale, out);
+      decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+                                       softcap, out);
   }
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, int64_t window,
+                            double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [n, heads, d], caches 4-d");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must have one layout");
@@ -179,7 +192,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
-  // A bad table would read outside the cache: check every block a context reaches.
+  // A bad table would read outside the cache: check every block a context's window reaches.
   const int64_t block_size = k_cache.size(1), width = tables.size(1);
   const int32_t* table_data = tables.data_ptr<int32_t>();
   const int32_t* len_data = lens.data_ptr<int32_t>();
@@ -188,7 +201,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
     TORCH_CHECK(len >= 0 && len <= width * block_size, "context length ", len,
                 " does not fit a block table of ", width, " blocks");
     const int32_t* row = table_data + seq * tables.stride(0);
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) / block_size : 0;
+    for (int64_t b = first; b < (len + block_size - 1) / block_size; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "block ", row[b],
                   " is not in the cache");
     }
@@ -197,9 +211,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(),
                                   "decode_attention", [&] {
     if (q.scalar_type() == k_cache.scalar_type()) {
-      decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+      decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
+                                                 softcap, out);
     } else {
-      decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, scale, out);
+      decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
+                                              softcap, out);
     }
   });
   return out;
@@ -247,6 +263,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY(pagedserve, m) {
-  m.def("decode_attention", &decode_attention);
+  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window=0, float softcap=0.) -> Tensor",
+        &decode_attention);
   m.def("write_kv_cache", &write_kv_cache);
 }

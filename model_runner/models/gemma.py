@@ -1,0 +1,204 @@
+"""Gemma 2 and Gemma 3 (text) causal LMs in plain torch, over a paged KV cache.
+
+What sets them apart from the Llama family (model_runner/models/llama.py, whose attention,
+projections, weight loading and tensor parallelism they reuse): RMSNorm scaling by
+(1 + w), embeddings scaled by sqrt(hidden), sandwich norms (each of attention and MLP
+normed before and after), a gelu (tanh) gated MLP, the softmax scale
+query_pre_attn_scalar ** -0.5, local (sliding-window) and global layers by
+`layer_types`; Gemma 2 soft-caps attention scores and final logits; Gemma 3 norms q and k
+per head and gives its local layers their own RoPE (rope_parameters by layer type, the
+rope_local_base_freq of older configs). The fused layer kernels (LayerOps) are not used:
+their norm and activation are Llama's.
+
+Shapes: T = tokens in the step, H = hidden size, D = head_dim.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from model_runner.attention.backend import AttentionBackend, AttentionOptions, LayerOps
+from model_runner.attention_metadata import AttentionMetadata
+from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.models.llama import (
+    MLP,
+    Attention,
+    KVCaches,
+    LlamaForCausalLM,
+    RMSNorm,
+    rope_inv_freq,
+)
+from model_runner.models.sliding_windows import layer_windows
+
+_DEFAULT_ROPE = "default"  # the rope-cache key of a model with one RoPE for all layers
+
+
+class GemmaRMSNorm(RMSNorm):
+    """RMSNorm whose learned scale is 1 + weight (Gemma's weights are stored around 0)."""
+
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaAttention(Attention):
+    """The Llama-family attention with Gemma's scale, its layer's window and soft cap, and
+    (Gemma 3) the per-head q/k norm."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        window: int | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        super().__init__(config, head_dim, tp)
+        self.scale = float(config.query_pre_attn_scalar) ** -0.5
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        self.options = AttentionOptions(sliding_window=window, softcap=softcap)
+        self.qk_norm = config.model_type == "gemma3_text"
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+
+
+class GemmaMLP(MLP):
+    """gelu(gate, tanh approximation) * up, then down (fused gate and up projections)."""
+
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [T, H]
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Sandwich-normed residual block: x + post_norm(attn(pre_norm(x))), then the same
+    around the MLP. `rope_key` names the RoPE table of its layer type."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        layer_type: str,
+        window: int | None,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.rope_key = layer_type if _rope_by_layer_type(config) else _DEFAULT_ROPE
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = GemmaAttention(config, head_dim, window, tp)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = GemmaMLP(config, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D / 2]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache, attn)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM) decoders.
+
+    Built and loaded as LlamaForCausalLM is (the checkpoint names and the tensor-parallel
+    shards are the same); its own layers, RoPE tables, scaled embeddings and soft-capped
+    logits.
+    """
+
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
+        nn.Module.__init__(self)
+        activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported activation {activation!r} (only gelu_pytorch_tanh)")
+        self.config = config
+        self.head_dim = config.head_dim
+        self.tp = tp
+        self.num_layers = config.num_hidden_layers
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.vocab_size = config.vocab_size
+        self.vocab_start, self.vocab_stop, vocab_rows = (
+            (0, self.vocab_size, self.vocab_size) if tp is None else tp.vocab(self.vocab_size)
+        )
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        layer_types = config.layer_types or ["full_attention"] * self.num_layers
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, self.head_dim, kind, window, tp)
+            for kind, window in zip(layer_types, layer_windows(config), strict=True)
+        )
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
+        self.packed_lm_head = None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.rope_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_rope_cache(self, max_positions: int) -> None:
+        """cos and sin [max_positions, D / 2] of each RoPE the layers use."""
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        for key in {layer.rope_key for layer in self.layers}:
+            params = self.config.rope_parameters
+            params = params[key] if key != _DEFAULT_ROPE else params
+            inv_freq = rope_inv_freq(SimpleNamespace(rope_parameters=params), self.head_dim)
+            freqs = torch.outer(positions, inv_freq)
+            # NOTE: computed in float32 and cast to the model dtype, as Hugging Face does.
+            self.rope_caches[key] = (
+                freqs.cos().to(device=device, dtype=dtype),
+                freqs.sin().to(device=device, dtype=dtype),
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm: [T, H]."""
+        ropes = {key: (cos[positions], sin[positions]) for key, (cos, sin) in
+                 self.rope_caches.items()}  # [T, D / 2] each
+        x = self.embed(input_ids)  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, *ropes[layer.rope_key], meta, kv_cache, attn)
+        return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, H] times sqrt(hidden), rounded to the model's dtype first as
+        Hugging Face does."""
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+
+    def layer_ops(self, attn: AttentionBackend, dtype: torch.dtype) -> LayerOps | None:
+        """None: the fused kernels norm by w and gate by silu, Gemma by 1 + w and gelu."""
+        return None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As LlamaForCausalLM's, soft-capped by final_logit_softcapping when set."""
+        logits = super().compute_logits(hidden)
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+def _rope_by_layer_type(config: PretrainedConfig) -> bool:
+    """Whether rope_parameters holds one RoPE per layer type (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return "full_attention" in params or "sliding_attention" in params
