@@ -55,8 +55,8 @@ LIMIT_FLAGS: dict[str, str] = {
     "max_n": "choices per prompt (`n`) at most",
     "max_choices": "choices per request (prompts x n; each is a sequence of its own) at most",
     "max_logprobs": "top logprobs per token at most (logprobs, top_logprobs, prompt_logprobs)",
-    "max_prompt_logprobs_entries": "prompt_logprobs entries a request may ask for: prompt "
-    "tokens x (k + 1) x choices",
+    "max_prompt_logprobs_entries": "prompt_logprobs (or echo with logprobs) entries a "
+    "request may ask for: prompt tokens x (k + 1) x choices",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_string_chars": "characters per stop string at most",
     "max_logit_bias": "logit_bias entries at most (allowed_token_ids is capped by the "
