@@ -112,9 +112,11 @@ class Completions:
         created = int(time.time())
         model = self.serving.model_name
         n = body.n
+        num_choices = len(prompts) * n
+        # the echoes yet to send, by choice (each in its choice's first chunk)
+        unechoed = {i: echo[i // n] for i in range(num_choices)} if echo is not None else {}
         # NOTE: a choice's text starts with its echo, so that its tokens' offsets follow it
-        choices = {i: Choice(text=echo[i // n] if echo else "") for i in range(len(prompts) * n)}
-        unechoed = {i: echo[i // n] for i in choices} if echo is not None else {}
+        choices = {i: Choice(text=unechoed.get(i, "")) for i in range(num_choices)}
         head = chunk_head(request_id, "text_completion", created, model)
         prompt_logprobs = self.serving.prompt_logprobs_json(prompts, n, body.prompt_logprobs)
 
@@ -129,23 +131,25 @@ class Completions:
             return self._logprobs(output.token_ids, output.logprobs or [], text_offset)
 
         def event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
-            text = output.text
-            prefix = unechoed.pop(output.index, None)
-            if prefix is not None:  # the choice's first chunk: the prompt before its text
-                text = prefix + text
-                if body.logprobs is not None:
-                    logprobs = self._echo_logprobs(prompts[output.index // n],
-                                                   output.prompt_logprobs, body.logprobs,
-                                                   logprobs)
             if logprobs is None and output.prompt_logprobs is None:
-                return fast_chunk(head, output, {"text": text})
+                return fast_chunk(head, output, {"text": output.text})
             return chunk(CompletionStreamChoice(
                 index=output.index,
-                text=text,
+                text=output.text,
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
             ), prompt_logprobs(output.index, output.prompt_logprobs))
+
+        def echo_event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
+            """A choice's first chunk carries its prompt (and with logprobs, the prompt's)."""
+            prefix = unechoed.pop(output.index, None)
+            if prefix is None:
+                return event_of(output, logprobs)
+            if body.logprobs is not None:
+                logprobs = self._echo_logprobs(prompts[output.index // n], output.prompt_logprobs,
+                                               body.logprobs, logprobs)
+            return event_of(replace(output, text=prefix + output.text), logprobs)
 
         def usage_event() -> str:
             response = CompletionStreamResponse(
@@ -155,7 +159,8 @@ class Completions:
             return sse_data(response.model_dump_json())
 
         outputs = _prompt_only_outputs(stream) if body.scores_prompt_only else stream
-        deltas = delta_events(outputs, choices, logprobs_of, event_of, self.serving.off_loop)
+        deltas = delta_events(outputs, choices, logprobs_of,
+                              event_of if echo is None else echo_event_of, self.serving.off_loop)
         return event_stream(self.serving.engine, stream, (), deltas,
                             usage_event if body.include_usage_in_stream else None)
 
