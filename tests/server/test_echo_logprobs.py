@@ -206,3 +206,16 @@ def test_echo_logprobs_ask_within_the_prompt_logprobs_budget(client) -> None:
     assert response.json()["error"]["param"] == "logprobs"
     # echo without logprobs computes no prompt logprobs: no budget
     complete(client, prompt=PROMPT_IDS, max_tokens=1, echo=True, n=4)
+
+
+def test_prompt_logprobs_beside_echo_keep_their_own_k(client) -> None:
+    """prompt_logprobs 1 with echo's logprobs 3: the engine computes the top 3 once; each
+    field shows its own k, the same values."""
+    [choice] = complete(client, prompt=PROMPT_IDS, max_tokens=1, echo=True, logprobs=3,
+                        prompt_logprobs=1)["choices"]
+    entries, logprobs = choice["prompt_logprobs"], choice["logprobs"]
+    assert entries[0] is None and len(entries) == len(PROMPT_IDS)
+    assert all(len(entry) in (1, 2) for entry in entries[1:])
+    assert all(len(top) in (3, 4) for top in logprobs["top_logprobs"][1 : len(PROMPT_IDS)])
+    for i, entry in enumerate(entries[1:], 1):
+        assert entry[str(PROMPT_IDS[i])]["logprob"] == logprobs["token_logprobs"][i]
