@@ -61,13 +61,12 @@ metric_list:
     return tmp_path
 
 
-def evaluate(model, task_folder: Path) -> tuple[float, list[list[float]]]:
+def evaluate(model, task_manager) -> tuple[float, list[list[float]]]:
     """lm-eval's accuracy of `model` on the task, and each doc's choice loglikelihoods."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     out = simple_evaluate(model=model, tasks=[TASK], bootstrap_iters=0, log_samples=True,
-                          task_manager=TaskManager(include_path=str(task_folder)))
+                          task_manager=task_manager)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     return out["results"][TASK]["acc,none"], [[r[0] for r in s["resps"]] for s in samples]
 
@@ -77,16 +76,19 @@ def test_local_completions_matches_the_hf_model(server, task_folder, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
 
     from model_runner.loader import resolve_model_folder
 
+    # NOTE: lm-eval's own tasks left out: indexing them takes most of a minute
+    tasks = TaskManager(include_path=str(task_folder), include_defaults=False)
     folder, name = resolve_model_folder(None)
     api = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=name,
                               tokenizer=str(folder), tokenizer_backend="huggingface",
                               batch_size=3)  # three token-id prompts a request
-    api_accuracy, api_loglikelihoods = evaluate(api, task_folder)
+    api_accuracy, api_loglikelihoods = evaluate(api, tasks)
     hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu", batch_size=8)
-    hf_accuracy, hf_loglikelihoods = evaluate(hf, task_folder)
+    hf_accuracy, hf_loglikelihoods = evaluate(hf, tasks)
     assert len(api_loglikelihoods) == len(DOCS)
     for doc, api_doc, hf_doc in zip(DOCS, api_loglikelihoods, hf_loglikelihoods, strict=True):
         assert len(api_doc) == len(hf_doc) == len(doc[1])
