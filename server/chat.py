@@ -71,7 +71,7 @@ class ChatCompletions:
         choices = await serving.collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        prompt_logprobs = serving.prompt_logprobs_json([prompt], body.n)
+        prompt_logprobs = serving.prompt_logprobs_json([prompt], body.n, body.prompt_logprobs)
 
         def render() -> bytes:
             response = ChatCompletionResponse(
@@ -132,7 +132,7 @@ class ChatCompletions:
         choices = {i: Choice() for i in range(body.n)}
         parsers = {i: self._output_parser(body, tool_parser) for i in choices}
         head = chunk_head(request_id, "chat.completion.chunk", created, model)
-        prompt_logprobs = self.serving.prompt_logprobs_json([prompt], body.n)
+        prompt_logprobs = self.serving.prompt_logprobs_json([prompt], body.n, body.prompt_logprobs)
 
         def chunk(choice: ChatCompletionStreamChoice, fragment: Fragment | None = None) -> Event:
             c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])

@@ -1,17 +1,26 @@
 """POST /v1/completions: prompts (text or token ids, one or several) to completions, as
-JSON or as an SSE stream; `echo`, completions-shaped logprobs, `n` choices per prompt."""
+JSON or as an SSE stream; `echo`, completions-shaped logprobs, `n` choices per prompt.
+
+`echo` puts the prompt before each choice's text (streamed: in the choice's first chunk).
+With `logprobs` its tokens are scored too, by the engine's prompt logprobs (so the prompt is
+computed whole, whatever the prefix cache holds): lm-eval's `local-completions` sums them.
+`max_tokens` 0 with `echo` scores the prompt alone: the engine samples one token to end the
+prompt, which the response leaves out (as vLLM does).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 from orjson import Fragment
 
 from engine.outputs import RequestOutput, RequestStream
-from scheduler.output import SampleLogprobs
+from scheduler.output import PromptLogprobs, SampleLogprobs
 from server.rendering import Choice, json_response, response_json, usage
 from server.requests import CompletionRequest
 from server.responses import (
@@ -35,6 +44,8 @@ from server.streaming import (
 
 _DEFAULT_MAX_TOKENS = 16
 
+_Part = TypeVar("_Part", Choice, RequestOutput)
+
 
 class Completions:
     """The completions route over the shared `Serving`."""
@@ -46,7 +57,8 @@ class Completions:
         serving = self.serving
         arrival = time.monotonic()
         body, placement = await serving.parse(raw, CompletionRequest, arrival)
-        max_tokens = body.max_tokens or _DEFAULT_MAX_TOKENS
+        # NOTE: max_tokens 0 (echo) samples one token, left out of the response
+        max_tokens = max(1, _DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
         prompts: list[list[int]] = []
         if isinstance(body.prompts[0], str):
             texts = [str(p) for p in body.prompts]
@@ -69,7 +81,9 @@ class Completions:
         choices = await serving.collect(stream, raw)
         if choices is None:
             return Response(status_code=499)
-        prompt_logprobs = serving.prompt_logprobs_json(prompts, body.n)
+        if body.scores_prompt_only:
+            choices = [_prompt_only(c) for c in choices]
+        prompt_logprobs = serving.prompt_logprobs_json(prompts, body.n, body.prompt_logprobs)
 
         def render() -> bytes:
             response = CompletionResponse(
@@ -97,29 +111,24 @@ class Completions:
     ) -> Response:
         created = int(time.time())
         model = self.serving.model_name
-        choices = {i: Choice() for i in range(len(prompts) * body.n)}
+        n = body.n
+        num_choices = len(prompts) * n
+        # the echoes yet to send, by choice (each in its choice's first chunk)
+        unechoed = {i: echo[i // n] for i in range(num_choices)} if echo is not None else {}
+        # NOTE: a choice's text starts with its echo, so that its tokens' offsets follow it
+        choices = {i: Choice(text=unechoed.get(i, "")) for i in range(num_choices)}
         head = chunk_head(request_id, "text_completion", created, model)
-        prompt_logprobs = self.serving.prompt_logprobs_json(prompts, body.n)
+        prompt_logprobs = self.serving.prompt_logprobs_json(prompts, n, body.prompt_logprobs)
 
         def chunk(choice: CompletionStreamChoice, fragment: Fragment | None = None) -> Event:
             response = CompletionStreamResponse(id=request_id, created=created, model=model,
                                                 choices=[choice])
             return model_event(response, fragment)
 
-        def prelude() -> Iterator[Event]:
-            if echo is None:
-                return
-            for i, choice in choices.items():
-                choice.text = echo[i // body.n]
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = self._logprobs(prompts[i // body.n], [], [], 0)
-                yield chunk(CompletionStreamChoice(index=i, text=choice.text, logprobs=logprobs))
-
         def logprobs_of(output: RequestOutput, text_offset: int) -> CompletionLogprobs | None:
             if body.logprobs is None:
                 return None
-            return self._logprobs([], output.token_ids, output.logprobs or [], text_offset)
+            return self._logprobs(output.token_ids, output.logprobs or [], text_offset)
 
         def event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
             if logprobs is None and output.prompt_logprobs is None:
@@ -132,6 +141,16 @@ class Completions:
                 num_preemptions=output.num_preemptions if output.finished else None,
             ), prompt_logprobs(output.index, output.prompt_logprobs))
 
+        def echo_event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
+            """A choice's first chunk carries its prompt (and with logprobs, the prompt's)."""
+            prefix = unechoed.pop(output.index, None)
+            if prefix is None:
+                return event_of(output, logprobs)
+            if body.logprobs is not None:
+                logprobs = self._echo_logprobs(prompts[output.index // n], output.prompt_logprobs,
+                                               body.logprobs, logprobs)
+            return event_of(replace(output, text=prefix + output.text), logprobs)
+
         def usage_event() -> str:
             response = CompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=[],
@@ -139,8 +158,10 @@ class Completions:
             )
             return sse_data(response.model_dump_json())
 
-        deltas = delta_events(stream, choices, logprobs_of, event_of, self.serving.off_loop)
-        return event_stream(self.serving.engine, stream, prelude(), deltas,
+        outputs = _prompt_only_outputs(stream) if body.scores_prompt_only else stream
+        deltas = delta_events(outputs, choices, logprobs_of,
+                              event_of if echo is None else echo_event_of, self.serving.off_loop)
+        return event_stream(self.serving.engine, stream, (), deltas,
                             usage_event if body.include_usage_in_stream else None)
 
     def _choice(
@@ -154,9 +175,10 @@ class Completions:
         prefix = echo[index // body.n] if echo is not None else ""
         logprobs = None
         if body.logprobs is not None:
-            logprobs = self._logprobs(
-                prompt if echo is not None else [], choice.token_ids, choice.logprobs, 0
-            )
+            logprobs = self._logprobs(choice.token_ids, choice.logprobs, len(prefix))
+            if echo is not None:
+                logprobs = self._echo_logprobs(prompt, choice.prompt_logprobs, body.logprobs,
+                                               logprobs)
         return CompletionChoice(
             index=index,
             text=prefix + choice.text,
@@ -165,31 +187,67 @@ class Completions:
             num_preemptions=choice.num_preemptions,
         )
 
+    def _echo_logprobs(
+        self,
+        prompt: list[int],
+        prompt_logprobs: PromptLogprobs | None,
+        num_top: int,
+        generated: CompletionLogprobs | None,
+    ) -> CompletionLogprobs:
+        """The echoed prompt's logprobs (offsets from 0), then `generated`. Its
+        first token has none, nor has any token when the prompt logprobs did not come (the
+        request ended before its prompt was computed)."""
+        samples: list[SampleLogprobs | None] = [None] * len(prompt)
+        if prompt_logprobs is not None:
+            for i, (logprob, top) in enumerate(
+                zip(prompt_logprobs.logprobs, prompt_logprobs.top, strict=True)
+            ):
+                samples[prompt_logprobs.start + i] = SampleLogprobs(logprob, top[:num_top])
+        result = self._logprobs(prompt, samples, 0)
+        if generated is not None:
+            result.tokens += generated.tokens
+            result.token_logprobs += generated.token_logprobs
+            result.top_logprobs += generated.top_logprobs
+            result.text_offset += generated.text_offset
+        return result
+
     def _logprobs(
         self,
-        prompt_ids: list[int],
         token_ids: list[int],
-        logprobs: list[SampleLogprobs],
+        samples: Sequence[SampleLogprobs | None],
         text_offset: int,
     ) -> CompletionLogprobs:
-        """Completions-shaped logprobs; echoed prompt tokens have none (not computed)."""
+        """Completions-shaped logprobs of `token_ids` from `text_offset` on: each token's
+        logprob and its top alternatives with the token itself (None where it has none)."""
         token_text = self.serving.token_text
         result = CompletionLogprobs()
         offset = text_offset
-        for token_id in prompt_ids:
+        for token_id, sample in zip(token_ids, samples, strict=False):
             token = token_text(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
             result.text_offset.append(offset)
             offset += len(token)
-        for token_id, sample in zip(token_ids, logprobs, strict=False):
-            token = token_text(token_id)
+            if sample is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
             top = {token_text(t): lp for t, lp in sample.top}
             top.setdefault(token, sample.logprob)
-            result.tokens.append(token)
             result.token_logprobs.append(sample.logprob)
             result.top_logprobs.append(top)
-            result.text_offset.append(offset)
-            offset += len(token)
         return result
+
+
+def _prompt_only(part: _Part) -> _Part:
+    """A choice (or one of its outputs) of max_tokens 0, the prompt scored alone: the one
+    token sampled to end the prompt left out; a choice that stopped on it ends at its
+    length, as asked."""
+    finish_reason = "length" if part.finish_reason == "stop" else part.finish_reason
+    return replace(part, text="", token_ids=[], logprobs=[], num_output_tokens=0,
+                   finish_reason=finish_reason)
+
+
+async def _prompt_only_outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The outputs of `stream` with max_tokens 0 (`_prompt_only`)."""
+    async for output in stream:
+        yield _prompt_only(output)

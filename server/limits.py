@@ -55,8 +55,8 @@ LIMIT_FLAGS: dict[str, str] = {
     "max_n": "choices per prompt (`n`) at most",
     "max_choices": "choices per request (prompts x n; each is a sequence of its own) at most",
     "max_logprobs": "top logprobs per token at most (logprobs, top_logprobs, prompt_logprobs)",
-    "max_prompt_logprobs_entries": "prompt_logprobs entries a request may ask for: prompt "
-    "tokens x (k + 1) x choices",
+    "max_prompt_logprobs_entries": "prompt_logprobs (or echo with logprobs) entries a "
+    "request may ask for: prompt tokens x (k + 1) x choices",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_string_chars": "characters per stop string at most",
     "max_logit_bias": "logit_bias entries at most (allowed_token_ids is capped by the "
@@ -105,19 +105,22 @@ def check_budgets(body: SamplingRequest, limits: RequestLimits) -> None:
 def check_prompt_logprobs(
     prompts: list[list[int]], body: SamplingRequest, limits: RequestLimits
 ) -> None:
-    """A 400 when prompt_logprobs asks for more entries than --max-prompt-logprobs-entries
-    (each prompt's tokens x (k + 1) x its n choices); once tokenized, before submitting."""
-    k = body.prompt_logprobs
+    """A 400 when the prompt logprobs asked for (prompt_logprobs, or echo with logprobs)
+    are more entries than --max-prompt-logprobs-entries (each prompt's tokens x (k + 1) x
+    its n choices); once tokenized, before submitting."""
+    k = body.num_prompt_logprobs
     if k is None:
         return
     num_tokens = sum(len(p) for p in prompts)
     entries = num_tokens * (k + 1) * body.n
     limit = limits.max_prompt_logprobs_entries
     if entries > limit:
-        what = (f"prompt_logprobs asks for {entries} entries ({num_tokens} prompt tokens x "
-                f"({k} + 1) x {body.n} choices)")
+        param = "prompt_logprobs" if body.prompt_logprobs == k else "logprobs"
+        asker = "prompt_logprobs" if param == "prompt_logprobs" else "echo with logprobs"
+        what = (f"{asker} asks for {entries} prompt logprob entries ({num_tokens} prompt "
+                f"tokens x ({k} + 1) x {body.n} choices)")
         raise APIError(400, over_limit(what, limit, "max_prompt_logprobs_entries"),
-                       param="prompt_logprobs")
+                       param=param)
 
 
 def _asked(body: SamplingRequest) -> Iterator[tuple[str, str, int, str]]:

@@ -67,19 +67,28 @@ def json_response(content: bytes) -> Response:
 class PromptLogprobsJSON:
     """vLLM's `prompt_logprobs` of a request's choices as JSON: None for the first prompt
     token, then per token {token id: {logprob, rank, decoded_token}} of the token itself
-    and its top-k. Written once per prompt: the choices of a prompt that share their
-    prompt logprobs (n > 1: the very same object) share its JSON too."""
+    and its top-k (`num_top`, what the request asked for: the engine may have computed
+    more for `echo`; None: nothing written). Written once per prompt: the choices of a
+    prompt that share their prompt logprobs (n > 1: the very same object) share its JSON
+    too."""
 
-    def __init__(self, token_text: Callable[[int], str], prompts: list[list[int]], n: int):
+    def __init__(
+        self,
+        token_text: Callable[[int], str],
+        prompts: list[list[int]],
+        n: int,
+        num_top: int | None,
+    ) -> None:
         self._token_text = token_text
         self._prompts = prompts
         self._n = n
+        self._num_top = num_top
         self._texts: dict[int, str] = {}
         self._written: dict[int, tuple[PromptLogprobs, orjson.Fragment]] = {}  # by prompt
 
     def __call__(self, index: int, logprobs: PromptLogprobs | None) -> orjson.Fragment | None:
         """Choice `index`'s (None when the request asked for none)."""
-        if logprobs is None:
+        if logprobs is None or self._num_top is None:
             return None
         p = index // self._n
         written = self._written.get(p)
@@ -95,7 +104,7 @@ class PromptLogprobsJSON:
         ):
             token_id = prompt[logprobs.start + i]
             tokens = {str(token_id): self._entry(token_id, logprob, rank)}
-            for j, (top_id, top_logprob) in enumerate(top):
+            for j, (top_id, top_logprob) in enumerate(top[: self._num_top]):
                 tokens.setdefault(str(top_id), self._entry(top_id, top_logprob, j + 1))
             result.append(tokens)
         return result

@@ -226,6 +226,12 @@ class SamplingRequest(_Request):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The top alternatives the engine computes per prompt token (None: no prompt
+        logprobs)."""
+        return self.prompt_logprobs
+
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, grammar: str | None = None
     ) -> SamplingParams:
@@ -254,7 +260,7 @@ class SamplingRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             grammar=grammar,
             logit_bias=logit_bias,
             allowed_token_ids=allowed_token_ids,
@@ -262,11 +268,32 @@ class SamplingRequest(_Request):
 
 
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of ids."""
+    """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of ids.
+    `echo` with `logprobs` scores the prompt too (its tokens' logprobs, through the prompt
+    logprobs); `max_tokens` 0 with `echo` scores it alone (as vLLM does)."""
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], _PROMPT_SCHEMA]
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
     logprobs: JsonInt | None = Field(default=None, ge=0)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (the prompt scored alone)")
+        return self
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """max_tokens 0: the echoed prompt alone, nothing generated."""
+        return self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """With echo and logprobs, at least `logprobs` (the echoed prompt's top-k)."""
+        if not self.echo or self.logprobs is None:
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
     @field_validator("prompt", mode="before")
     @classmethod

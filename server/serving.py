@@ -135,9 +135,12 @@ class Serving(Admission):
         tokenizer)."""
         return str(self.tokenizer.decode([token_id]))
 
-    def prompt_logprobs_json(self, prompts: list[list[int]], n: int) -> PromptLogprobsJSON:
-        """The writer of a request's prompt logprobs (`n` choices per prompt)."""
-        return PromptLogprobsJSON(self.token_text, prompts, n)
+    def prompt_logprobs_json(
+        self, prompts: list[list[int]], n: int, num_top: int | None
+    ) -> PromptLogprobsJSON:
+        """The writer of a request's prompt logprobs (`n` choices per prompt, the top
+        `num_top` of each token: the request's `prompt_logprobs`)."""
+        return PromptLogprobsJSON(self.token_text, prompts, n, num_top)
 
     async def render(self, params: SamplingParams, build: Callable[[], _T]) -> _T:
         """`build()` (a response's JSON): on the event loop when the request asked for no

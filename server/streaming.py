@@ -1,6 +1,6 @@
 """Server-sent event streams of the generation routes, written once for both.
 
-A stream is a prelude (echoed prompts, or each choice's role), one chunk per engine
+A stream is a prelude (each chat choice's role), one chunk per engine
 output that carries text, logprobs or a finish reason, an optional usage chunk, and
 `data: [DONE]`, after an error event when a step failed. A chunk without logprobs (the
 common case) is encoded with orjson from a head encoded once per stream; a chunk with
@@ -11,7 +11,14 @@ away mid-stream aborts its request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+)
 from typing import Any
 
 import orjson
@@ -60,7 +67,7 @@ def fast_chunk(head: bytes, output: RequestOutput, content: dict[str, Any]) -> b
 
 
 async def delta_events(
-    stream: RequestStream,
+    stream: AsyncIterable[RequestOutput],
     choices: dict[int, Choice],
     logprobs_of: Callable[[RequestOutput, int], Any | None],
     event_of: Callable[[RequestOutput, Any], Event | None],

@@ -123,7 +123,10 @@ def test_logprobs_and_echo(client, model) -> None:
     logprobs = choice.logprobs
     num_prompt = response.usage.prompt_tokens
     assert len(logprobs.tokens) == num_prompt + 4
-    assert logprobs.token_logprobs[:num_prompt] == [None] * num_prompt
+    # the echoed prompt is scored: every token but the first (tests/e2e/test_lm_eval.py)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:num_prompt])
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:num_prompt])
     assert all(lp <= 0 for lp in logprobs.token_logprobs[num_prompt:])
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[num_prompt:])
 

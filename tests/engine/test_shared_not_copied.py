@@ -272,7 +272,7 @@ def test_prompt_logprobs_json_is_written_once_per_prompt():
         decoded.append(token_id)
         return chr(token_id)
 
-    write = PromptLogprobsJSON(token_text, [[65, 66, 67], [68, 69]], n=2)
+    write = PromptLogprobsJSON(token_text, [[65, 66, 67], [68, 69]], n=2, num_top=1)
     first = PromptLogprobs(1, [-0.5, -0.25], [2, 1], [[(90, -0.1)], [(67, -0.25)]])
     second = PromptLogprobs(1, [-1.0], [1], [[(69, -1.0)]])
     fragments = [write(0, first), write(1, first), write(2, second), write(3, second)]

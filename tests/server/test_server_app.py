@@ -131,10 +131,13 @@ def test_completion_echo_and_logprobs(serve) -> None:
     ).json()
     (choice,) = body["choices"]
     assert choice["text"] == "hiHel"
+    assert "prompt_logprobs" not in choice  # computed for the echo, not asked for
     logprobs = choice["logprobs"]
     assert logprobs["tokens"] == ["h", "i", "H", "e", "l"]
-    assert logprobs["token_logprobs"] == [None, None, -0.5, -0.5, -0.5]
-    assert logprobs["top_logprobs"] == [None, None, {"H": -0.5}, {"e": -0.5}, {"l": -0.5}]
+    # the scripted prompt logprobs: token i at -i / 10, behind "~"
+    assert logprobs["token_logprobs"] == [None, -0.1, -0.5, -0.5, -0.5]
+    assert logprobs["top_logprobs"] == [None, {"~": -0.01, "i": -0.1}, {"H": -0.5},
+                                        {"e": -0.5}, {"l": -0.5}]
     assert logprobs["text_offset"] == [0, 1, 2, 3, 4]
 
 
