@@ -98,9 +98,12 @@ def event_stream(
     prelude: Iterable[Event],
     deltas: AsyncIterator[Event],
     usage_event: Callable[[], Event] | None,
+    error_event: Callable[[EngineStepError], Event] | None = None,
+    done: Event | None = "data: [DONE]\n\n",
 ) -> StreamingResponse:
-    """The SSE response: `prelude`, `deltas`, then `usage_event()` when given, and
-    [DONE] (after an error event on failure); aborts the request if the client leaves."""
+    """The SSE response: `prelude`, `deltas`, then `usage_event()` when given, and `done`
+    (after an error event on failure: `error_event(error)`, by default OpenAI's error
+    object); aborts the request if the client leaves."""
 
     async def events() -> AsyncGenerator[Event, None]:
         try:
@@ -111,16 +114,22 @@ def event_stream(
             if usage_event is not None:
                 yield usage_event()
         except EngineStepError as exc:
-            kind = "invalid_request_error" if exc.status_code == 400 else "server_error"
-            error = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind))
-            yield sse_data(error.model_dump_json())
+            yield (error_event or _error_event)(exc)
         finally:
             if not stream.finished:
                 engine.abort(stream.request_id)
-        yield "data: [DONE]\n\n"
+        if done is not None:
+            yield done
 
     return _EventStreamResponse(events(), media_type="text/event-stream",
                                 headers=_SSE_HEADERS)
+
+
+def _error_event(error: EngineStepError) -> Event:
+    """OpenAI's error object as a stream's event (a failed step)."""
+    kind = "invalid_request_error" if error.status_code == 400 else "server_error"
+    return sse_data(ErrorResponse(error=ErrorInfo(message=str(error), type=kind))
+                    .model_dump_json())
 
 
 class _EventStreamResponse(StreamingResponse):
