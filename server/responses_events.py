@@ -102,7 +102,9 @@ def response_usage(prompt: list[int], choice: Choice) -> dict[str, Any]:
     """The Responses shape of a choice's usage."""
     u = usage([prompt], [choice])
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+    # NOTE: no tokens are written to a cache on request (OpenAI's explicit caching)
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
 
@@ -170,13 +172,18 @@ class ResponseEvents:
 
     def feed(self, delta: DeltaMessage) -> bytes:
         """The events of a delta of the chat output parser (or of plain text)."""
-        out = []
+        # NOTE: the open calls' arguments first: what follows them in the text (reasoning
+        # or content) closes them.
+        open_calls: list[DeltaToolCall] = []
+        new_calls: list[DeltaToolCall] = []
+        for call in delta.tool_calls or ():
+            (open_calls if call.index in self._calls else new_calls).append(call)
+        out = [self._call_delta(c) for c in open_calls]
         if delta.reasoning_content:
             out.append(self._text_delta("reasoning", delta.reasoning_content))
         if delta.content:
             out.append(self._text_delta("message", delta.content))
-        for call in delta.tool_calls or ():
-            out.append(self._call_delta(call))
+        out += [self._call_delta(c) for c in new_calls]
         return b"".join(out)
 
     def finish(self, finish_reason: str | None, usage_: dict[str, Any]) -> bytes:
@@ -249,9 +256,11 @@ class ResponseEvents:
     def _call_delta(self, call: DeltaToolCall) -> bytes:
         out = []
         item = self._calls.get(call.index)
-        if item is None:  # NOTE: a call's first delta names it (server/chat_output.py)
+        if item is None:
+            if call.function.name is None:
+                return b""  # more arguments of a call closed already: it cannot change
             out.append(self._close_text("completed"))
-            item = _call_item(call.id or item_id("call"), call.function.name or "", "",
+            item = _call_item(call.id or item_id("call"), call.function.name, "",
                               "in_progress")
             self._calls[call.index] = item
             out.append(self._add(item))

@@ -173,8 +173,8 @@ class ResponsesRequest(_Request):
     routes)."""
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], pydantic.BeforeValidator(_check_items)] = Field(
-        min_length=1, max_length=MAX_MESSAGES)
+    input: str | Annotated[list[InputItem], pydantic.BeforeValidator(_check_items),
+                           Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     tools: Annotated[list[FunctionTool] | None, pydantic.BeforeValidator(_check_tools)] = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
