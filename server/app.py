@@ -35,7 +35,12 @@ from server.middleware import (
     InternalErrorMiddleware,
     TenantAuthMiddleware,
 )
-from server.openapi import generation_responses, install_openapi, json_request_body
+from server.openapi import (
+    generation_responses,
+    install_openapi,
+    json_request_body,
+    responses_api_responses,
+)
 from server.requests import ChatCompletionRequest, CompletionRequest
 from server.responses import (
     ChatCompletionChunk,
@@ -101,7 +106,8 @@ def build_app(
         return await serving.handle(request, chat_route)
 
     @app.post("/v1/responses", response_model=None,
-              openapi_extra=json_request_body(ResponsesRequest))
+              openapi_extra=json_request_body(ResponsesRequest),
+              responses=responses_api_responses())
     async def responses(request: Request) -> Response:
         return await serving.handle(request, responses_route)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.errors import APIError, validation_error
 from server.requests import MAX_MESSAGES, ChatCompletionRequest, FunctionDefinition, JsonInt
@@ -173,8 +173,9 @@ class ResponsesRequest(_Request):
     routes)."""
 
     model: str | None = None
-    input: str | Annotated[list[InputItem], pydantic.BeforeValidator(_check_items),
-                           Field(min_length=1, max_length=MAX_MESSAGES)]
+    input: Annotated[str, Field(min_length=1)] | Annotated[
+        list[InputItem], pydantic.BeforeValidator(_check_items),
+        Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     tools: Annotated[list[FunctionTool] | None, pydantic.BeforeValidator(_check_tools)] = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
@@ -199,13 +200,6 @@ class ResponsesRequest(_Request):
     background: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-
-    @field_validator("input")
-    @classmethod
-    def _check_input(cls, value: Any) -> Any:
-        if isinstance(value, str) and not value:
-            raise ValueError("input must not be empty")
-        return value
 
 
 # The fields a chat request takes as they are (and bounds).

@@ -241,7 +241,7 @@ BAD = [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "not supported"),
     ({"input": "hi", "background": True}, "background", "not supported"),
-    ({"input": ""}, "input", "must not be empty"),
+    ({"input": ""}, "input", "at least 1 character"),
     ({"input": []}, "input", "at least 1"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "'input_image' are not supported"),
