@@ -19,6 +19,7 @@ from server.config import ServerConfig
 from server.responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from server.responses_events import ResponseEvents, response_head
 from server.responses_request import ResponsesRequest, chat_messages
+from tests.support.engine_helpers import core_of
 from tests.support.reliability_helpers import assert_openai_error
 from tests.support.structured_helpers import MaskedRandomRunner, make_structured
 
@@ -234,6 +235,27 @@ def test_a_function_call_output_round_trip_is_served(serve) -> None:
     assert Response.model_validate(response.json()).output_text == "It is 2."
     rendered = "<user>add 1\n<assistant>\n<tool>2\n<assistant>"  # the byte tokenizer's
     assert response.json()["usage"]["input_tokens"] == len(rendered)
+
+
+def test_a_failing_step_ends_the_stream_with_an_error_event(make_fake_engine,
+                                                          open_client) -> None:
+    engine = make_fake_engine(start=False)
+    client = open_client(engine, ServerConfig())
+    steps = []
+
+    def fail_third(plan) -> None:
+        steps.append(plan)
+        if len(steps) == 3:
+            raise RuntimeError("injected")
+
+    core_of(engine).fault_hook = fail_third
+    events = stream_events(client, {"input": "hi"})
+    assert events[-1].type == "error" and "error id" in events[-1].message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "response.output_text.delta" in [e.type for e in events]
+    state = client.get("/scheduler/state").json()
+    assert not state["running"] and not state["waiting"] and state["kv_cache"]["usage"] == 0
+    assert client.post("/v1/responses", json={"input": "hi"}).json()["status"] == "completed"
 
 
 BAD = [
