@@ -112,10 +112,15 @@ class Admission:
         tenant (403 for a priority beyond the tenant's bound, 429 without a seat or room
         in its token rate), after the checks that need no tokens: before any work."""
         request = await self.parse_json(raw, model)
+        return request, self.admit(raw, request, arrival)
+
+    def admit(self, raw: Request, request: SamplingRequest, arrival: float) -> Placement:
+        """The checks of a parsed request that need no tokens and its placement under its
+        tenant (`parse`'s second half: for a route that translates its body first)."""
         self._check_admission(request)
         placement = self._place(raw.state.tenant, request, arrival)
         raw.state.placement = placement  # for `handle`, which releases its seat
-        return request, placement
+        return placement
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or a name this server serves."""

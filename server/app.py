@@ -2,6 +2,7 @@
 
 Routes: POST /v1/completions (server/completions.py), POST /v1/chat/completions
 (server/chat.py), JSON or SSE streams ending in `data: [DONE]` (server/streaming.py);
+POST /v1/responses (server/responses_api.py), JSON or the Responses event stream;
 GET /v1/models, /health, /metrics, /scheduler/state, and the utility routes of
 server/utility_routes.py (/tokenize, /detokenize, /version). Every error has OpenAI's shape
 (server/errors.py); invalid requests (bad JSON and schema errors included) are 400, never
@@ -34,7 +35,12 @@ from server.middleware import (
     InternalErrorMiddleware,
     TenantAuthMiddleware,
 )
-from server.openapi import generation_responses, install_openapi, json_request_body
+from server.openapi import (
+    generation_responses,
+    install_openapi,
+    json_request_body,
+    responses_api_responses,
+)
 from server.requests import ChatCompletionRequest, CompletionRequest
 from server.responses import (
     ChatCompletionChunk,
@@ -44,6 +50,8 @@ from server.responses import (
     ModelCard,
     ModelList,
 )
+from server.responses_api import Responses
+from server.responses_request import ResponsesRequest
 from server.serving import Serving
 from server.tenants import TenantRegistry
 from server.utility_routes import RequestIdMiddleware, install_utility_routes
@@ -78,10 +86,12 @@ def build_app(
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
     install_error_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest], config.limits)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest],
+                    config.limits)
     serving = Serving(engine, config)
     completions_route = Completions(serving)
     chat_route = ChatCompletions(serving)
+    responses_route = Responses(serving, chat_route)
 
     @app.post("/v1/completions", response_model=None,
               openapi_extra=json_request_body(CompletionRequest),
@@ -94,6 +104,12 @@ def build_app(
               responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, chat_route)
+
+    @app.post("/v1/responses", response_model=None,
+              openapi_extra=json_request_body(ResponsesRequest),
+              responses=responses_api_responses())
+    async def responses(request: Request) -> Response:
+        return await serving.handle(request, responses_route)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

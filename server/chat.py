@@ -14,6 +14,7 @@ from orjson import Fragment
 
 from engine.outputs import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
+from scheduler.sampling_params import SamplingParams
 from server.chat_output import (
     ChatOutputParser,
     chat_output_parser,
@@ -58,12 +59,7 @@ class ChatCompletions:
         serving = self.serving
         arrival = time.monotonic()
         body, placement = await serving.parse(raw, ChatCompletionRequest, arrival)
-        tool_parser = self._tool_parser(body)
-        prompt = await serving.in_pool(serving.render_chat, body)
-        serving.check_prompt(prompt, body.requested_max_tokens or 0)
-        max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
-        grammar = await serving.grammar(body, lambda: forced_tool_grammar(body, tool_parser))
-        params = serving.sampling_params(body, max_tokens, body.num_logprobs, grammar)
+        prompt, params, tool_parser = await self.prepare(body)
         request_id = random_id("chatcmpl")
         stream = serving.submit(request_id, [prompt], params, body, placement, arrival)
         if body.stream:
@@ -77,7 +73,7 @@ class ChatCompletions:
             response = ChatCompletionResponse(
                 id=request_id,
                 model=serving.model_name,
-                choices=[self._choice(i, c, body, self._output_parser(body, tool_parser))
+                choices=[self._choice(i, c, body, self.output_parser(body, tool_parser))
                          for i, c in enumerate(choices)],
                 usage=usage([prompt], choices),
             )
@@ -86,6 +82,21 @@ class ChatCompletions:
             )
 
         return json_response(await serving.render(params, render))
+
+    async def prepare(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[int], SamplingParams, ToolParser | None]:
+        """An admitted request's prompt (through the chat template, checked against the
+        context), sampling parameters (with the output grammar) and tool parser: the work
+        before submitting, shared with POST /v1/responses (server/responses_api.py)."""
+        serving = self.serving
+        tool_parser = self._tool_parser(body)
+        prompt = await serving.in_pool(serving.render_chat, body)
+        serving.check_prompt(prompt, body.requested_max_tokens or 0)
+        max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
+        grammar = await serving.grammar(body, lambda: forced_tool_grammar(body, tool_parser))
+        params = serving.sampling_params(body, max_tokens, body.num_logprobs, grammar)
+        return prompt, params, tool_parser
 
     def _choice(
         self, index: int, choice: Choice, body: ChatCompletionRequest,
@@ -114,9 +125,10 @@ class ChatCompletions:
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from exc
 
-    def _output_parser(
+    def output_parser(
         self, body: ChatCompletionRequest, tool_parser: ToolParser | None
     ) -> ChatOutputParser | None:
+        """The parser of one choice's text (None: it is all content)."""
         return chat_output_parser(body, tool_parser, self.serving.config.reasoning_parser)
 
     def _stream(
@@ -130,7 +142,7 @@ class ChatCompletions:
         created = int(time.time())
         model = self.serving.model_name
         choices = {i: Choice() for i in range(body.n)}
-        parsers = {i: self._output_parser(body, tool_parser) for i in choices}
+        parsers = {i: self.output_parser(body, tool_parser) for i in choices}
         head = chunk_head(request_id, "chat.completion.chunk", created, model)
         prompt_logprobs = self.serving.prompt_logprobs_json([prompt], body.n, body.prompt_logprobs)
 

@@ -51,13 +51,37 @@ def generation_responses(
     ]}
     event = {"type": "object", "required": ["data"], "properties": {"data": event_data}}
     stream = {"schema": event}
-    responses: dict[int | str, dict[str, Any]] = {
+    return {
         200: {
             "model": response,
             "description": "The completion, or with `stream` a text/event-stream of chunks.",
             "content": {"text/event-stream": stream},
         },
+        **error_responses(),
     }
+
+
+def responses_api_responses() -> dict[int | str, dict[str, Any]]:
+    """The answers of POST /v1/responses: a response object, or the Responses event
+    stream (`event:` and `data:` lines, server/responses_events.py), or an error."""
+    event = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json"},
+    }}
+    return {
+        200: {
+            "description": "The response object, or with `stream` a text/event-stream of "
+            "Responses events ending in response.completed.",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": event}},
+        },
+        **error_responses(),
+    }
+
+
+def error_responses() -> dict[int | str, dict[str, Any]]:
+    """A generation route's errors, in OpenAI's shape."""
+    responses: dict[int | str, dict[str, Any]] = {}
     for status, why in ((400, "Invalid request"), (401, "Missing or wrong API key"),
                         (403, "A priority more urgent than the tenant may ask for"),
                         (404, "Unknown model"), (408, "The body did not arrive in time"),

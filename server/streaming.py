@@ -6,7 +6,8 @@ output that carries text, logprobs or a finish reason, an optional usage chunk, 
 common case) is encoded with orjson from a head encoded once per stream; a chunk with
 logprobs goes through the pydantic chunk models, and one with prompt logprobs is written
 on a render thread, their JSON (written once per prompt) spliced in. A client that goes
-away mid-stream aborts its request.
+away mid-stream aborts its request. (The Responses stream, server/responses_events.py,
+writes its own events and error event, and ends without [DONE].)
 """
 
 from __future__ import annotations
@@ -99,15 +100,25 @@ async def delta_events(
             yield event
 
 
+def _error_event(error: EngineStepError) -> Event:
+    """OpenAI's error object as a stream's event (a failed step)."""
+    kind = "invalid_request_error" if error.status_code == 400 else "server_error"
+    return sse_data(ErrorResponse(error=ErrorInfo(message=str(error), type=kind))
+                    .model_dump_json())
+
+
 def event_stream(
     engine: Engine | DataParallelEngine,
     stream: RequestStream,
     prelude: Iterable[Event],
     deltas: AsyncIterator[Event],
     usage_event: Callable[[], Event] | None,
+    error_event: Callable[[EngineStepError], Event] = _error_event,
+    done: Event | None = "data: [DONE]\n\n",
 ) -> StreamingResponse:
-    """The SSE response: `prelude`, `deltas`, then `usage_event()` when given, and
-    [DONE] (after an error event on failure); aborts the request if the client leaves."""
+    """The SSE response: `prelude`, `deltas`, then `usage_event()` when given, and `done`
+    (after `error_event(error)` on failure, by default OpenAI's error object); aborts the
+    request if the client leaves."""
 
     async def events() -> AsyncGenerator[Event, None]:
         try:
@@ -118,13 +129,12 @@ def event_stream(
             if usage_event is not None:
                 yield usage_event()
         except EngineStepError as exc:
-            kind = "invalid_request_error" if exc.status_code == 400 else "server_error"
-            error = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind))
-            yield sse_data(error.model_dump_json())
+            yield error_event(exc)
         finally:
             if not stream.finished:
                 engine.abort(stream.request_id)
-        yield "data: [DONE]\n\n"
+        if done is not None:
+            yield done
 
     return _EventStreamResponse(events(), media_type="text/event-stream",
                                 headers=_SSE_HEADERS)

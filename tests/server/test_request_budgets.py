@@ -64,11 +64,21 @@ BUDGETS: list[tuple[str, str, Callable[[int], dict[str, Any]]]] = [
                                      "tools": [tool(name=f"f{i}") for i in range(a)]}),
     ("max_tools_bytes", "chat", lambda a: {"messages": [USER], "tool_choice": "none",
                                            "tools": tools_of_bytes(a)}),
+    ("max_tools", "responses", lambda a: {"input": "hi", "tool_choice": "none",
+                                          "tools": flat([tool(name=f"f{i}") for i in range(a)])}),
+    ("max_tools_bytes", "responses", lambda a: {"input": "hi", "tool_choice": "none",
+                                                "tools": flat(tools_of_bytes(a))}),
 ]
 
 
+def flat(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat tools in the Responses API's flat shape."""
+    return [{"type": "function", **t["function"]} for t in tools]
+
+
 def path_of(route: str) -> str:
-    return "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    return {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+            "responses": "/v1/responses"}[route]
 
 
 @pytest.fixture
@@ -83,9 +93,11 @@ def client(make_fake_engine):
 def test_each_budget_serves_its_limit_and_refuses_one_past_it(client, field_name, route,
                                                               body) -> None:
     limit = getattr(LIMITS, field_name)
-    response = client.post(path_of(route), json={"max_tokens": 2, **body(limit)})
+    response = client.post(path_of(route), json={"max_tokens": 2, "max_output_tokens": 2,
+                                                  **body(limit)})
     assert response.status_code == 200, response.text
-    response = client.post(path_of(route), json={"max_tokens": 2, **body(limit + 1)})
+    response = client.post(path_of(route), json={"max_tokens": 2, "max_output_tokens": 2,
+                                                  **body(limit + 1)})
     assert_openai_error(response, 400, flag_of(field_name), f"the limit is {limit}")
 
 
@@ -159,6 +171,7 @@ def tenant_client(make_fake_engine):
 HOSTILE = [
     ("completions", {"prompt": "x" * 50, "max_tokens": 1}),
     ("chat", {"messages": [{"role": "user", "content": "x" * 50}], "max_tokens": 1}),
+    ("responses", {"input": "x" * 50, "max_output_tokens": 1}),
 ]
 
 
