@@ -20,7 +20,7 @@ from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
-from model_runner.models.llama import rope_inv_freq
+from model_runner.models.rope import rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
