@@ -71,7 +71,7 @@ class LlamaForCausalLM(nn.Module):
 
     A family that differs overrides a hook: `make_layer` / `make_attention` (its blocks),
     `embed`, `compute_logits`, `load_weights` (its checkpoint's names) or
-    `_checkpoint_slices` (its weights' tensor-parallel slices).
+    `checkpoint_slices` (its weights' tensor-parallel slices).
     """
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", mlp.intermediate_size),
         }
-        slices = self._checkpoint_slices()
+        slices = self.checkpoint_slices()
         loaded: set[str] = set()
         fused_rows: dict[str, int] = {}
         for hf_name, source in weights:
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}")
 
-    def _checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
+    def checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
         """HF module name -> (dim, start, stop, size): this rank reads [start, stop) along
         `dim` of that module's checkpoint weight, `size` long there. Absent: read whole."""
         if self.tp is None:

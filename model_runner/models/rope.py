@@ -108,18 +108,15 @@ def rope_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [max_positions, dim / 2] (float32) for positions 0..max_positions-1.
 
-    NOTE: LongRoPE rotates a position below `original_max_position_embeddings` by the
-    short factors and one from there on by the long ones. That is Hugging Face's rotation
-    of a sequence whose prompt fits the original context (its cached keys keep the short
-    factors when decoding crosses it); a longer prompt it rotates by the long ones
-    throughout, so there the two differ on the positions below.
+    NOTE: LongRoPE takes its long factors when the context (`max_positions`, the served
+    max_model_len) reaches past `original_max_position_embeddings`, else the short ones,
+    for every position, as vLLM does. Hugging Face picks by each sequence's length, and
+    recomputes the whole sequence when it grows past: a paged cache cannot, so its
+    short-factor answers are served with `--max-model-len` at most the original length.
     """
+    long = max_positions > _original_max_positions(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(config, dim))  # [max_positions, dim / 2]
-    if rope_parameters(config)["rope_type"] == "longrope":
-        original = _original_max_positions(config)
-        long = torch.outer(positions, rope_inv_freq(config, dim, long=True))
-        freqs = torch.where(positions[:, None] < original, freqs, long)
+    freqs = torch.outer(positions, rope_inv_freq(config, dim, long))  # [max_positions, dim / 2]
     scale = _attention_factor(config)
     return freqs.cos() * scale, freqs.sin() * scale
 
