@@ -38,8 +38,9 @@ from transformers import (
 from model_runner.config import ModelConfig
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
-from model_runner.models.llama import LlamaForCausalLM, WeightSource
+from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.registry import model_class
+from model_runner.models.weights import WeightSource
 
 logger = logging.getLogger(__name__)
 

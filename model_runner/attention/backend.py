@@ -61,7 +61,7 @@ class PagedAttention(Protocol):
 
 @dataclass(frozen=True)
 class LayerOps:
-    """Fused kernels for the elementwise parts of a layer, which model_runner/models/llama.py runs
+    """Fused kernels for the elementwise parts of a layer, which model_runner/models/layers.py runs
     instead of its torch code (the reference) for activations of one of `dtypes`.
 
     rms_norm(x [T, H], weight, eps) -> [T, H]; silu_and_mul([T, 2 I]) -> [T, I];

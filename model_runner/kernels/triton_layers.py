@@ -4,7 +4,7 @@
 In torch each of these is several kernels (a cast, the op, a cast back, a multiply; RoPE's
 halves, products and concatenation): at decode batch sizes a layer is then ~40 launches
 for ~6 matmul-sized ones, and a CUDA-graph replay is bound by them. The model's torch code
-(model_runner/models/llama.py) is the reference; every kernel rounds where it does, so a
+(model_runner/models/layers.py) is the reference; every kernel rounds where it does, so a
 bfloat16 model gives the same values (math in float32, rounded to the model dtype after
 each op the reference runs in that dtype).
 

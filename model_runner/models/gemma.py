@@ -25,14 +25,9 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, AttentionOptions, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
-from model_runner.models.llama import (
-    MLP,
-    Attention,
-    KVCaches,
-    LlamaForCausalLM,
-    RMSNorm,
-    rope_inv_freq,
-)
+from model_runner.models.layers import MLP, Attention, RMSNorm
+from model_runner.models.llama import KVCaches, LlamaForCausalLM
+from model_runner.models.rope import rope_inv_freq
 from model_runner.models.sliding_windows import layer_windows
 
 _DEFAULT_ROPE = "default"  # the rope-cache key of a model with one RoPE for all layers
@@ -128,6 +123,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             raise ValueError(f"unsupported activation {activation!r} (only gelu_pytorch_tanh)")
         self.config = config
         self.head_dim = config.head_dim
+        self.rotary_dim = self.head_dim
         self.tp = tp
         self.num_layers = config.num_hidden_layers
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))

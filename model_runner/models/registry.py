@@ -11,7 +11,11 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from model_runner.models.gemma import GemmaForCausalLM
+from model_runner.models.granite import GraniteForCausalLM
 from model_runner.models.llama import LlamaForCausalLM
+from model_runner.models.olmo2 import Olmo2ForCausalLM
+from model_runner.models.phi3 import Phi3ForCausalLM
+from model_runner.models.smollm3 import SmolLM3ForCausalLM
 
 # config.json's architecture -> the class that serves it
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -21,6 +25,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 

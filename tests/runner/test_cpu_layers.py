@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from model_runner.attention.cpu_backend import LAYER_OPS
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.models.llama import RMSNorm, apply_rope
+from model_runner.models.layers import RMSNorm
+from model_runner.models.rope import apply_rope
 
 load_cpu_kernels()
 ops = torch.ops.pagedserve

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from model_runner.config import ModelConfig
 from model_runner.kernels.cpu_linear import Int8Linear, can_pack, hadamard, pack_linear, padded_rows
 from model_runner.loader import load_model
-from model_runner.models.llama import Linear
+from model_runner.models.layers import Linear
 from tests.support.model_helpers import (
     CONFIGS,
     Engine,

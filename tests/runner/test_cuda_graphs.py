@@ -24,6 +24,7 @@ from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest
 from tests.support.model_helpers import (
     CONFIGS,
+    FAMILY_CONFIGS,
     GREEDY,
     Engine,
     Seq,
@@ -124,6 +125,20 @@ def test_bucket_is_the_smallest_that_fits(llama: TinyModel):
         graphs.bucket(33)
     with pytest.raises(ValueError):
         graph_batch_sizes(0)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_every_family_decodes_on_the_static_buffers(tmp_path, family: str):
+    """Each family's decode steps through the graph runner (padded 3 -> 4): Hugging Face's
+    greedy tokens."""
+    hf = make_model_folder(tmp_path, FAMILY_CONFIGS[family]())
+    config = ModelConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=1)
+    tiny = TinyModel(hf, load_model(config))
+    runner = tiny.runner(block_size=4)
+    graphs = attach_graphs(runner)
+    seqs = greedy_seqs([5, 12, 3], max_tokens=6, seed=7)
+    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 6) for s in seqs]
+    assert graphs.buckets == [4] * 5  # every decode step, none of the prefill
 
 
 # --- same tokens and logits as the eager path -----------------------------------------------

@@ -20,7 +20,7 @@ from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
-from model_runner.models.llama import rope_inv_freq
+from model_runner.models.rope import rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ from tests.support.model_helpers import (
     TinyModel,
     greedy_seqs,
     make_model_folder,
+    phi3_config,
     prompts,
 )
 
@@ -309,6 +310,30 @@ def test_rope_from_legacy_config_attributes():
     assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(SimpleNamespace(), 16))
     with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
         rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), 8)
+
+
+@torch.inference_mode()
+def test_longrope_takes_the_long_factors_for_a_context_past_the_original(tmp_path: Path):
+    """Phi-3's LongRoPE served with a context past `original_max_position_embeddings`: the
+    long factors and the stretch's attention factor, Hugging Face's rotation of a prompt
+    that long; within it, the short factors."""
+    hf = make_model_folder(tmp_path, phi3_config(max_position_embeddings=256,
+                                                 original_max_position_embeddings=16))
+    for max_model_len, length in [(256, 40), (16, 12)]:
+        loaded = load_model(ModelConfig(model=str(tmp_path), max_model_len=max_model_len,
+                                        num_kv_blocks=1))
+        runner = TinyModel(hf, loaded).runner(block_size=4)
+        (prompt,) = prompts([length], seed=12)
+        step = [ScheduledRequest("a", prompt, 0, list(range(10)), True, GREEDY, prompt, [])]
+        inputs = prepare_inputs(step, BlockTables(4), runner.device)
+        hidden = loaded.model(
+            inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers, runner.attn
+        )
+        expected = hf(torch.tensor([prompt])).logits[0]
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(
+            loaded.model.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4 * scale
+        )
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])

@@ -5,6 +5,8 @@ A tiny Llama with a tied, odd-sized vocabulary, one KV head for two ranks and o/
 biases: the vocab-parallel embedding and LM head, the column/row-parallel MLP and
 attention and the whole forward agree with the unsharded model in float32, and in the
 float16 and int8 CPU weight formats (int8: as close to float32 as the unsharded int8).
+The same for OLMo 2 (its q/k norm over the whole, sharded, projection) and Phi-3 (its
+fused checkpoint weights read by rows).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, Olmo2Config
 
 from model_runner.attention.selection import select_attention_backend
 from model_runner.block_tables import BlockTables
@@ -30,18 +33,20 @@ from model_runner.kernels.cpu_linear import Int8Linear
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.loader import _iter_safetensors
 from model_runner.models.llama import LlamaForCausalLM
+from model_runner.models.registry import model_class
 from model_runner.runner import prepare_inputs
 from scheduler.output import ScheduledRequest
 from scheduler.sampling_params import SamplingParams
-from tests.support.model_helpers import TINY, make_model_folder
+from tests.support.model_helpers import TINY, make_model_folder, phi3_config
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_TOKENS = 7
 
 
 def build(folder: Path, tp: TensorParallel | None, weight_dtype: str | None) -> LlamaForCausalLM:
+    config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder), tp)
+        model = model_class(config)(config, tp)
     model = model.to_empty(device="cpu")
     model.load_weights(_iter_safetensors(folder))
     model.init_rope_cache(64)
@@ -123,10 +128,20 @@ def rank_main(port: int, folder: str) -> None:
     tp.close()
 
 
-def test_sharded_layers_match_the_whole_ones(tmp_path: Path):
-    config = LlamaConfig(**{**TINY, "vocab_size": 255, "num_key_value_heads": 1},
-                         tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
-    make_model_folder(tmp_path, config)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": 255, "num_key_value_heads": 1},
+                                 tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    # q/k norm over the whole projection: its sums of squares all-reduced (the one KV
+    # head replicated on both ranks counted once)
+    "olmo2": lambda: Olmo2Config(**{**TINY, "num_key_value_heads": 1}),
+    # fused checkpoint weights: each rank reads its rows of qkv_proj and gate_up_proj
+    "phi3": lambda: phi3_config(64, 64),
+}
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_sharded_layers_match_the_whole_ones(tmp_path: Path, arch: str):
+    make_model_folder(tmp_path, CONFIGS[arch]())
     store = open_store(2)
     entry = (f"from {__name__} import rank_main; "
              f"rank_main({store.port}, {str(tmp_path)!r})")

@@ -26,7 +26,8 @@ from model_runner.kernels import triton_attention as ta  # noqa: E402
 from model_runner.kernels import triton_attention_kernels  # noqa: E402
 from model_runner.kernels import triton_layers as tl_ops  # noqa: E402
 from model_runner.loader import load_model  # noqa: E402
-from model_runner.models.llama import RMSNorm, apply_rope  # noqa: E402
+from model_runner.models.layers import RMSNorm  # noqa: E402
+from model_runner.models.rope import apply_rope  # noqa: E402
 from tests.support.model_helpers import (  # noqa: E402
     CONFIGS,
     Engine,

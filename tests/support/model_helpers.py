@@ -1,4 +1,5 @@
-"""Tiny random models saved to disk, and a minimal engine loop over ModelRunner.
+"""Tiny random models of every supported family saved to disk, prompts whose greedy tokens
+Hugging Face picks by a clear margin, and a minimal engine loop over ModelRunner.
 
 Shared by the runner's unit tests, the CUDA-graph tests and the SmolLM2 parity test: the
 loop (`Engine`) drives `ModelRunner.execute` with hand-built `SchedulerOutput`s, blocks
@@ -15,11 +16,15 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 from model_runner.config import ModelConfig
@@ -44,6 +49,38 @@ TINY = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+def phi3_config(max_position_embeddings: int, original_max_position_embeddings: int) -> Phi3Config:
+    return Phi3Config(
+        **{**TINY, "max_position_embeddings": max_position_embeddings},
+        sliding_window=None,
+        original_max_position_embeddings=original_max_position_embeddings,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.2, 1.6, 2.5],
+            "long_factor": [1.5, 2.0, 4.0, 8.0],
+            "original_max_position_embeddings": original_max_position_embeddings,
+        },
+    )
+
+
+# The other decoder families, each with its own knobs away from their defaults.
+FAMILY_CONFIGS = {
+    # half the head rotated; LongRoPE's short factors (a context of at most the original
+    # 64 tokens; test_model_runner.py tests the long ones)
+    "phi3": lambda: phi3_config(max_position_embeddings=64, original_max_position_embeddings=64),
+    # layer 1 of 2 without RoPE (NoPE)
+    "smollm3": lambda: SmolLM3Config(**TINY, no_rope_layer_interval=2),
+    "granite": lambda: GraniteConfig(
+        **TINY,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.1,
+        residual_multiplier=0.5,
+        logits_scaling=2.0,
+    ),
+    "olmo2": lambda: Olmo2Config(**TINY),
+}
 CONFIGS = {
     "llama3": lambda: LlamaConfig(
         **TINY,
@@ -61,6 +98,7 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+    **FAMILY_CONFIGS,
 }
 
 
@@ -137,6 +175,45 @@ def clear_margin_generations(
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+MIN_MARGIN = 1e-3  # between the top two logits: far above float32's disagreements
+
+
+@torch.inference_mode()
+def greedy_margin(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> float:
+    """The smallest gap between Hugging Face's top two logits over the greedy tokens of
+    `prompt`: how far a near tie is from flipping one."""
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+    )
+    return min(float(-scores[0].float().topk(2).values.diff()) for scores in out.scores)
+
+
+def margin_prompts(
+    hf_model: torch.nn.Module,
+    lengths: list[int],
+    max_new_tokens: int,
+    seed: int = 0,
+    shared: int = 0,
+) -> list[list[int]]:
+    """Random prompts of `lengths` (the first `shared` tokens common to all) whose greedy
+    tokens Hugging Face picks by at least MIN_MARGIN at every step: each drawn again (from
+    one generator seeded by `seed`) until it does, so random weights' near ties never
+    decide a parity test."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (shared,), generator=gen).tolist()
+    picked = []
+    for length in lengths:
+        for _ in range(100):
+            prompt = prefix + torch.randint(3, VOCAB, (length - shared,), generator=gen).tolist()
+            if greedy_margin(hf_model, prompt, max_new_tokens) >= MIN_MARGIN:
+                picked.append(prompt)
+                break
+        else:
+            raise ValueError(f"no prompt of {length} tokens with a clear greedy margin")
+    return picked
 
 
 @dataclass

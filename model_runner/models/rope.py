@@ -1,0 +1,133 @@
+"""Rotary position embeddings read from a Hugging Face config: the settings, the inverse
+frequencies of each supported RoPE type, the cos/sin table and the rotation itself."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    """RoPE settings as one dict (rope_theta, rope_type, and the type's own fields).
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs have rope_theta
+    and rope_scaling as separate attributes.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rotary_dim(config: PretrainedConfig, head_dim: int) -> int:
+    """How many of a head's `head_dim` dims are rotated (`partial_rotary_factor`, Phi-3
+    and others; all by default)."""
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * float(factor))
+
+
+def rope_inv_freq(config: PretrainedConfig, dim: int, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [dim / 2] (float32) of the config's RoPE type, for a rotary
+    width `dim`; ValueError for an unsupported type.
+
+    LongRoPE has two sets, for positions below and from `original_max_position_embeddings`:
+    the short one, or the long one with `long` (see rope_cache).
+    """
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope_type == "longrope":
+        factors = torch.tensor(params["long_factor" if long else "short_factor"])
+        return 1.0 / (factors.float() * powers)
+    inv_freq = 1.0 / powers
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(
+        f"unsupported RoPE type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed down by `factor`, short ones kept, the band between
+    # interpolated smoothly
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+        wavelen <= old_context_len / low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _original_max_positions(config: PretrainedConfig) -> int:
+    params = rope_parameters(config)
+    value = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    return int(value or config.max_position_embeddings)
+
+
+def _attention_factor(config: PretrainedConfig) -> float:
+    """LongRoPE's scale of cos and sin (its `attention_factor`, else the paper's, from how
+    far the context was stretched); 1 for the other types."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = _original_max_positions(config)
+    factor = params.get("factor") or config.max_position_embeddings / original
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_cache(
+    config: PretrainedConfig, dim: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, dim / 2] (float32) for positions 0..max_positions-1.
+
+    NOTE: LongRoPE takes its long factors when the context (`max_positions`, the served
+    max_model_len) reaches past `original_max_position_embeddings`, else the short ones,
+    for every position, as vLLM does. Hugging Face picks by each sequence's length, and
+    recomputes the whole sequence when it grows past: a paged cache cannot, so its
+    short-factor answers are served with `--max-model-len` at most the original length.
+    """
+    long = max_positions > _original_max_positions(config)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(config, dim, long))  # [max_positions, dim / 2]
+    scale = _attention_factor(config)
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (the Hugging Face layout) of the first 2 * cos.shape[-1] dims of each
+    head, the rest passed through (partial rotary). x: [T, heads, D]; cos, sin: [T, R / 2].
+    """
+    rotary = 2 * cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    x1, x2 = x_rot.chunk(2, dim=-1)  # [T, heads, R / 2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated if rotary == x.shape[-1] else torch.cat((rotated, x_pass), dim=-1)

@@ -1,0 +1,96 @@
+"""Every decoder family served over HTTP: `pagedserve serve --model DIR` on a tiny random
+checkpoint of it (made here with transformers, float32, safetensors) gives Hugging Face
+`generate`'s greedy tokens, one request at a time and batched, through chunked prefill
+(16 tokens a step), a prefix-cache hit and a preemption (a pool of 20 blocks of 4).
+
+To add a family: a config factory in `FAMILIES` (tests/support/model_helpers.py's
+FAMILY_CONFIGS, or one of its own). One server per family, a few requests each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import PretrainedConfig
+
+from tests.e2e.conftest import ServerProcess
+from tests.support.metrics import metric
+from tests.support.model_helpers import FAMILY_CONFIGS, make_model_folder, margin_prompts
+
+pytestmark = pytest.mark.e2e
+
+# family -> its tiny config
+FAMILIES: dict[str, Callable[[], PretrainedConfig]] = dict(FAMILY_CONFIGS)
+FLAGS = ("--block-size", "4", "--num-kv-blocks", "20", "--max-num-batched-tokens", "16",
+         "--long-prefill-token-threshold", "0", "--max-num-seqs", "4", "--device", "cpu")
+MAX_TOKENS = 12
+
+
+@dataclass
+class Family:
+    hf: torch.nn.Module
+    server: ServerProcess
+
+    def expected(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=0)
+        return out[0, len(prompt) :].tolist()
+
+    def complete(self, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+        """One request for all `prompts` (batched in the engine): each one's token ids."""
+        return asyncio.run(self._complete(prompts, max_tokens))
+
+    async def _complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}
+        async with httpx.AsyncClient(base_url=self.server.url, timeout=120) as client:
+            response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        return [[token_id(t) for t in c["logprobs"]["tokens"]] for c in choices]
+
+    def counter(self, name: str) -> float:
+        return metric(self.server, name)
+
+
+def token_id(token: str) -> int:
+    """The word-level test tokenizer's id of `token` (t<id>, or a special token)."""
+    specials = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    return specials[token] if token in specials else int(token.removeprefix("t"))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> Iterator[Family]:
+    folder: Path = tmp_path_factory.mktemp(request.param)
+    hf = make_model_folder(folder, FAMILIES[request.param]())
+    server = ServerProcess("--model", str(folder), *FLAGS)
+    yield Family(hf, server)
+    server.stop()
+
+
+def test_one_at_a_time_and_chunked(family: Family):
+    for prompt in margin_prompts(family.hf, [5, 37], MAX_TOKENS, seed=1):  # 37: 3 chunks
+        assert family.complete([prompt]) == [family.expected(prompt)]
+
+
+def test_batched_with_a_preemption(family: Family):
+    """Three sequences of 20 + 12 tokens (8 blocks each) in a pool of 20 blocks: one is
+    preempted once the decodes outgrow it, and recomputed."""
+    preemptions = family.counter("pagedserve_num_preemptions_total")
+    prompts = margin_prompts(family.hf, [20, 20, 20], MAX_TOKENS, seed=2)
+    assert family.complete(prompts) == [family.expected(p) for p in prompts]
+    assert family.counter("pagedserve_num_preemptions_total") > preemptions
+
+
+def test_prefix_cache_hit(family: Family):
+    first, second = margin_prompts(family.hf, [26, 26], MAX_TOKENS, seed=3, shared=16)
+    assert family.complete([first]) == [family.expected(first)]
+    hits = family.counter("pagedserve_prefix_cache_hits_total")
+    assert family.complete([second]) == [family.expected(second)]
+    assert family.counter("pagedserve_prefix_cache_hits_total") >= hits + 16
