@@ -149,14 +149,16 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         model_type = config.model_type
-        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or any(
+            bool(getattr(config, key, False)) for key in ("attention_bias", "qkv_bias")
+        )
         o_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
         # a row-parallel bias is added once, by rank 0
         self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and _is_first(tp))
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -198,12 +200,14 @@ class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections.
 
     Under tensor parallelism: this rank's `rows` ([start, stop) of the intermediate
-    width), and the down projection's partial sums all-reduced."""
+    width, `width` or the config's), and the down projection's partial sums all-reduced."""
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp: TensorParallel | None = None, width: int | None = None
+    ) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        width = config.intermediate_size
+        width = width or config.intermediate_size
         self.tp = tp
         self.rows = (0, width) if tp is None else tp.split(width)
         self.intermediate_size = self.rows[1] - self.rows[0]
@@ -225,16 +229,17 @@ def _is_first(tp: TensorParallel | None) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then the MLP (or what stands in for it: a
+    mixture of experts)."""
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None
+        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None, mlp: nn.Module
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, head_dim, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -281,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.head_dim, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, self.head_dim, tp, self.make_mlp(config, i, tp))
+            for i in range(config.num_hidden_layers)
         )
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -290,6 +296,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: PackedLinear | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+
+    def make_mlp(
+        self, config: PretrainedConfig, layer_idx: int, tp: TensorParallel | None
+    ) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block (a family with experts overrides it)."""
+        return MLP(config, tp)
 
     def init_rope_cache(self, max_positions: int) -> None:
         """Precompute cos and sin for positions 0..max_positions-1 on the model's device."""
@@ -366,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError when a parameter is left without a weight or a shape differs.
         """
-        params = dict(self.named_parameters())
+        params = self.checkpoint_params()
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         # HF module name -> (our module name, row offset in the fused weight)
         fused = {
@@ -421,6 +433,11 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}")
+
+    def checkpoint_params(self) -> dict[str, nn.Parameter]:
+        """The parameters `load_weights` fills (a family loading some itself leaves them
+        out)."""
+        return dict(self.named_parameters())
 
     def _checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
         """HF module name -> (dim, start, stop, size): this rank reads [start, stop) along
