@@ -7,7 +7,8 @@ E = experts, K = experts per token, I = one expert's intermediate width (this ra
 
 The experts' weights are stacked per layer, `w13` [E, 2I, H] (gate rows, then up rows)
 and `w2` [E, H, I]. On the CPU the (token, expert) pairs are sorted by expert once per
-layer and each expert runs one matmul over its tokens.
+layer and each expert runs one matmul over its tokens; on CUDA one fused Triton kernel
+does the same without a host sync (model_runner/kernels/triton_moe.py).
 
 Tensor parallel: each rank holds its slice of every expert's intermediate width (and of
 the shared expert's), so its output is a partial sum; the routed and shared partial sums
@@ -103,7 +104,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; `ops` is taken for the MLP's signature and not used."""
         weights, ids = route(self.gate(x), self.top_k, self.scoring, self.renormalize)
-        out = experts_torch(x, weights, ids, self.w13, self.w2)
+        if x.is_cuda:
+            from model_runner.kernels.triton_moe import fused_experts
+
+            out = fused_experts(x, weights, ids, self.w13, self.w2)
+        else:
+            out = experts_torch(x, weights, ids, self.w13, self.w2)
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return out if self.tp is None else self.tp.all_reduce(out)
