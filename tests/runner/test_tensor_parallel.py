@@ -4,8 +4,8 @@ process is rank 1, one torch thread each), float32, tiny random Llama, Qwen2 and
 Greedy output is token for token that of one rank and of Hugging Face `generate`: batched,
 chunked, and under the real scheduler with prefix caching, chunked prefill and preemption
 (the workers' mirrored block tables). The models cover tied and untied embeddings, a
-vocabulary of odd size (not divisible by 2), one KV head for two ranks (replicated), and
-o/down biases (a row-parallel bias is added once).
+vocabulary of odd size (not divisible by 2), one KV head for two ranks (replicated),
+o/down biases (a row-parallel bias is added once), and a mixture of experts (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import msgspec
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
@@ -40,6 +40,11 @@ TP_CONFIGS = {
     # q/k norm; 3 KV heads, split 2 and 1 (as SmolLM2-135M's)
     "qwen3": lambda: Qwen3Config(**{**TINY, "num_attention_heads": 6, "num_key_value_heads": 3},
                                  head_dim=32, tie_word_embeddings=False),
+    # experts (each one's width split 12 and 12), a gated shared expert, a dense layer 1
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1],
+    ),
 }
 MAX_TOKEN_ID = 250  # prompts stay inside every vocabulary above
 
