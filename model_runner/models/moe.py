@@ -70,7 +70,11 @@ def experts_torch(
             out[rows] = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
             start += count
     out *= weights.flatten()[order].to(out.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, token_of, out)
+    # NOTE: back in (token, k) order and summed over k, rather than index_add_ into the
+    # tokens: ~100x faster on the CPU at decode sizes, and the sum's order is fixed
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted.view(num_tokens, top_k, -1).sum(1)
 
 
 class MoE(nn.Module):

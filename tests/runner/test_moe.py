@@ -7,14 +7,12 @@ prefix cache, after a preemption) runs in test_model_runner.py over their tiny c
 
 from __future__ import annotations
 
+import importlib
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
@@ -23,18 +21,22 @@ from model_runner.models.moe import MoE, experts_torch, route
 from model_runner.models.moe_models import MoeForCausalLM
 from tests.support.model_helpers import CONFIGS, make_model_folder, prompts
 
+# family -> HF's MoE block. NOTE: imported when a test runs, not at collection: these
+# modules import triton, which must first see the TRITON_INTERPRET=1 that the Triton tests
+# set when they are collected (a triton imported without it breaks their interpreter).
 MOE_FAMILIES = {
-    "qwen3_moe": Qwen3MoeSparseMoeBlock,
-    "qwen2_moe": Qwen2MoeSparseMoeBlock,
-    "mixtral": MixtralSparseMoeBlock,
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
 }
 
 
 def _hf_block(family: str) -> tuple[torch.nn.Module, MoE]:
     """HF's block with random weights, and ours holding the same."""
     config = CONFIGS[family]()
+    module, _, name = MOE_FAMILIES[family].rpartition(".")
     torch.manual_seed(0)
-    hf = MOE_FAMILIES[family](config).eval()
+    hf = getattr(importlib.import_module(module), name)(config).eval()
     for p in hf.parameters():
         p.data = torch.randn_like(p) * 0.2
     ours = MoE(config)
