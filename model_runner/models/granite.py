@@ -19,10 +19,8 @@ from model_runner.models.llama import DecoderLayer, LlamaForCausalLM
 class GraniteDecoderLayer(DecoderLayer):
     """Llama's pre-norm block with each block's output scaled by `residual_multiplier`."""
 
-    def __init__(
-        self, config: PretrainedConfig, self_attn: nn.Module, tp: TensorParallel | None = None
-    ) -> None:
-        super().__init__(config, self_attn, tp)
+    def __init__(self, config: PretrainedConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__(config, self_attn, mlp)
         self.residual_multiplier = float(config.residual_multiplier)
 
     def forward(
@@ -48,7 +46,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def make_layer(
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
     ) -> nn.Module:
-        return GraniteDecoderLayer(config, self.make_attention(config, layer_id, tp), tp)
+        return GraniteDecoderLayer(
+            config, self.make_attention(config, layer_id, tp), self.make_mlp(config, layer_id, tp)
+        )
 
     def make_attention(
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None

@@ -109,14 +109,16 @@ class Attention(nn.Module):
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         model_type = config.model_type
-        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or any(
+            bool(getattr(config, key, False)) for key in ("attention_bias", "qkv_bias")
+        )
         o_bias = model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
         # a row-parallel bias is added once, by rank 0
         self.o_proj = Linear(self.q_size, config.hidden_size, o_bias and is_first(tp))
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -171,12 +173,14 @@ class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate and up projections.
 
     Under tensor parallelism: this rank's `rows` ([start, stop) of the intermediate
-    width), and the down projection's partial sums all-reduced."""
+    width, `width` or the config's), and the down projection's partial sums all-reduced."""
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, tp: TensorParallel | None = None, width: int | None = None
+    ) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        width = config.intermediate_size
+        width = width or config.intermediate_size
         self.tp = tp
         self.rows = (0, width) if tp is None else tp.split(width)
         self.intermediate_size = self.rows[1] - self.rows[0]

@@ -33,16 +33,15 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cac
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention (`self_attn`, the model's), then MLP."""
+    """Pre-norm residual block: attention (`self_attn`, the model's), then the feed-forward
+    block (`mlp`, the model's: an MLP or a mixture of experts)."""
 
-    def __init__(
-        self, config: PretrainedConfig, self_attn: nn.Module, tp: TensorParallel | None = None
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -110,13 +109,22 @@ class LlamaForCausalLM(nn.Module):
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
     ) -> nn.Module:
         """Decoder layer `layer_id` (its forward as DecoderLayer's)."""
-        return DecoderLayer(config, self.make_attention(config, layer_id, tp), tp)
+        return DecoderLayer(
+            config, self.make_attention(config, layer_id, tp), self.make_mlp(config, layer_id, tp)
+        )
 
     def make_attention(
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
     ) -> nn.Module:
         """Layer `layer_id`'s attention (its forward as Attention's)."""
         return Attention(config, self.head_dim, tp, rotary_dim=self.rotary_dim)
+
+    def make_mlp(
+        self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
+    ) -> nn.Module:
+        """Layer `layer_id`'s feed-forward block (its forward as MLP's; a family with
+        experts overrides it)."""
+        return MLP(config, tp)
 
     def init_rope_cache(self, max_positions: int) -> None:
         """Precompute cos and sin for positions 0..max_positions-1 on the model's device."""
@@ -192,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError when a parameter is left without a weight or a shape differs.
         """
-        params = dict(self.named_parameters())
+        params = self.checkpoint_params()
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
         # HF module name -> (our module name, row offset in the fused weight)
         fused = {
@@ -247,6 +255,11 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}")
+
+    def checkpoint_params(self) -> dict[str, nn.Parameter]:
+        """The parameters `load_weights` fills (a family loading some itself leaves them
+        out)."""
+        return dict(self.named_parameters())
 
     def checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
         """HF module name -> (dim, start, stop, size): this rank reads [start, stop) along

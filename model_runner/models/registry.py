@@ -13,6 +13,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from model_runner.models.gemma import GemmaForCausalLM
 from model_runner.models.granite import GraniteForCausalLM
 from model_runner.models.llama import LlamaForCausalLM
+from model_runner.models.moe_models import MoeForCausalLM
 from model_runner.models.olmo2 import Olmo2ForCausalLM
 from model_runner.models.phi3 import Phi3ForCausalLM
 from model_runner.models.smollm3 import SmolLM3ForCausalLM
@@ -21,14 +22,17 @@ from model_runner.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
-    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
-    "GraniteForCausalLM": GraniteForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

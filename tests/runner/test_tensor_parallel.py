@@ -5,8 +5,8 @@ Gemma 2 (local layers of an 8-token window that the prompts cross, soft caps).
 Greedy output is token for token that of one rank and of Hugging Face `generate`: batched,
 chunked, and under the real scheduler with prefix caching, chunked prefill and preemption
 (the workers' mirrored block tables). The models cover tied and untied embeddings, a
-vocabulary of odd size (not divisible by 2), one KV head for two ranks (replicated), and
-o/down biases (a row-parallel bias is added once).
+vocabulary of odd size (not divisible by 2), one KV head for two ranks (replicated),
+o/down biases (a row-parallel bias is added once), and a mixture of experts (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import msgspec
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma2Config, LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
@@ -44,6 +44,11 @@ TP_CONFIGS = {
     "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16,
                                    sliding_window=8, attn_logit_softcapping=20.0,
                                    final_logit_softcapping=30.0),
+    # experts (each one's width split 12 and 12), a gated shared expert, a dense layer 1
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, mlp_only_layers=[1],
+    ),
 }
 MAX_TOKEN_ID = 250  # prompts stay inside every vocabulary above
 

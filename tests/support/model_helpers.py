@@ -19,11 +19,14 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -99,6 +102,16 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     **FAMILY_CONFIGS,
+    # mixtures of experts: 8 experts, 2 a token, so a short prompt leaves some without any
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1],  # layer 1 dense
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(  # a shared expert behind its gate, no renorm
+        **TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": lambda: MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
