@@ -4,7 +4,9 @@ checkpoint of it (made here with transformers, float32, safetensors) gives Huggi
 (16 tokens a step), a prefix-cache hit and a preemption (a pool of 20 blocks of 4).
 
 To add a family: a config factory in `FAMILIES` (tests/support/model_helpers.py's
-FAMILY_CONFIGS, or one of its own). One server per family, a few requests each.
+FAMILY_CONFIGS, or one of its own). One server per family, a few requests each. Gemma's
+local layers have a window of 8 tokens that these contexts cross (its global layers keep
+every block, so the pool still fills and preempts).
 """
 
 from __future__ import annotations
@@ -21,12 +23,25 @@ from transformers import PretrainedConfig
 
 from tests.e2e.conftest import ServerProcess
 from tests.support.metrics import metric
-from tests.support.model_helpers import FAMILY_CONFIGS, make_model_folder, margin_prompts
+from tests.support.model_helpers import (
+    FAMILY_CONFIGS,
+    MOE_CONFIGS,
+    WINDOWED_CONFIGS,
+    make_model_folder,
+    margin_prompts,
+)
 
 pytestmark = pytest.mark.e2e
 
 # family -> its tiny config
-FAMILIES: dict[str, Callable[[], PretrainedConfig]] = dict(FAMILY_CONFIGS)
+FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
+    **FAMILY_CONFIGS,
+    **MOE_CONFIGS,
+    "gemma2": WINDOWED_CONFIGS["gemma2"],
+    "gemma3": WINDOWED_CONFIGS["gemma3"],
+}
+# Gemma inits its (1 + w) norms at w = 0: moved off it so that the 1 + shows
+NORM_NOISE = {"gemma2": 0.3, "gemma3": 0.3}
 FLAGS = ("--block-size", "4", "--num-kv-blocks", "20", "--max-num-batched-tokens", "16",
          "--long-prefill-token-threshold", "0", "--max-num-seqs", "4", "--device", "cpu")
 MAX_TOKENS = 12
@@ -68,7 +83,7 @@ def token_id(token: str) -> int:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> Iterator[Family]:
     folder: Path = tmp_path_factory.mktemp(request.param)
-    hf = make_model_folder(folder, FAMILIES[request.param]())
+    hf = make_model_folder(folder, FAMILIES[request.param](), NORM_NOISE.get(request.param, 0.0))
     server = ServerProcess("--model", str(folder), *FLAGS)
     yield Family(hf, server)
     server.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
@@ -23,7 +22,8 @@ from model_runner.runner import prepare_inputs
 from scheduler.output import ScheduledRequest
 from tests.support.model_helpers import (
     GREEDY,
-    TINY,
+    WINDOW,
+    WINDOWED_CONFIGS,
     Engine,
     Seq,
     TinyModel,
@@ -32,26 +32,7 @@ from tests.support.model_helpers import (
     prompts,
 )
 
-WINDOW = 8
-GEMMA = dict(TINY, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24,
-             sliding_window=WINDOW)
-CONFIGS = {
-    "gemma2": lambda: Gemma2Config(**GEMMA, attn_logit_softcapping=2.0,
-                                   final_logit_softcapping=20.0),
-    "gemma3": lambda: Gemma3TextConfig(
-        **GEMMA,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                     "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-        },
-    ),
-    "mistral-window": lambda: MistralConfig(**TINY, sliding_window=WINDOW),
-    "qwen2-window": lambda: Qwen2Config(**dict(TINY, num_hidden_layers=3),
-                                        use_sliding_window=True, sliding_window=WINDOW,
-                                        max_window_layers=1),
-}
+CONFIGS = WINDOWED_CONFIGS
 # Candidate prompts; the tests use those whose greedy continuation has a clear margin.
 LENGTHS = [3, 9, 17, 30, 12, 25, 6, 21]
 MAX_TOKENS = 10

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -84,6 +86,41 @@ FAMILY_CONFIGS = {
     ),
     "olmo2": lambda: Olmo2Config(**TINY),
 }
+# mixtures of experts: 8 experts, 2 a token, so a short prompt leaves some without any
+MOE_CONFIGS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1],  # layer 1 dense
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(  # a shared expert behind its gate, no renorm
+        **TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "mixtral": lambda: MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2),
+}
+# sliding windows of 8 tokens that the tests' contexts cross: Gemma's local and global
+# layers (Gemma 2 soft-capped; Gemma 3 with QK-norm, local layers on their own RoPE base),
+# Mistral and Qwen2 with a window
+WINDOW = 8
+GEMMA = dict(TINY, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24,
+             sliding_window=WINDOW)
+WINDOWED_CONFIGS = {
+    "gemma2": lambda: Gemma2Config(**GEMMA, attn_logit_softcapping=2.0,
+                                   final_logit_softcapping=20.0),
+    "gemma3": lambda: Gemma3TextConfig(
+        **GEMMA,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    ),
+    "mistral-window": lambda: MistralConfig(**TINY, sliding_window=WINDOW),
+    "qwen2-window": lambda: Qwen2Config(**dict(TINY, num_hidden_layers=3),
+                                        use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=1),
+}
 CONFIGS = {
     "llama3": lambda: LlamaConfig(
         **TINY,
@@ -102,16 +139,7 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     **FAMILY_CONFIGS,
-    # mixtures of experts: 8 experts, 2 a token, so a short prompt leaves some without any
-    "qwen3_moe": lambda: Qwen3MoeConfig(
-        **TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        norm_topk_prob=True, mlp_only_layers=[1],  # layer 1 dense
-    ),
-    "qwen2_moe": lambda: Qwen2MoeConfig(  # a shared expert behind its gate, no renorm
-        **TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-    ),
-    "mixtral": lambda: MixtralConfig(**TINY, num_local_experts=8, num_experts_per_tok=2),
+    **MOE_CONFIGS,
 }
 
 
