@@ -28,7 +28,6 @@ from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.models.layers import MLP, Attention, RMSNorm
 from model_runner.models.llama import KVCaches, LlamaForCausalLM
 from model_runner.models.rope import rope_inv_freq
-from model_runner.models.sliding_windows import layer_windows
 
 _DEFAULT_ROPE = "default"  # the rope-cache key of a model with one RoPE for all layers
 
@@ -42,20 +41,15 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GemmaAttention(Attention):
-    """The Llama-family attention with Gemma's scale, its layer's window and soft cap, and
-    (Gemma 3) the per-head q/k norm."""
+    """The Llama-family attention with Gemma's scale, soft cap and (Gemma 3) per-head q/k
+    norm; the model sets its layer's window (LlamaForCausalLM)."""
 
     def __init__(
-        self,
-        config: PretrainedConfig,
-        head_dim: int,
-        window: int | None,
-        tp: TensorParallel | None = None,
+        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None
     ) -> None:
         super().__init__(config, head_dim, tp)
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        self.options = AttentionOptions(sliding_window=window, softcap=softcap)
+        self.options = AttentionOptions(softcap=getattr(config, "attn_logit_softcapping", None))
         self.qk_norm = config.model_type == "gemma3_text"
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
@@ -80,14 +74,13 @@ class GemmaDecoderLayer(nn.Module):
         config: PretrainedConfig,
         head_dim: int,
         layer_type: str,
-        window: int | None,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.rope_key = layer_type if _rope_by_layer_type(config) else _DEFAULT_ROPE
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = GemmaAttention(config, head_dim, window, tp)
+        self.self_attn = GemmaAttention(config, head_dim, tp)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = GemmaMLP(config, tp)
@@ -117,33 +110,19 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
-        nn.Module.__init__(self)
         activation = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":
             raise ValueError(f"unsupported activation {activation!r} (only gelu_pytorch_tanh)")
-        self.config = config
-        self.head_dim = config.head_dim
-        self.rotary_dim = self.head_dim
-        self.tp = tp
-        self.num_layers = config.num_hidden_layers
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.vocab_size = config.vocab_size
-        self.vocab_start, self.vocab_stop, vocab_rows = (
-            (0, self.vocab_size, self.vocab_size) if tp is None else tp.vocab(self.vocab_size)
-        )
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
-        layer_types = config.layer_types or ["full_attention"] * self.num_layers
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, self.head_dim, kind, window, tp)
-            for kind, window in zip(layer_types, layer_windows(config), strict=True)
-        )
-        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
+        super().__init__(config, tp)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
-        self.packed_lm_head = None
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.rope_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make_layer(
+        self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
+    ) -> nn.Module:
+        layer_types = config.layer_types or ["full_attention"] * config.num_hidden_layers
+        return GemmaDecoderLayer(config, self.head_dim, layer_types[layer_id], tp)
 
     def init_rope_cache(self, max_positions: int) -> None:
         """cos and sin [max_positions, D / 2] of each RoPE the layers use."""

@@ -14,13 +14,14 @@ rank 0. `load_weights` reads only this rank's slices.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from model_runner.attention.backend import AttentionBackend, AttentionOptions, LayerOps
+from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
@@ -96,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
             self.make_layer(config, layer_id, tp) for layer_id in range(self.num_layers)
         )
         for layer, window in zip(self.layers, layer_windows(config), strict=True):
-            layer.self_attn.options = AttentionOptions(sliding_window=window)
+            layer.self_attn.options = replace(layer.self_attn.options, sliding_window=window)
         self.num_kv_heads = self.layers[0].self_attn.num_kv_heads
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not self.tie_word_embeddings:
