@@ -19,23 +19,34 @@ WriteKVCache = Callable[
 @dataclass(frozen=True)
 class AttentionOptions:
     """What one layer's attention asks of a backend beyond plain causal softmax, fixed per
-    layer and passed on every call. A family that needs more (gpt-oss's sinks) adds a
-    field here, and every backend reads it.
+    layer and passed on every call. A family that needs more adds a field here, and every
+    backend reads it.
 
     sliding_window: a query at position p sees only the keys at positions
     p - sliding_window + 1 .. p (Hugging Face's convention: the window counts the query's
     own key); None sees every earlier key. softcap: each scaled score s becomes
-    softcap * tanh(s / softcap) before the softmax (Gemma 2); None leaves it.
+    softcap * tanh(s / softcap) before the softmax (Gemma 2); None leaves it. sinks: one
+    learned logit per query head ([heads], this rank's under tensor parallelism; gpt-oss)
+    that joins each of that head's softmax denominators and carries no value, so a row's
+    weights sum to less than one; None: no sink.
     """
 
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.softcap is not None and self.softcap <= 0:
             raise ValueError(f"softcap must be > 0, got {self.softcap}")
+        if self.sinks is not None and self.sinks.dim() != 1:
+            raise ValueError(f"sinks must be one logit per head, got {tuple(self.sinks.shape)}")
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether this is plain causal softmax (no window, cap or sink)."""
+        return self.sliding_window is None and self.softcap is None and self.sinks is None
 
 
 FULL_ATTENTION = AttentionOptions()

@@ -49,7 +49,7 @@ def paged_attention(
     num_decodes = meta.num_decode_seqs
     decoded = torch.ops.pagedserve.decode_attention(
         query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-        options.sliding_window or 0, options.softcap or 0.0,  # 0: none
+        options.sliding_window or 0, options.softcap or 0.0, options.sinks,  # 0, None: none
     )
     if num_decodes == meta.num_seqs:
         return decoded

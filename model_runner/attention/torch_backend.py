@@ -81,23 +81,31 @@ def _attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of q [b, heads, m, D] over keys, values [b, kv_heads, n, D]
     (each kv head serving a run of heads / kv_heads query heads) where the bool `mask`
-    (broadcast to [b, heads, m, n]; None: everywhere) is True, the scores soft-capped."""
-    if softcap is None:
+    (broadcast to [b, heads, m, n]; None: everywhere) is True, the scores soft-capped;
+    `sinks` (broadcast to [b, heads, m, 1]) join each row's softmax denominator."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
         )
-    # NOTE: torch's fused attention has no soft-capping: the scores are written out here.
+    # NOTE: torch's fused attention has no soft-capping or sinks: the scores are written out.
     group = q.shape[1] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, heads, m, n]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values)
+    if sinks is None:
+        probs = scores.softmax(-1, dtype=torch.float32)
+    else:  # the sink's column joins the softmax, then is dropped: it has no value
+        sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink_column], -1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 # A decode group is padded to its longest context. A new group starts where its padding
@@ -216,6 +224,8 @@ def _decode_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     window = options.sliding_window
+    # each decode row's sinks in q's layout below: [1, kv_heads, group_size, 1]
+    sinks = None if options.sinks is None else options.sinks.view(1, num_kv_heads, group_size, 1)
     key = "torch_decode" if window is None else f"torch_decode_{window}"
     plan = meta.scratch.get(key)
     # NOTE: every layer of a model with the same window shares the plan; a caller that
@@ -238,7 +248,8 @@ def _decode_attention(
         # NOTE: the `group_size` query heads that share a kv head ride in the query-length
         # axis, which is free here: a decode row sees all its keys, so they share one mask.
         q = query.index_select(0, g.rows).view(n, num_kv_heads, group_size, head_dim)
-        o = _attend(q, keys.to(q.dtype), values.to(q.dtype), g.mask, scale, options.softcap)
+        o = _attend(q, keys.to(q.dtype), values.to(q.dtype), g.mask, scale, options.softcap,
+                    sinks)
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
     return out
 
@@ -255,6 +266,7 @@ def prefill_attention(
     """Prompt chunks, one sequence at a time; writes into `out`."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     window = options.sliding_window
+    sinks = None if options.sinks is None else options.sinks.view(1, -1, 1, 1)
     starts = meta.query_start_loc.tolist()
     context_lens = meta.context_lens.tolist()
     for i in range(meta.num_decode_seqs, meta.num_seqs):
@@ -272,7 +284,7 @@ def prefill_attention(
         values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
         values = values[: context_len - base].transpose(0, 1)[None].to(query.dtype)
         q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_dim]
-        if query_len == context_len and options == FULL_ATTENTION:
+        if query_len == context_len and options.is_plain:
             o = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
@@ -283,7 +295,7 @@ def prefill_attention(
             mask = positions <= rows
             if window is not None:
                 mask &= positions > rows - window
-            o = _attend(q, keys, values, mask, scale, options.softcap)
+            o = _attend(q, keys, values, mask, scale, options.softcap, sinks)
         out[start:end] = o[0].transpose(0, 1)
 
 

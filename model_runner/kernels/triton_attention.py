@@ -103,7 +103,7 @@ def paged_attention(
     options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of query rows over the paged KV cache, as
-    `options` restricts (a sliding window) and caps (softcap) it.
+    `options` restricts (a sliding window), caps (softcap) and sinks it.
 
     query: [num_tokens, num_heads, head_dim] (the last dim contiguous). k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim], already holding this step's keys
@@ -170,7 +170,13 @@ class _CommonArgs:
 
     def option_flags(self) -> dict[str, bool]:
         return {"HAS_WINDOW": self.options.sliding_window is not None,
-                "HAS_SOFTCAP": self.options.softcap is not None}
+                "HAS_SOFTCAP": self.options.softcap is not None,
+                "HAS_SINKS": self.options.sinks is not None}
+
+    def sinks(self) -> torch.Tensor:
+        """The kernels' sinks (float32), or any tensor for them not to read."""
+        sinks = self.options.sinks
+        return self.query if sinks is None else sinks.float()
 
     @property
     def dot_precision(self) -> str:
@@ -197,7 +203,7 @@ def _launch_decode(c: _CommonArgs, num_decode: int, config: TileConfig) -> None:
     part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
     kernels.decode_kernel[(num_decode, num_kv_heads, num_splits)](
         c.out, part_out, part_lse, c.query, c.k_cache, c.v_cache,
-        c.meta.block_tables, c.meta.context_lens, c.meta.query_start_loc,
+        c.meta.block_tables, c.meta.context_lens, c.meta.query_start_loc, c.sinks(),
         c.qk_scale, *c.option_args(),
         c.query.stride(0), c.query.stride(1), c.out.stride(0), c.out.stride(1),
         *c.cache_strides(),
@@ -217,12 +223,13 @@ def _launch_decode(c: _CommonArgs, num_decode: int, config: TileConfig) -> None:
     )
     if num_splits > 1:
         kernels.decode_reduce_kernel[(num_decode, num_heads)](
-            c.out, part_out, part_lse, c.meta.query_start_loc,
+            c.out, part_out, part_lse, c.meta.query_start_loc, c.sinks(),
             c.out.stride(0), c.out.stride(1), *part_strides,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            HAS_SINKS=c.options.sinks is not None,
             num_warps=1 if block_d <= 64 else 2,
         )
 
@@ -238,7 +245,7 @@ def _launch_prefill(c: _CommonArgs, first_seq: int, num_prefill: int,
     kernels.prefill_kernel[grid](
         c.out, c.query, c.k_cache, c.v_cache,
         c.meta.block_tables, c.meta.context_lens, c.meta.query_start_loc,
-        first_seq,
+        first_seq, c.sinks(),
         c.qk_scale, *c.option_args(),
         c.query.stride(0), c.query.stride(1), c.out.stride(0), c.out.stride(1),
         *c.cache_strides(),

@@ -22,7 +22,9 @@ and masked, so any head_dim works.
 A layer's options (backend.AttentionOptions): with HAS_WINDOW a query at position p sees
 only the keys p - window + 1 .. p, and no key before the earliest row's window is loaded;
 with HAS_SOFTCAP each score s becomes softcap * tanh(s / softcap) (`softcap` in log2
-units, like the scores).
+units, like the scores); with HAS_SINKS each query head's sink logit (`sinks_ptr`, float32
+in natural units) joins its softmax denominator once, when a row's output is normalised
+(by the reduce kernel when a decode is split).
 """
 
 from __future__ import annotations
@@ -149,6 +151,19 @@ def _soft_cap(s, softcap):
     return softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
 
 
+@triton.jit
+def _normalise(acc, m_i, l_i, sinks_ptr, heads, h_mask, HAS_SINKS: tl.constexpr):
+    """acc [M, BLOCK_D] over its running sum l_i [M] (max m_i, log2 units; a row that has
+    seen no key gives zeros); with HAS_SINKS each row's head's sink joins the sum."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if HAS_SINKS:  # times the keys' share of the denominator, on the larger maximum
+        sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+        top = tl.maximum(m_i, sink)
+        keys_sum = l_i * tl.exp2(m_i - top)  # 0 for a row that has seen no key
+        out = out * (keys_sum / (keys_sum + tl.exp2(sink - top)))[:, None]
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Decode: one query row per sequence, split over the context
 # --------------------------------------------------------------------------------------
@@ -165,6 +180,7 @@ def decode_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     context_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32 (read with HAS_SINKS and one split)
     qk_scale,  # softmax scale * log2(e)
     window,  # keys a query sees, its own included (read with HAS_WINDOW)
     softcap,  # the score cap * log2(e) (read with HAS_SOFTCAP)
@@ -194,6 +210,7 @@ def decode_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -239,13 +256,14 @@ def decode_kernel(
         s = tl.where(kv_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split (or context) gives zeros
-    out = acc / l_safe[:, None]
     out_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
+        out = _normalise(acc, m_i, l_i, sinks_ptr, heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
+    else:  # the sinks join in the reduce, once
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split gives zeros
+        out = acc / l_safe[:, None]
         part = part_out_ptr + seq * stride_ps + heads * stride_ph + split * stride_pp
         tl.store(part[:, None] + offs_d[None, :], out, mask=out_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -258,6 +276,7 @@ def decode_reduce_kernel(
     part_out_ptr,  # [num_decode_seqs, num_heads, NUM_SPLITS, head_dim] fp32
     part_lse_ptr,  # [num_decode_seqs, num_heads, NUM_SPLITS] fp32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_heads] fp32 (read with HAS_SINKS)
     stride_ot,
     stride_oh,
     stride_ps,
@@ -269,6 +288,7 @@ def decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,  # next_pow2(NUM_SPLITS)
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -284,9 +304,14 @@ def decode_reduce_kernel(
     parts = tl.load(part + offs_p[:, None] * stride_pp + offs_d[None, :],
                     mask=p_mask[:, None], other=0.0)
     m = tl.max(lse, axis=0)
+    if HAS_SINKS:  # the head's sink joins the denominator: exp2(sink) beside the splits'
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty splits weigh 0
     total = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     total = tl.where(total == 0.0, 1.0, total)
     out = tl.sum(parts * w[:, None], axis=0) / total
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d,
@@ -308,6 +333,7 @@ def prefill_kernel(
     context_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     first_seq,  # sequences before it are handled by the decode kernel
+    sinks_ptr,  # [num_heads] fp32 (read with HAS_SINKS)
     qk_scale,  # softmax scale * log2(e)
     window,  # keys a query sees, its own included (read with HAS_WINDOW)
     softcap,  # the score cap * log2(e) (read with HAS_SOFTCAP)
@@ -332,6 +358,7 @@ def prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -389,8 +416,7 @@ def prefill_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows have seen no key
-    out = acc / l_safe[:, None]
+    out = _normalise(acc, m_i, l_i, sinks_ptr, heads, row_mask, HAS_SINKS)
     o_off = (q_start + q_idx) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & d_mask[None, :])

@@ -1,4 +1,5 @@
-"""Sliding windows and soft-capped scores in the torch and cpu attention backends, against
+"""Sliding windows, soft-capped scores and attention sinks in the torch and cpu attention
+backends, against
 the dense float64 reference: prefill, chunked prefill and decode, windows that start
 inside a block and cross block boundaries. The blocks wholly before a sequence's window
 hold NaN (as if freed and handed out again), so a backend that reads one fails.
@@ -13,6 +14,7 @@ from model_runner.attention import torch_backend
 from model_runner.attention.backend import FULL_ATTENTION, AttentionBackend, AttentionOptions
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from tests.support.attention_helpers import (
+    SINKS,
     Batch,
     assert_close,
     dense_reference,
@@ -94,6 +96,27 @@ def test_softcap_changes_the_result(backend: AttentionBackend) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks(backend: AttentionBackend, window: int | None) -> None:
+    run(backend, AttentionOptions(sliding_window=window, sinks=SINKS), 4, seed=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_take_a_share_of_each_row(backend: AttentionBackend) -> None:
+    """A head's output shrinks by the share its sink takes of the softmax: the first
+    head's (sink -2) hardly, the last one's (sink 6) by most."""
+    batch = Batch([1, 9], [12, 9], block_size=4, num_decode_seqs=1, seed=3)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    backend.write_kv_cache(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache,
+                           batch.meta.slot_mapping)
+    sunk = backend.paged_attention(*args, options=AttentionOptions(sinks=SINKS))
+    plain = backend.paged_attention(*args)
+    ratio = sunk[: batch.num_rows].norm(dim=-1) / plain[: batch.num_rows].norm(dim=-1)
+    assert bool((ratio[:, 0] > 0.7).all()) and bool((ratio[:, 3] < 0.3).all())
+    assert bool((ratio <= 1.0 + 1e-6).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_groups_of_mixed_windows(backend: AttentionBackend) -> None:
     # many decodes of spread lengths: the torch backend cuts them into several groups
     lens = [3, 9, 17, 33, 64, 65, 130, 200, 257]
@@ -105,3 +128,5 @@ def test_options_are_checked() -> None:
         AttentionOptions(sliding_window=0)
     with pytest.raises(ValueError, match="softcap"):
         AttentionOptions(softcap=0.0)
+    with pytest.raises(ValueError, match="sinks"):
+        AttentionOptions(sinks=torch.zeros(2, 2))

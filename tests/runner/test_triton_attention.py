@@ -29,6 +29,7 @@ from model_runner.kernels import triton_attention as ta  # noqa: E402
 from model_runner.kernels import triton_attention_kernels  # noqa: E402
 from tests.support import attention_helpers  # noqa: E402
 from tests.support.attention_helpers import (  # noqa: E402
+    SINKS,
     assert_close,
     dense_reference,
     poison_outside_windows,
@@ -261,7 +262,8 @@ def test_long_context_default_config(dtype: torch.dtype) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# A layer's options: sliding window and soft-capped scores
+# A layer's options: sliding window, soft-capped scores and sinks (split decodes: the
+# sinks join in the reduce)
 # --------------------------------------------------------------------------------------
 
 
@@ -272,6 +274,8 @@ def test_long_context_default_config(dtype: torch.dtype) -> None:
         pytest.param(AttentionOptions(sliding_window=1), id="window-1"),
         pytest.param(AttentionOptions(softcap=0.5), id="softcap"),
         pytest.param(AttentionOptions(sliding_window=20, softcap=0.5), id="both"),
+        pytest.param(AttentionOptions(sinks=SINKS), id="sinks"),
+        pytest.param(AttentionOptions(sliding_window=6, sinks=SINKS), id="window-6-sinks"),
     ],
 )
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -14,6 +14,8 @@ from model_runner.attention.backend import FULL_ATTENTION, AttentionOptions
 from model_runner.attention_metadata import AttentionMetadata
 
 CPU = torch.device("cpu")
+# one sink logit per head of a 4-head batch: from a small share of the softmax to most of it
+SINKS = torch.tensor([-2.0, 0.0, 1.5, 6.0])
 
 TOLERANCE = {  # (atol, rtol) against a float64 reference of the same (rounded) inputs
     torch.float32: (1e-4, 1e-4),
@@ -104,9 +106,9 @@ def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float,
                     options: AttentionOptions = FULL_ATTENTION) -> torch.Tensor:
     """Gather each sequence's keys by its block table, then dense causal-with-offset
-    softmax attention in float64, with the sliding window and soft cap of `options`
-    (only the blocks the window reaches are gathered). Rows outside every sequence come
-    back as 0."""
+    softmax attention in float64, with the sliding window, soft cap and sinks of `options`
+    (only the blocks the window reaches are gathered; a head's sink is one more logit in
+    its softmax, with no value). Rows outside every sequence come back as 0."""
     window = options.sliding_window
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -132,7 +134,12 @@ def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if window is not None:
             visible &= key_positions > positions[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        if options.sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sinks = options.sinks.double()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out
 
 

@@ -1,4 +1,4 @@
-// Paged decode attention and KV-cache writes for the CPU, as torch ops
+// Paged decode attention (sliding window, soft cap, sinks) and KV-cache writes for the CPU, as torch ops
 // (torch.ops.pagedserve.*). Keys and values are read once, straight from their blocks:
 // the torch reference (model_runner/attention/torch_backend.py) gathers them into
 // contiguous buffers first, which moves every byte three times.
@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -46,13 +47,15 @@ inline void prefetch(const char* p, int64_t bytes) {
 // (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
 // constants, 0 takes head_dim at run time). Float32 throughout. With a sliding window
 // (window > 0) only the last `window` keys are read, from the block that holds the first;
-// softcap > 0 caps each score at softcap * tanh(score / softcap). The caller's per-thread
+// softcap > 0 caps each score at softcap * tanh(score / softcap); sinks (one logit per
+// query head, or null) join each head's denominator at the end. The caller's per-thread
 // scratch: scores (a block, padded to 8), acc (num_heads rows), max and sum (num_heads).
 template <int STATIC_D, typename Q, typename T>
 void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
                 const int32_t* table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
                 int64_t block_size, int64_t block_stride, float scale, int64_t window,
-                float softcap, float* scores, Vec8* acc, float* max, float* sum, Q* out) {
+                float softcap, const float* sinks, float* scores, Vec8* acc, float* max,
+                float* sum, Q* out) {
   const int D = STATIC_D ? STATIC_D : head_dim;
   const int R = D / 8;  // vector registers per row
   constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
@@ -108,7 +111,13 @@ void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {
-    const float inv_sum = len > 0 ? 1.f / sum[h] : 0.f;  // no keys: a zero row
+    float inv_sum = len > 0 ? 1.f / sum[h] : 0.f;  // no keys: a zero row
+    if (sinks != nullptr && len > 0) {
+      // the sink's exp joins the sum, on the larger of the two maxima (no overflow)
+      const float top = std::max(max[h], sinks[h]);
+      const float keep = std::exp(max[h] - top);
+      inv_sum = keep / (sum[h] * keep + std::exp(sinks[h] - top));
+    }
     for (int r = 0; r < R; ++r) {
       for (int j = 0; j < 8; ++j) {
         out[h * D + r * 8 + j] = static_cast<Q>(acc[h * R + r][j] * inv_sum);
@@ -121,7 +130,7 @@ template <int STATIC_D, typename Q, typename T>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& context_lens, double scale, int64_t window,
-                             double softcap, at::Tensor& out) {
+                             double softcap, const float* sinks, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t block_stride = k_cache.stride(0), table_stride = block_tables.stride(0);
@@ -139,8 +148,8 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
       decode_one<STATIC_D>(D, q_all + seq * num_heads * D, k_all, v_all,
                            tables + seq * table_stride, lens[seq], num_heads, num_kv_heads,
                            block_size, block_stride, static_cast<float>(scale), window,
-                           static_cast<float>(softcap), scores.data(), acc.data(), max.data(),
-                           sum.data(), out_all + seq * num_heads * D);
+                           static_cast<float>(softcap), sinks, scores.data(), acc.data(),
+                           max.data(), sum.data(), out_all + seq * num_heads * D);
     }
   });
 }
@@ -150,27 +159,29 @@ template <typename Q, typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,
                             const at::Tensor& lens, double scale, int64_t window,
-                            double softcap, at::Tensor& out) {
+                            double softcap, const float* sinks, at::Tensor& out) {
   switch (q.size(2)) {
     case 64:
       decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
-                                        softcap, out);
+                                        softcap, sinks, out);
       break;
     case 128:
       decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
-                                         softcap, out);
+                                         softcap, sinks, out);
       break;
     default:
       decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
-                                       softcap, out);
+                                       softcap, sinks, out);
   }
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window,
-                            double softcap) {
+                            double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are >= 0 (0: none)");
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              "sinks: one logit per query head");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [n, heads, d], caches 4-d");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must have one layout");
@@ -207,15 +218,18 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                   " is not in the cache");
     }
   }
+  const at::Tensor sink_logits =
+      sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(),
                                   "decode_attention", [&] {
     if (q.scalar_type() == k_cache.scalar_type()) {
       decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
-                                                 softcap, out);
+                                                 softcap, sink_data, out);
     } else {
       decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
-                                              softcap, out);
+                                              softcap, sink_data, out);
     }
   });
   return out;
@@ -264,7 +278,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0.) -> Tensor",
+        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) "
+        "-> Tensor",
         &decode_attention);
   m.def("write_kv_cache", &write_kv_cache);
 }
