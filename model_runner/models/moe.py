@@ -17,6 +17,8 @@ are added first and all-reduced once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,14 +46,23 @@ def route(
     return weights, ids
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU, the experts' activation unless a family brings its own."""
+    return F.silu(gate) * up
+
+
 def experts_torch(
     x: torch.Tensor,  # [T, H]
     weights: torch.Tensor,  # [T, K]
     ids: torch.Tensor,  # [T, K]
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
+    b13: torch.Tensor | None = None,  # [E, 2I]
+    b2: torch.Tensor | None = None,  # [E, H]
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(token): [T, H].
+    """Sum over each token's k experts of weight * expert(token): [T, H], an expert being
+    down(activation(gate, up)) with the biases `b13` (gate/up) and `b2` (down) if given.
 
     The T * K (token, expert) pairs are sorted by expert once; each expert with tokens
     runs one matmul over its contiguous run of them."""
@@ -66,8 +77,10 @@ def experts_torch(
     for expert, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            gate, up = F.linear(xs[rows], w13[expert]).chunk(2, dim=-1)  # [n, I] each
-            out[rows] = F.linear(F.silu(gate) * up, w2[expert])  # [n, H]
+            gate_up = F.linear(xs[rows], w13[expert], None if b13 is None else b13[expert])
+            gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each
+            bias = None if b2 is None else b2[expert]
+            out[rows] = F.linear(activation(gate, up), w2[expert], bias)  # [n, H]
             start += count
     out *= weights.flatten()[order].to(out.dtype)[:, None]
     # NOTE: back in (token, k) order and summed over k, rather than index_add_ into the
@@ -81,7 +94,11 @@ class MoE(nn.Module):
     """Router, routed experts and (when the config has one) a gated shared expert.
 
     `rows` and `intermediate_size` are this rank's slice of one expert's width, as for
-    the dense MLP; the experts' weights are loaded by model_runner/models/moe_models.py."""
+    the dense MLP; the experts' weights are loaded by model_runner/models/moe_models.py.
+    A family that differs sets `router_bias` (a router with a bias) or overrides
+    `experts` (its experts' own biases or activation)."""
+
+    router_bias = False
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -98,7 +115,7 @@ class MoE(nn.Module):
         self.intermediate_size = self.rows[1] - self.rows[0]
         hidden = config.hidden_size
         # the router is replicated: every rank routes every token the same way
-        self.gate = nn.Linear(hidden, self.num_experts, bias=False)
+        self.gate = nn.Linear(hidden, self.num_experts, bias=self.router_bias)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, self.intermediate_size))
         shared_width = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
@@ -108,15 +125,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; `ops` is taken for the MLP's signature and not used."""
         weights, ids = route(self.gate(x), self.top_k, self.scoring, self.renormalize)
-        if x.is_cuda:
-            from model_runner.kernels.triton_moe import fused_experts
-
-            out = fused_experts(x, weights, ids, self.w13, self.w2)
-        else:
-            out = experts_torch(x, weights, ids, self.w13, self.w2)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + self._shared(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' (partial, under tensor parallelism) output [T, H]: the fused
+        Triton kernel on CUDA, the grouped torch path elsewhere."""
+        if x.is_cuda:
+            from model_runner.kernels.triton_moe import fused_experts
+
+            return fused_experts(x, weights, ids, self.w13, self.w2)
+        return experts_torch(x, weights, ids, self.w13, self.w2)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The gated shared expert's (partial, under tensor parallelism) output [T, H]."""

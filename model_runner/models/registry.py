@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from model_runner.models.gemma import GemmaForCausalLM
+from model_runner.models.gpt_oss import GptOssForCausalLM
 from model_runner.models.granite import GraniteForCausalLM
 from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.moe_models import MoeForCausalLM
@@ -22,6 +23,7 @@ from model_runner.models.smollm3 import SmolLM3ForCausalLM
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
@@ -58,6 +58,9 @@ def rope_inv_freq(config: PretrainedConfig, dim: int, long: bool = False) -> tor
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type == "yarn":
+        original = _original_max_positions(config)
+        return _yarn_inv_freq(inv_freq, params, dim, _yarn_factor(config), original)
     raise ValueError(
         f"unsupported RoPE type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
     )
@@ -80,6 +83,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, params: dict[str, Any], dim: int, factor: float, original: int
+) -> torch.Tensor:
+    """YaRN: the dims that turn fewer than `beta_slow` times over the original context
+    are slowed down by `factor` (interpolated), those that turn more than `beta_fast`
+    times kept (extrapolated), a linear ramp between them (its ends rounded outwards
+    unless `truncate` is false)."""
+    base = float(params["rope_theta"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim turning `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low or 0.001)
+    kept = 1 - ramp.clamp(0, 1)  # 1: extrapolated, 0: interpolated
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
 def _original_max_positions(config: PretrainedConfig) -> int:
     params = rope_parameters(config)
     value = params.get("original_max_position_embeddings") or getattr(
@@ -89,18 +115,39 @@ def _original_max_positions(config: PretrainedConfig) -> int:
 
 
 def _attention_factor(config: PretrainedConfig) -> float:
-    """LongRoPE's scale of cos and sin (its `attention_factor`, else the paper's, from how
-    far the context was stretched); 1 for the other types."""
+    """The scale of cos and sin: LongRoPE's and YaRN's `attention_factor`, else their
+    papers' (from how far the context was stretched); 1 for the other types."""
     params = rope_parameters(config)
-    if params["rope_type"] != "longrope":
+    if params["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
+    if params["rope_type"] == "yarn":
+        return _yarn_mscale(params, _yarn_factor(config))
     original = _original_max_positions(config)
     factor = params.get("factor") or config.max_position_embeddings / original
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_factor(config: PretrainedConfig) -> float:
+    """YaRN's stretch of the context: `factor`, else the context over the original one."""
+    factor = rope_parameters(config).get("factor")
+    return float(factor or config.max_position_embeddings / _original_max_positions(config))
+
+
+def _yarn_mscale(params: dict[str, Any], factor: float) -> float:
+    """YaRN's attention scaling: 0.1 ln(factor) + 1, or the ratio of two such with
+    `mscale` and `mscale_all_dim` (DeepSeek's form)."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, m) / mscale(factor, m_all)
+    return mscale(factor)
 
 
 def rope_cache(

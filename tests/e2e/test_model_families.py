@@ -5,8 +5,8 @@ checkpoint of it (made here with transformers, float32, safetensors) gives Huggi
 
 To add a family: a config factory in `FAMILIES` (tests/support/model_helpers.py's
 FAMILY_CONFIGS, or one of its own). One server per family, a few requests each. Gemma's
-local layers have a window of 8 tokens that these contexts cross (its global layers keep
-every block, so the pool still fills and preempts).
+and gpt-oss's local layers have a window of 8 tokens that these contexts cross (their
+global layers keep every block, so the pool still fills and preempts).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     **MOE_CONFIGS,
     "gemma2": WINDOWED_CONFIGS["gemma2"],
     "gemma3": WINDOWED_CONFIGS["gemma3"],
+    "gpt_oss": WINDOWED_CONFIGS["gpt_oss"],  # sinks, YaRN, experts with biases
 }
 # Gemma inits its (1 + w) norms at w = 0: moved off it so that the 1 + shows
 NORM_NOISE = {"gemma2": 0.3, "gemma3": 0.3}

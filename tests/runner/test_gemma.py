@@ -6,7 +6,7 @@ every context here crosses, driven by the minimal engine loop of
 tests/support/model_helpers.py. Gemma 2: local and
 global layers alternate, attention and final logits soft-capped. Gemma 3: QK-norm, local
 layers on their own RoPE base, a linearly scaled global RoPE. Mistral and Qwen2 with a
-window use the same attention.
+window use the same attention; gpt-oss (test_gpt_oss.py) adds sinks, YaRN and experts.
 """
 
 from __future__ import annotations

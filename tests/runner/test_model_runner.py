@@ -308,8 +308,10 @@ def test_rope_from_legacy_config_attributes():
     current = SimpleNamespace(rope_parameters={**scaling, "rope_theta": 500000.0})
     assert torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(current, 16))
     assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq(SimpleNamespace(), 16))
-    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
-        rope_inv_freq(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), 8)
+    with pytest.raises(ValueError, match="unsupported RoPE type 'dynamic'"):
+        rope_inv_freq(
+            SimpleNamespace(rope_parameters={"rope_type": "dynamic", "rope_theta": 1.0}), 8
+        )
 
 
 @torch.inference_mode()

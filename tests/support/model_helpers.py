@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -120,6 +121,15 @@ WINDOWED_CONFIGS = {
     "qwen2-window": lambda: Qwen2Config(**dict(TINY, num_hidden_layers=3),
                                         use_sliding_window=True, sliding_window=WINDOW,
                                         max_window_layers=1),
+    # sliding and full layers alternating, sinks, 4 experts (2 a token) with biases and a
+    # clamped SwiGLU whose limit the activations reach, YaRN stretching 64 positions to 256
+    "gpt_oss": lambda: GptOssConfig(
+        **dict(TINY, num_hidden_layers=3, head_dim=16, intermediate_size=32),
+        sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64},
+    ),
 }
 CONFIGS = {
     "llama3": lambda: LlamaConfig(
