@@ -1,6 +1,7 @@
 """gpt-oss's own parts against Hugging Face (float32): YaRN RoPE, the experts block
 (router bias, interleaved gate/up with biases, clamped SwiGLU), the whole model's logits
-with every bias and sink away from its init, and its checkpoint's loading.
+with every bias and sink away from its init, greedy tokens over two tensor-parallel ranks
+(gloo), and its checkpoint's loading.
 
 The greedy parity with HF `generate` (one at a time, batched and chunked on every CPU
 backend, from the prefix cache, after a preemption) runs in test_gemma.py over the tiny
@@ -20,6 +21,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
+from model_runner.distributed.tp_workers import start_tensor_parallel
 from model_runner.loader import load_model
 from model_runner.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from model_runner.models.moe import route
@@ -30,8 +32,11 @@ from tests.support.model_helpers import (
     GREEDY,
     TINY,
     WINDOWED_CONFIGS,
+    Engine,
+    Seq,
     TinyModel,
     make_model_folder,
+    margin_prompts,
     prompts,
 )
 
@@ -155,6 +160,34 @@ def test_logits_match_hf_forward(tiny: TinyModel, backend: str) -> None:
     want = torch.cat([tiny.hf(torch.tensor([p0])).logits[0],
                       tiny.hf(torch.tensor([p1])).logits[0, 12:]])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_two_ranks_match_hf(tiny: TinyModel) -> None:
+    """-tp 2: each rank holds its heads' sinks and half of every expert's width (the down
+    bias on rank 0 only); greedy tokens, batched and chunked, as Hugging Face's."""
+    config = ModelConfig(model=tiny.loaded.model_path, block_size=4, num_kv_blocks=64,
+                         tensor_parallel_size=2)
+    full = tiny.loaded.model.layers[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # shared by the two ranks: one thread each
+    deaths: list[str] = []
+    try:
+        _, tp = start_tensor_parallel(config, deaths.append)
+        try:
+            shard = tp.model.layers[0]
+            assert torch.equal(shard.self_attn.options.sinks, full.self_attn.sinks[:2])
+            assert shard.mlp.intermediate_size == full.mlp.intermediate_size // 2
+            assert shard.mlp.w2_bias is not None
+            chosen = margin_prompts(tiny.hf, [5, 19, 30], 8, seed=5)
+            seqs = [Seq(f"tp{i}", p, 8) for i, p in enumerate(chosen)]
+            assert Engine(tp, chunk_size=7).run(seqs) == [tiny.generate(p, 8) for p in chosen]
+            tp.workers.close()  # EOF on its socket: the worker exits by itself
+            assert [p.returncode for p in tp.workers.processes] == [0]
+        finally:
+            tp.model.tp.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert not deaths
 
 
 @pytest.mark.parametrize(
