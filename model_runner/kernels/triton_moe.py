@@ -10,10 +10,12 @@ reference), without a host sync, so that a decode step stays capturable in a CUD
    (every expert's run padded), so their sizes depend only on T, K and E; tiles past the
    used ones find no expert and return at once.
 2. `_gate_up_kernel`: per tile and block of the intermediate width, the rows' tokens times
-   the expert's gate and up weights (two accumulators), SiLU(gate) * up stored per pair.
+   the expert's gate and up weights (two accumulators), plus their biases if any,
+   SiLU(gate) * up (or gpt-oss's clamped SwiGLU) stored per pair.
 3. `_down_kernel`: per tile and block of the hidden width, those rows times the expert's
-   down weight, scaled by each pair's routing weight, stored per pair; the K pairs of each
-   token are then summed (no atomics: the order of the sum is fixed).
+   down weight, plus its bias if any, scaled by each pair's routing weight, stored per
+   pair; the K pairs of each token are then summed (no atomics: the order of the sum is
+   fixed).
 
 Shapes: T tokens, H hidden, E experts, K experts per token, I one expert's width.
 CPU tests run these kernels under Triton's interpreter (TRITON_INTERPRET=1).
@@ -30,15 +32,19 @@ BLOCK_M = 16  # pairs per tile (tl.dot's minimum)
 
 @triton.jit
 def _gate_up_kernel(
-    h_ptr,  # [T * K, I] out: SiLU(gate) * up per pair
+    h_ptr,  # [T * K, I] out: the activation per pair
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]
+    b13_ptr,  # [E, 2I] (read with HAS_BIAS)
     sorted_pairs_ptr,  # [padded] pair index per row, num_pairs for padding
     tile_experts_ptr,  # [tiles] expert of each tile, -1 past the used tiles
     num_pairs,
+    limit,  # the clamp of gate (above) and up (both sides), with CLAMPED
+    alpha,  # the sigmoid's gain, with CLAMPED
     stride_x,
     stride_we,
     stride_wn,
+    stride_be,
     stride_h,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -47,6 +53,8 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,  # gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), else SwiGLU
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
@@ -71,12 +79,22 @@ def _gate_up_kernel(
                        other=0.0)  # [K, N]
         gate = tl.dot(x, w_gate, gate, input_precision=DOT_PRECISION)
         up = tl.dot(x, w_up, up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:  # the expert's bias of each gate and up column
+        b = b13_ptr + expert * stride_be
+        gate += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b + cols + WIDTH, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dtype = h_ptr.dtype.element_ty
-    # rounded where the reference rounds: the projections, SiLU, the product
+    # rounded where the reference rounds: the projections, the gate's activation, the product
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    h = (silu * up).to(dtype)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (gate * tl.sigmoid(gate * alpha)).to(dtype).to(tl.float32)
+        h = ((up + 1.0) * glu).to(dtype)
+    else:
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        h = (silu * up).to(dtype)
     tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h + cols[None, :], h,
              mask=valid[:, None] & col_ok[None, :])
 
@@ -86,6 +104,7 @@ def _down_kernel(
     out_ptr,  # [T * K, H] out: weight * expert(token) per pair
     h_ptr,  # [T * K, I]
     w2_ptr,  # [E, H, I]
+    b2_ptr,  # [E, H] (read with HAS_BIAS)
     weights_ptr,  # [T * K] routing weight per pair
     sorted_pairs_ptr,
     tile_experts_ptr,
@@ -93,6 +112,7 @@ def _down_kernel(
     stride_h,
     stride_we,
     stride_wn,
+    stride_be,
     stride_out,
     HIDDEN: tl.constexpr,
     WIDTH: tl.constexpr,
@@ -100,6 +120,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
@@ -120,6 +141,9 @@ def _down_kernel(
         w_down = tl.load(w + cols[None, :] * stride_wn + ks[:, None],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [K, N]
         acc = tl.dot(h, w_down, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        b = b2_ptr + expert * stride_be
+        acc += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [M]
     out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)  # the epilogue
@@ -162,9 +186,18 @@ def fused_experts(
     ids: torch.Tensor,  # [T, K]
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
+    b13: torch.Tensor | None = None,  # [E, 2I]
+    b2: torch.Tensor | None = None,  # [E, H]
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(token): [T, H], in x's dtype."""
-    if x.dim() != 2 or x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+    """Sum over each token's k experts of weight * expert(token): [T, H], in x's dtype,
+    as experts_torch: an expert is down(activation(gate, up)) with the biases `b13`
+    (gate/up) and `b2` (down) if given; the activation is SiLU(gate) * up, or with
+    `swiglu_limit` gpt-oss's (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate clamped
+    above at the limit and up on both sides."""
+    rows = [t for t in (x, w13, w2, b13, b2) if t is not None]
+    if x.dim() != 2 or any(t.stride(-1) != 1 for t in rows):
         raise ValueError("fused_experts: rows with contiguous last dims expected")
     num_tokens, top_k = ids.shape
     num_experts, width2, hidden = w13.shape
@@ -177,19 +210,24 @@ def fused_experts(
     block_k, warps = 32, 4
     h = torch.empty((num_pairs, width), dtype=x.dtype, device=x.device)
     block_n = min(64, max(16, triton.next_power_of_2(width)))
+    clamped = swiglu_limit is not None
     _gate_up_kernel[(len(tile_experts), triton.cdiv(width, block_n))](
-        h, x, w13, sorted_pairs, tile_experts, num_pairs,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        h, x, w13, w13 if b13 is None else b13, sorted_pairs, tile_experts, num_pairs,
+        swiglu_limit if clamped else 0.0, swiglu_alpha,
+        x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
+        h.stride(0),
         TOP_K=top_k, HIDDEN=hidden, WIDTH=width, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps,
+        BLOCK_K=block_k, DOT_PRECISION=precision, HAS_BIAS=b13 is not None,
+        CLAMPED=clamped, num_warps=warps,
     )
     out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     pair_weights = weights.flatten().to(x.dtype).contiguous()
     block_n = min(64, max(16, triton.next_power_of_2(hidden)))
     _down_kernel[(len(tile_experts), triton.cdiv(hidden, block_n))](
-        out, h, w2, pair_weights, sorted_pairs, tile_experts, num_pairs,
-        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        out, h, w2, w2 if b2 is None else b2, pair_weights, sorted_pairs, tile_experts,
+        num_pairs, h.stride(0), w2.stride(0), w2.stride(1), 0 if b2 is None else b2.stride(0),
+        out.stride(0),
         HIDDEN=hidden, WIDTH=width, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=warps,
+        BLOCK_K=block_k, DOT_PRECISION=precision, HAS_BIAS=b2 is not None, num_warps=warps,
     )
     return out.view(num_tokens, top_k, hidden).sum(1)

@@ -4,7 +4,8 @@ The Llama-family decoder (llama.py) with q/k/v/o biases, YaRN RoPE (rope.py), sl
 and full layers alternating by `layer_types` (sliding_windows.py), attention sinks (one
 learned logit per head joining its softmax denominator: `AttentionOptions.sinks`, which
 every backend reads) and a mixture of experts in every layer's MLP seat: moe.py's block
-and grouped path with gpt-oss's router bias, the experts' biases and its clamped SwiGLU.
+with gpt-oss's router bias, the experts' biases and its clamped SwiGLU (on moe.py's
+grouped torch path, or on CUDA the fused Triton kernel, which takes both).
 
 The checkpoint stacks each layer's experts: `gate_up_proj` [E, H, 2I] with gate and up
 interleaved (even and odd columns), `down_proj` [E, I, H], and their biases; they are
@@ -67,8 +68,13 @@ class GptOssMoE(MoE):
         self.alpha = float(config.swiglu_alpha)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The grouped torch path on every device. NOTE: the fused Triton kernel has neither
-        the biases nor this activation, so it is never used here."""
+        """MoE's paths, each told of the biases and the clamped activation: the fused
+        Triton kernel on CUDA, the grouped torch path elsewhere."""
+        if x.is_cuda:
+            from model_runner.kernels.triton_moe import fused_experts
+
+            return fused_experts(x, weights, ids, self.w13, self.w2, self.w13_bias,
+                                 self.w2_bias, self.limit, self.alpha)
         return experts_torch(
             x, weights, ids, self.w13, self.w2, self.w13_bias, self.w2_bias, self.clamped_swiglu
         )

@@ -1,5 +1,6 @@
 """The fused MoE Triton kernel (model_runner/kernels/triton_moe.py) against the torch path
-of model_runner/models/moe.py: random routings, uneven loads, idle experts, one token.
+of model_runner/models/moe.py: random routings, uneven loads, idle experts, one token;
+gpt-oss's biases and clamped SwiGLU.
 
 Without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported); on CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
@@ -88,6 +89,35 @@ def test_fused_experts_match_the_torch_path(num_tokens, top_k, probs, dtype):
     else:  # a few rounding steps of the largest value (sums in another order)
         atol = (2**-5 if dtype == torch.bfloat16 else 2**-8) * ref.abs().amax().item()
         torch.testing.assert_close(out.cpu(), ref, atol=atol, rtol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("down_bias", [True, False], ids=["down-bias", "no-down-bias"])
+def test_gpt_oss_experts_match_the_torch_path(dtype, down_bias):
+    """gpt-oss's experts: biases on gate/up and down (none on down: a tensor-parallel
+    rank other than 0) and the clamped SwiGLU, its clamps biting on both sides."""
+    hidden, width, limit, alpha = 64, 48, 1.0, 1.702
+    w13, w2 = _experts(8, hidden, width, dtype)
+    gen = torch.Generator().manual_seed(2)
+    b13 = torch.randn(8, 2 * width, generator=gen).to(DEVICE, dtype)
+    b2 = torch.randn(8, hidden, generator=gen).to(DEVICE, dtype) if down_bias else None
+    ids, weights = _routing(45, 2, SKEWED, seed=4)
+    x = (torch.randn(45, hidden, generator=gen) * 2).to(DEVICE, dtype)
+    gate_up = torch.einsum("th,eih->tei", x.float().cpu(), w13.float().cpu()) + b13.cpu()
+    assert bool((gate_up > limit).any()) and bool((gate_up < -limit).any())
+    out = triton_moe.fused_experts(x, weights, ids, w13, w2, b13, b2, limit, alpha)
+
+    def clamped(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    ref = experts_torch(x.cpu(), weights.cpu(), ids.cpu(), w13.cpu(), w2.cpu(), b13.cpu(),
+                        None if b2 is None else b2.cpu(), clamped)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.cpu(), ref, atol=2**-8 * ref.abs().amax().item(),
+                                   rtol=0.0)
 
 
 def test_alignment_gives_each_tile_one_expert():
