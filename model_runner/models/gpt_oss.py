@@ -40,10 +40,14 @@ class GptOssAttention(Attention):
     sinks, which the model hands the backend on the layer's options once loaded."""
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, tp: TensorParallel | None = None,
-        **kwargs,
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        tp: TensorParallel | None = None,
+        *,
+        rotary_dim: int | None = None,
     ) -> None:
-        super().__init__(config, head_dim, tp, **kwargs)
+        super().__init__(config, head_dim, tp, rotary_dim=rotary_dim)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
 
