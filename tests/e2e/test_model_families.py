@@ -1,7 +1,9 @@
 """Every decoder family served over HTTP: `pagedserve serve --model DIR` on a tiny random
-checkpoint of it (made here with transformers, float32, safetensors) gives Hugging Face
-`generate`'s greedy tokens, one request at a time and batched, through chunked prefill
-(16 tokens a step), a prefix-cache hit and a preemption (a pool of 20 blocks of 4).
+checkpoint of it (made here with transformers, float32, safetensors, the default model's
+tokenizer) gives Hugging Face `generate`'s greedy tokens for text prompts and a chat, one
+request at a time and batched, through chunked prefill (16 tokens a step), a prefix-cache
+hit and a preemption (a pool of 20 blocks of 4). The server names its tokens by their texts
+in logprobs; the prompts are picked so that each greedy token's text is its own.
 
 To add a family: a config factory in `FAMILIES` (tests/support/model_helpers.py's
 FAMILY_CONFIGS, or one of its own). One server per family, a few requests each. Gemma's
@@ -11,7 +13,6 @@ global layers keep every block, so the pool still fills and preempts).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,11 @@ from tests.support.model_helpers import (
     FAMILY_CONFIGS,
     MOE_CONFIGS,
     WINDOWED_CONFIGS,
+    TextPrompt,
+    greedy_margin,
     make_model_folder,
-    margin_prompts,
+    margin_texts,
+    token_texts,
 )
 
 pytestmark = pytest.mark.e2e
@@ -53,32 +57,32 @@ class Family:
     hf: torch.nn.Module
     server: ServerProcess
 
-    def expected(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                               do_sample=False, pad_token_id=0)
-        return out[0, len(prompt) :].tolist()
+    def expected(self, prompt: TextPrompt, max_tokens: int = MAX_TOKENS) -> list[str]:
+        """HF's greedy tokens after `prompt`, each named by its text."""
+        tokens, _ = greedy_margin(self.hf, prompt.ids, max_tokens)
+        return [token_texts()[i] for i in tokens]
 
-    def complete(self, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-        """One request for all `prompts` (batched in the engine): each one's token ids."""
-        return asyncio.run(self._complete(prompts, max_tokens))
+    def complete(self, prompts: list[TextPrompt]) -> list[list[str]]:
+        """One request for all `prompts` (batched in the engine): each one's tokens."""
+        body = {"prompt": [p.text for p in prompts], "logprobs": 0}
+        response = self.post("/v1/completions", body)
+        assert response["usage"]["prompt_tokens"] == sum(len(p.ids) for p in prompts)
+        choices = sorted(response["choices"], key=lambda c: c["index"])
+        return [c["logprobs"]["tokens"] for c in choices]
 
-    async def _complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "logprobs": 0}
-        async with httpx.AsyncClient(base_url=self.server.url, timeout=120) as client:
-            response = await client.post("/v1/completions", json=body)
+    def chat(self, prompt: TextPrompt) -> list[str]:
+        response = self.post("/v1/chat/completions",
+                             {"messages": prompt.messages, "logprobs": True})
+        return [t["token"] for t in response["choices"][0]["logprobs"]["content"]]
+
+    def post(self, path: str, body: dict) -> dict:
+        body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        response = httpx.post(self.server.url + path, json=body, timeout=120)
         assert response.status_code == 200, response.text
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        return [[token_id(t) for t in c["logprobs"]["tokens"]] for c in choices]
+        return response.json()
 
     def counter(self, name: str) -> float:
         return metric(self.server, name)
-
-
-def token_id(token: str) -> int:
-    """The word-level test tokenizer's id of `token` (t<id>, or a special token)."""
-    specials = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    return specials[token] if token in specials else int(token.removeprefix("t"))
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -91,7 +95,7 @@ def family(request, tmp_path_factory) -> Iterator[Family]:
 
 
 def test_one_at_a_time_and_chunked(family: Family):
-    for prompt in margin_prompts(family.hf, [5, 37], MAX_TOKENS, seed=1):  # 37: 3 chunks
+    for prompt in margin_texts(family.hf, [5, 37], MAX_TOKENS, seed=1):  # 37: 3 chunks
         assert family.complete([prompt]) == [family.expected(prompt)]
 
 
@@ -99,14 +103,23 @@ def test_batched_with_a_preemption(family: Family):
     """Three sequences of 20 + 12 tokens (8 blocks each) in a pool of 20 blocks: one is
     preempted once the decodes outgrow it, and recomputed."""
     preemptions = family.counter("pagedserve_num_preemptions_total")
-    prompts = margin_prompts(family.hf, [20, 20, 20], MAX_TOKENS, seed=2)
+    prompts = margin_texts(family.hf, [20, 20, 20], MAX_TOKENS, seed=2)
     assert family.complete(prompts) == [family.expected(p) for p in prompts]
     assert family.counter("pagedserve_num_preemptions_total") > preemptions
 
 
 def test_prefix_cache_hit(family: Family):
-    first, second = margin_prompts(family.hf, [26, 26], MAX_TOKENS, seed=3, shared=16)
+    first, second = margin_texts(family.hf, [26, 26], MAX_TOKENS, seed=3, shared=16)
     assert family.complete([first]) == [family.expected(first)]
     hits = family.counter("pagedserve_prefix_cache_hits_total")
     assert family.complete([second]) == [family.expected(second)]
     assert family.counter("pagedserve_prefix_cache_hits_total") >= hits + 16
+
+
+def test_chat(family: Family):
+    """A user message through the checkpoint's chat template (the default model's): the
+    server renders the ids HF is given (over 16 tokens: chunked) and answers its tokens."""
+    (prompt,) = margin_texts(family.hf, [6], MAX_TOKENS, seed=4, chat=True)
+    response = httpx.post(family.server.url + "/tokenize", json={"messages": prompt.messages})
+    assert response.json()["tokens"] == prompt.ids
+    assert family.chat(prompt) == family.expected(prompt)

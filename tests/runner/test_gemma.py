@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text) through the model runner against Hugging Face, in float32.
 
 Tiny random checkpoints (from_config, norm weights moved off 0 so that (1 + w) shows,
-saved as safetensors with a word-level tokenizer) with an 8-token sliding window that
+saved as safetensors with the default model's tokenizer) with an 8-token sliding window that
 every context here crosses, driven by the minimal engine loop of
 tests/support/model_helpers.py. Gemma 2: local and
 global layers alternate, attention and final logits soft-capped. Gemma 3: QK-norm, local

@@ -1,6 +1,6 @@
 """The model runner on tiny random Llama-family models against Hugging Face, in float32.
 
-Each model is saved to a temporary folder (safetensors and a word-level tokenizer), loaded
+Each model is saved to a temporary folder (safetensors and the default model's tokenizer), loaded
 through the loader, and driven by the minimal engine loop of tests/support/model_helpers.py
 (`Engine`): no scheduler, blocks handed out by a counter.
 """
@@ -31,6 +31,7 @@ from tests.support.model_helpers import (
     Engine,
     Seq,
     TinyModel,
+    default_tokenizer,
     greedy_seqs,
     make_model_folder,
     phi3_config,
@@ -232,7 +233,10 @@ def test_loaded_model_fields(llama: TinyModel):
     assert loaded.max_model_len == 256
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
     assert loaded.served_model_name == Path(loaded.model_path).name
-    assert loaded.tokenizer("t5 t7").input_ids == [5, 7]
+    # the default model's tokenizer, its chat template included
+    default = default_tokenizer()
+    assert loaded.tokenizer("Hello, wörld!").input_ids == default("Hello, wörld!").input_ids
+    assert loaded.tokenizer.chat_template == default.chat_template is not None
     capped = load_model(ModelConfig(model=loaded.model_path, max_model_len=100))
     assert capped.max_model_len == 100
 

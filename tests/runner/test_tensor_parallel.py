@@ -31,11 +31,12 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from tests.support.model_helpers import TINY, Engine, Seq, make_model_folder
+from tests.support.model_helpers import TINY, VOCAB, Engine, Seq, make_model_folder
 
 TP_CONFIGS = {
-    # tied, odd vocabulary, 1 KV head for 2 ranks, o_proj and down_proj biases
-    "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": 255, "num_key_value_heads": 1},
+    # tied, odd vocabulary (one past the tokenizer's), 1 KV head for 2 ranks, o_proj and
+    # down_proj biases
+    "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": VOCAB + 1, "num_key_value_heads": 1},
                                  tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),  # q/k/v biases
     # q/k norm; 3 KV heads, split 2 and 1 (as SmolLM2-135M's)

@@ -37,7 +37,7 @@ from model_runner.models.registry import model_class
 from model_runner.runner import prepare_inputs
 from scheduler.output import ScheduledRequest
 from scheduler.sampling_params import SamplingParams
-from tests.support.model_helpers import TINY, make_model_folder, phi3_config
+from tests.support.model_helpers import TINY, VOCAB, make_model_folder, phi3_config
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_TOKENS = 7
@@ -129,7 +129,7 @@ def rank_main(port: int, folder: str) -> None:
 
 
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": 255, "num_key_value_heads": 1},
+    "llama": lambda: LlamaConfig(**{**TINY, "vocab_size": VOCAB + 1, "num_key_value_heads": 1},
                                  tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     # q/k norm over the whole projection: its sums of squares all-reduced (the one KV
     # head replicated on both ranks counted once)

@@ -11,8 +11,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from tokenizers import decoders
-from transformers import PreTrainedTokenizerFast
 
 from engine.client import Engine, EngineInfo
 from kvcache.config import CacheConfig
@@ -34,13 +32,10 @@ PROMPT_TEXT = "t5 t17 t42 t9 t100 t33 t7"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> TinyModel:
-    """The tiny Llama, its tokenizer's decoder joining tokens as they are (as byte-level
-    BPE does): a text is its tokens' texts end to end, so each offset is exact."""
+    """The tiny Llama with the default model's tokenizer, a byte-level BPE: a text is its
+    tokens' texts end to end, so each offset is exact."""
     folder = tmp_path_factory.mktemp("echo-llama")
     hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
-    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
-    tokenizer.save_pretrained(folder)
     return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
 
 

@@ -1,5 +1,6 @@
-"""Tiny random models of every supported family saved to disk, prompts whose greedy tokens
-Hugging Face picks by a clear margin, and a minimal engine loop over ModelRunner.
+"""Tiny random models of every supported family saved to disk with the default model's
+tokenizer, prompts (token ids or texts) whose greedy tokens Hugging Face picks by a clear
+margin, and a minimal engine loop over ModelRunner.
 
 Shared by the runner's unit tests, the CUDA-graph tests and the SmolLM2 parity test: the
 loop (`Engine`) drives `ModelRunner.execute` with hand-built `SchedulerOutput`s, blocks
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -25,7 +26,8 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Phi3Config,
-    PreTrainedTokenizerFast,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -34,12 +36,15 @@ from transformers import (
 )
 
 from model_runner.config import ModelConfig
-from model_runner.loader import LoadedModel
+from model_runner.loader import LoadedModel, load_model_spec
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
-VOCAB = 256
+# The default model's (SmolLM2's) tokenizer is every tiny checkpoint's: its vocabulary and
+# special ids (<|im_start|>, <|im_end|> twice), which save_tokenizer checks against it.
+VOCAB = 49152
+BOS_ID, EOS_ID, PAD_ID = 1, 2, 2
 GREEDY = SamplingParams(temperature=0.0)
 TINY = dict(
     vocab_size=VOCAB,
@@ -51,9 +56,9 @@ TINY = dict(
     max_position_embeddings=256,
     # NOTE: a wide init makes the logits peaked, so greedy never rests on a near tie
     initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
 )
 def phi3_config(max_position_embeddings: int, original_max_position_embeddings: int) -> Phi3Config:
     return Phi3Config(
@@ -154,13 +159,23 @@ CONFIGS = {
 
 
 
-def save_tokenizer(folder: Path) -> None:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(folder)
+@cache
+def default_tokenizer() -> PreTrainedTokenizerBase:
+    """The default model's tokenizer (chat template included) as the loader builds it: the
+    GGUF converted on first use, then read from its cached folder; once per process."""
+    return load_model_spec(ModelConfig()).tokenizer
+
+
+def save_tokenizer(folder: Path, hf_config: PretrainedConfig) -> None:
+    """The default model's tokenizer into `folder`, once `hf_config`'s vocabulary covers its
+    ids and its BOS, EOS and padding ids are the tokenizer's."""
+    tokenizer = default_tokenizer()
+    ours = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    theirs = (hf_config.bos_token_id, hf_config.eos_token_id, hf_config.pad_token_id)
+    if hf_config.vocab_size < len(tokenizer) or ours != theirs:
+        raise ValueError(f"a config of {hf_config.vocab_size} ids and special ids {theirs} "
+                         f"does not fit the tokenizer's {len(tokenizer)} and {ours}")
+    tokenizer.save_pretrained(folder)
 
 
 def make_model_folder(folder: Path, hf_config, norm_noise: float = 0.0) -> torch.nn.Module:
@@ -174,7 +189,7 @@ def make_model_folder(folder: Path, hf_config, norm_noise: float = 0.0) -> torch
                 if "norm" in name:
                     param.add_(torch.randn(param.shape) * norm_noise)
     hf_model.save_pretrained(folder)
-    save_tokenizer(folder)
+    save_tokenizer(folder, hf_config)
     hf_model.generation_config.eos_token_id = None  # generate fixed lengths
     return hf_model
 
@@ -201,10 +216,26 @@ class TinyModel:
         return ModelRunner(self.loaded, config)
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = self.hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt) :].tolist()
+        return greedy_margin(self.hf, prompt, max_new_tokens)[0]
 
+
+MIN_MARGIN = 1e-3  # between the top two logits: far above float32's disagreements
+
+
+@torch.inference_mode()
+def greedy_margin(
+    hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], float]:
+    """Hugging Face's greedy tokens after `prompt`, and the smallest gap between its top two
+    logits over them: how far a near tie is from flipping one."""
+    ids = torch.tensor([prompt])
+    # NOTE: the mask given, or generate masks the padding id (a chat's <|im_end|>) out
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        do_sample=False, pad_token_id=PAD_ID, output_logits=True, return_dict_in_generate=True,
+    )
+    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values
+    return out.sequences[0, len(prompt) :].tolist(), float((top2[:, 0] - top2[:, 1]).min())
 
 
 def clear_margin_generations(
@@ -214,12 +245,9 @@ def clear_margin_generations(
     more than `min_margin` at every step (random weights give small margins)."""
     found = {}
     for prompt in candidates:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                          do_sample=False, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-        top2 = torch.cat(out.logits).topk(2, dim=-1).values
-        if float((top2[:, 0] - top2[:, 1]).min()) > min_margin:
-            found[tuple(prompt)] = out.sequences[0, len(prompt):].tolist()
+        tokens, margin = greedy_margin(hf, prompt, max_new_tokens)
+        if margin > min_margin:
+            found[tuple(prompt)] = tokens
     return found
 
 
@@ -228,42 +256,91 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-MIN_MARGIN = 1e-3  # between the top two logits: far above float32's disagreements
+@cache
+def token_texts() -> tuple[str, ...]:
+    """Each id's text under the default tokenizer: how a server's logprobs name a token."""
+    tokenizer = default_tokenizer()
+    return tuple(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
 
 
-@torch.inference_mode()
-def greedy_margin(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> float:
-    """The smallest gap between Hugging Face's top two logits over the greedy tokens of
-    `prompt`: how far a near tie is from flipping one."""
-    out = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-        pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+@cache
+def _named_ids() -> frozenset[int]:
+    """The ids whose text no other id has (all but the bytes of longer UTF-8 characters)."""
+    counts: dict[str, int] = {}
+    for text in token_texts():
+        counts[text] = counts.get(text, 0) + 1
+    return frozenset(i for i, text in enumerate(token_texts()) if counts[text] == 1)
+
+
+@cache
+def _word_ids() -> tuple[int, ...]:
+    """The ids whose text is a space and a lowercase ASCII word: most runs of them are texts
+    that tokenize back to those ids (`text_prompt` checks)."""
+    return tuple(i for i, text in enumerate(token_texts())
+                 if text[:1] == " " and text[1:].isascii() and text[1:].isalpha()
+                 and text[1:].islower())
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """A text as a request sends it (a completion's prompt, or a chat's one user message)
+    and its ids as the server tokenizes it (the text, or the chat it renders)."""
+
+    text: str
+    ids: list[int]
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.text}]
+
+
+def text_prompt(word_ids: list[int], chat: bool) -> TextPrompt | None:
+    """The text of `word_ids`, or the chat of one user message saying it; None when the text
+    does not tokenize back to `word_ids`."""
+    tokenizer = default_tokenizer()
+    text = tokenizer.decode(word_ids)
+    if tokenizer.encode(text, add_special_tokens=False) != word_ids:
+        return None
+    if not chat:
+        return TextPrompt(text, tokenizer.encode(text))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
-    return min(float(-scores[0].float().topk(2).values.diff()) for scores in out.scores)
+    return TextPrompt(text, tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def margin_prompts(
+def margin_texts(
     hf_model: torch.nn.Module,
     lengths: list[int],
     max_new_tokens: int,
     seed: int = 0,
     shared: int = 0,
-) -> list[list[int]]:
-    """Random prompts of `lengths` (the first `shared` tokens common to all) whose greedy
-    tokens Hugging Face picks by at least MIN_MARGIN at every step: each drawn again (from
-    one generator seeded by `seed`) until it does, so random weights' near ties never
-    decide a parity test."""
+    chat: bool = False,
+) -> list[TextPrompt]:
+    """Texts of `lengths` words of the default tokenizer (the first `shared` common to all;
+    sent as they are, or as a chat's user message) whose greedy tokens Hugging Face picks by
+    at least MIN_MARGIN at every step, each token one whose text names it: each drawn again
+    (from one generator seeded by `seed`) until it does, so that random weights' near ties
+    never decide a parity test, and the tokens a server's logprobs name are its ids."""
     gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, VOCAB, (shared,), generator=gen).tolist()
+    words = _word_ids()
+
+    def draw(n: int) -> list[int]:
+        return [words[i] for i in torch.randint(len(words), (n,), generator=gen).tolist()]
+
+    prefix = draw(shared)
     picked = []
     for length in lengths:
         for _ in range(100):
-            prompt = prefix + torch.randint(3, VOCAB, (length - shared,), generator=gen).tolist()
-            if greedy_margin(hf_model, prompt, max_new_tokens) >= MIN_MARGIN:
+            prompt = text_prompt(prefix + draw(length - shared), chat)
+            if prompt is None:
+                continue
+            tokens, margin = greedy_margin(hf_model, prompt.ids, max_new_tokens)
+            if margin >= MIN_MARGIN and _named_ids().issuperset(tokens):
                 picked.append(prompt)
                 break
         else:
-            raise ValueError(f"no prompt of {length} tokens with a clear greedy margin")
+            raise ValueError(f"no text of {length} words with a clear greedy margin")
     return picked
 
 
