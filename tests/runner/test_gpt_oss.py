@@ -30,13 +30,14 @@ from model_runner.runner import prepare_inputs
 from scheduler.output import ScheduledRequest
 from tests.support.model_helpers import (
     GREEDY,
+    MIN_MARGIN,
     TINY,
     WINDOWED_CONFIGS,
     Engine,
     Seq,
     TinyModel,
+    clear_margin_generations,
     make_model_folder,
-    margin_prompts,
     prompts,
 )
 
@@ -178,9 +179,11 @@ def test_two_ranks_match_hf(tiny: TinyModel) -> None:
             assert torch.equal(shard.self_attn.options.sinks, full.self_attn.sinks[:2])
             assert shard.mlp.intermediate_size == full.mlp.intermediate_size // 2
             assert shard.mlp.w2_bias is not None
-            chosen = margin_prompts(tiny.hf, [5, 19, 30], 8, seed=5)
-            seqs = [Seq(f"tp{i}", p, 8) for i, p in enumerate(chosen)]
-            assert Engine(tp, chunk_size=7).run(seqs) == [tiny.generate(p, 8) for p in chosen]
+            candidates = prompts([5, 19, 30, 7, 21, 28], seed=5)
+            found = clear_margin_generations(tiny.hf, candidates, 8, MIN_MARGIN)
+            assert len(found) >= 3, "too few prompts with a clear greedy margin"
+            seqs = [Seq(f"tp{i}", list(p), 8) for i, p in enumerate(found)]
+            assert Engine(tp, chunk_size=7).run(seqs) == list(found.values())
             tp.workers.close()  # EOF on its socket: the worker exits by itself
             assert [p.returncode for p in tp.workers.processes] == [0]
         finally:
