@@ -39,8 +39,8 @@ from engine.messages import (
 from engine.metrics import ServerMetrics
 from engine.outputs import EngineDeadError, RequestOutput, RequestStream
 from engine.request import EngineRequest
+from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
-from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
