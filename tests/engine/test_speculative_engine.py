@@ -8,12 +8,15 @@ import pytest
 
 from engine.core import EngineCore
 from engine.messages import AddRequests, FinishRequests, NewRequest
+from engine.metrics import ServerMetrics
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+from scheduler.speculation import SpecDecodeStats
+from tests.support.metrics import metric_in
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -100,3 +103,21 @@ def test_greedy_tokens_are_those_without_speculation(
     assert got["r0-choice"] == got["r0"]
     assert len(got["sampled"]) == 40
     assert got_logprobs["r1"] == pytest.approx(want_logprobs["r1"], abs=1e-4)
+
+
+def test_the_metrics_count_the_scheduler_counters_once() -> None:
+    metrics = ServerMetrics("m")
+    first = SpecDecodeStats(2, 7, 3, (2, 1, 0), {0: 4, -5: 3}, {0: 1, -5: 2})
+    metrics.inc_spec_decode(first, SpecDecodeStats())
+    metrics.inc_spec_decode(SpecDecodeStats(3, 10, 5, (3, 1, 1), {0: 4, -5: 6},
+                                            {0: 1, -5: 4}), first)
+    text = metrics.render().decode()
+    assert metric_in(text, "pagedserve_spec_decode_num_drafts_total") == 3
+    assert metric_in(text, "pagedserve_spec_decode_num_draft_tokens_total") == 10
+    assert metric_in(text, "pagedserve_spec_decode_num_accepted_tokens_total") == 5
+    assert metric_in(text, "pagedserve_spec_decode_num_accepted_tokens_per_pos_total",
+                     position="2") == 1
+    assert metric_in(text, "pagedserve_spec_decode_num_accepted_tokens_by_priority_total",
+                     priority="-5") == 4
+    assert metric_in(text, "pagedserve_spec_decode_num_draft_tokens_by_priority_total",
+                     priority="0") == 4
