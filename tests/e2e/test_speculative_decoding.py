@@ -3,8 +3,8 @@ without it (the request's `num_speculative_tokens: 0` turns it off on the same s
 one at a time, batched under preemption, with prefix hits, n > 1, stop strings, a JSON
 schema and logprobs; drafts accepted; the pool whole afterwards.
 
-One server for the module: priority scheduling, n-gram speculation, a KV pool of 24
-blocks of 16 that two of these requests overflow together (so a batch preempts).
+One server for the module: priority scheduling, n-gram speculation, a KV pool of 16
+blocks of 16 that the batch below overflows (so it preempts).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAX_TOKENS = 32
 def server() -> Iterator[ServerProcess]:
     _require_default_model()
     server = ServerProcess(
-        "--scheduling-policy", "priority", "--num-kv-blocks", "24", "--max-num-seqs", "8",
+        "--scheduling-policy", "priority", "--num-kv-blocks", "16", "--max-num-seqs", "8",
         "--speculative-config", json.dumps(SPECULATIVE_CONFIG),
     )
     yield server
