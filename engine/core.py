@@ -44,9 +44,10 @@ from engine.messages import (
     StepOutputs,
     StepScheduled,
 )
+from scheduler.introspection import SchedulerStats
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler, SchedulerStats
+from scheduler.scheduler import Scheduler
 from structured.matchers import GrammarState, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -257,13 +258,14 @@ class EngineCore:
         """One overlapped step (`async_scheduling`): schedule and launch step n+1, then
         update with step n's result, which the device computed meanwhile; its message.
         Step n is read first when scheduling n+1 needs its tokens on the host (a grammar,
-        penalties, min_tokens), and an empty step n+1 is read at once."""
+        penalties, min_tokens, a request that speculates: its drafts follow its last
+        token), and an empty step n+1 is read at once."""
         start, deltas = self._begin_step()
         last, self._in_flight = self._in_flight, None  # step n, launched by the last call
         plan: SchedulerOutput | None = None
         try:
             unread = last
-            if last is not None and _needs_host_tokens(last.plan):
+            if last is not None and self._needs_host_tokens(last.plan):
                 deltas += self._update(last)
                 unread = None
             plan = self._schedule(start, on_scheduled)
@@ -280,6 +282,12 @@ class EngineCore:
             self.step_clock.value = 0.0
         self.stuck = plan is not None and plan.is_empty and last is None  # nothing moved
         return self._message(deltas)
+
+    def _needs_host_tokens(self, plan: SchedulerOutput) -> bool:
+        speculation = self.scheduler.speculation
+        return _needs_host_tokens(plan) or (
+            speculation is not None and speculation.any_speculates(plan, self.scheduler.requests)
+        )
 
     def _begin_step(self) -> tuple[float, list[RequestDelta]]:
         """Start the step clock and hand the scheduler the requests whose grammar is now

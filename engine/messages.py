@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 
 from kvcache.config import CacheConfig
+from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import SchedulerStats
 
 
 class NewRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

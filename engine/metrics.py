@@ -5,7 +5,8 @@ prometheus-client appends `_total` to counter names, so counters are declared wi
 it. Every series carries `model_name` (and `engine` with data parallelism); TTFT, queue
 time, the per-priority gauges and the per-priority preemption counter also carry
 `priority`, bounded to the first MAX_PRIORITY_LABELS distinct values (later ones are
-"other"). The `pagedserve_tenant_*` series carry `tenant`, a name from the tenants file
+"other"), as do speculation's counters by priority (their `position` is bounded by the
+draft length). The `pagedserve_tenant_*` series carry `tenant`, a name from the tenants file
 (or "default"), so they are bounded. The engine's output processing records, the HTTP
 handlers count tenant rejections; /metrics reads through `render()`.
 
@@ -26,6 +27,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvcache.config import CacheConfig
+from scheduler.speculation import SpecDecodeStats
 
 MAX_PRIORITY_LABELS = 16
 OTHER_PRIORITY = "other"
@@ -106,6 +108,21 @@ SERIES = (
            "First generated token to finish.", buckets=_REQUEST_BUCKETS),
     Series("iteration_tokens", Histogram, "pagedserve_iteration_tokens",
            "Tokens computed per engine step.", buckets=_ITERATION_TOKEN_BUCKETS),
+    Series("spec_decode_num_drafts", Counter, "pagedserve_spec_decode_num_drafts",
+           "Verifications of draft tokens (speculative decoding)."),
+    Series("spec_decode_num_draft_tokens", Counter, "pagedserve_spec_decode_num_draft_tokens",
+           "Draft tokens proposed and verified."),
+    Series("spec_decode_num_accepted_tokens", Counter,
+           "pagedserve_spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    Series("spec_decode_num_accepted_tokens_per_pos", Counter,
+           "pagedserve_spec_decode_num_accepted_tokens_per_pos",
+           "Draft tokens accepted, by position in the draft (0: the first).", ("position",)),
+    Series("spec_decode_num_draft_tokens_by_priority", Counter,
+           "pagedserve_spec_decode_num_draft_tokens_by_priority",
+           "Draft tokens proposed and verified, by the request's priority.", _P),
+    Series("spec_decode_num_accepted_tokens_by_priority", Counter,
+           "pagedserve_spec_decode_num_accepted_tokens_by_priority",
+           "Draft tokens accepted, by the request's priority.", _P),
     Series("tenant_requests", Counter, "pagedserve_tenant_requests",
            "Finished requests by tenant and finish reason.", (*_T, "finished_reason")),
     Series("tenant_prompt_tokens", Counter, "pagedserve_tenant_prompt_tokens",
@@ -280,6 +297,34 @@ class ServerMetrics:
             if n > 0:
                 label = self.priority_label(priority)
                 self._child("num_preemptions_by_priority", label).inc(n)
+
+    def inc_spec_decode(self, stats: SpecDecodeStats, seen: SpecDecodeStats) -> None:
+        """Speculation's counters, from the scheduler's cumulative `stats` and those `seen`
+        last time."""
+        unlabelled = self._unlabelled
+        for key, now, before in (
+            ("spec_decode_num_drafts", stats.num_drafts, seen.num_drafts),
+            ("spec_decode_num_draft_tokens", stats.num_draft_tokens, seen.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", stats.num_accepted_tokens,
+             seen.num_accepted_tokens),
+        ):
+            if now > before:
+                unlabelled[key].inc(now - before)
+        before_per_pos = seen.accepted_per_position
+        for position, n in enumerate(stats.accepted_per_position):
+            new = n - (before_per_pos[position] if position < len(before_per_pos) else 0)
+            if new > 0:
+                self._child("spec_decode_num_accepted_tokens_per_pos", str(position)).inc(new)
+        for key, counts, before_counts in (
+            ("spec_decode_num_draft_tokens_by_priority", stats.draft_tokens_by_priority,
+             seen.draft_tokens_by_priority),
+            ("spec_decode_num_accepted_tokens_by_priority", stats.accepted_tokens_by_priority,
+             seen.accepted_tokens_by_priority),
+        ):
+            for priority, n in counts.items():
+                if n > before_counts.get(priority, 0):
+                    self._child(key, self.priority_label(priority)).inc(
+                        n - before_counts.get(priority, 0))
 
     def observe_iteration_tokens(self, num_tokens: int) -> None:
         self._unlabelled["iteration_tokens"].observe(num_tokens)

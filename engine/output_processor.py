@@ -39,8 +39,9 @@ from engine.messages import (
 from engine.metrics import ServerMetrics
 from engine.outputs import EngineDeadError, RequestOutput, RequestStream
 from engine.request import EngineRequest
+from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
-from scheduler.scheduler import SchedulerStats
+from scheduler.speculation import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -436,6 +437,8 @@ class OutputProcessor:
             {p: n - seen_preemptions.get(p, 0)
              for p, n in stats.num_preemptions_by_priority.items()},
         )
+        if stats.spec_decode is not None:
+            metrics.inc_spec_decode(stats.spec_decode, seen.spec_decode or SpecDecodeStats())
         self._stats = stats
         self._num_waiting = stats.num_waiting
 

@@ -28,6 +28,7 @@ from model_runner.kv_cache import (
 from model_runner.loader import LoadedModel
 from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
+from model_runner.spec_decode import Verification
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -65,7 +66,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling] int64: last row of each sampling request
+    # [num_sampling] int64: the last row of each sampling request, and the rows of its
+    # drafts before it (speculative decoding: 1 + num_draft_tokens rows)
+    sample_rows: torch.Tensor
 
 
 def prepare_inputs(
@@ -101,7 +104,7 @@ def prepare_inputs(
     )
 
     sample_mask = np.fromiter((r.sample for r in requests), bool, num_seqs)
-    sample_rows = query_start_loc[1:][sample_mask] - 1
+    sample_rows = _sample_rows(requests, query_start_loc[1:][sample_mask], sample_mask)
     num_decode_seqs = int(np.argmin(query_lens == 1)) if (query_lens != 1).any() else num_seqs
 
     def to_device(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +127,20 @@ def prepare_inputs(
     )
 
 
+def _sample_rows(
+    requests: Sequence[ScheduledRequest], ends: np.ndarray, sample_mask: np.ndarray
+) -> np.ndarray:
+    """The rows whose logits a step samples from: the last of each sampling request (its
+    chunk ends at `ends`), and with drafts the 1 + num_draft_tokens last."""
+    if not any(r.num_draft_tokens for r in requests):
+        return ends - 1
+    num_drafts = np.fromiter((r.num_draft_tokens for r in requests), np.int64, len(requests))
+    num_rows = 1 + num_drafts[sample_mask]
+    starts = np.repeat(ends - num_rows, num_rows)
+    first_of = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+    return starts + np.arange(int(num_rows.sum())) - first_of
+
+
 # Flat positions of placeholder input ids [P] and the tokens that go there [P], on the device.
 Placeholders = tuple[torch.Tensor, torch.Tensor]
 
@@ -131,16 +148,18 @@ Placeholders = tuple[torch.Tensor, torch.Tensor]
 class LaunchedStep:
     """A launched step: its sampled ids on the device, in row order of `rows` (request id
     -> row), read on the host by `result()` (on CUDA through a pinned copy started at
-    launch, so the read waits only for this step's kernels); and the step's prompt
-    logprobs, already on the host."""
+    launch, so the read waits only for this step's kernels); the step's prompt
+    logprobs, already on the host; and the verification of the requests with drafts."""
 
     def __init__(self, rows: dict[str, int], sampled: torch.Tensor | None,
                  logprobs: dict[str, SampleLogprobs],
-                 prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> None:
+                 prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+                 verification: Verification | None = None) -> None:
         self.rows = rows
         self.sampled = sampled
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs or {}
+        self.verification = verification
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
         if sampled is not None and sampled.device.type == "cuda":
@@ -157,6 +176,8 @@ class LaunchedStep:
     def result(self) -> ModelRunnerOutput:
         """The sampled tokens (waiting for the device when they are not there yet)."""
         output = ModelRunnerOutput(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+        if self.verification is not None:
+            output.verified_token_ids, output.verified_logprobs = self.verification.result()
         if self.sampled is None:
             return output
         if self._copied is not None and self._host is not None:
@@ -250,19 +271,45 @@ class ModelRunner:
             except Exception as exc:  # the workers wait in a collective rank 0 never joins
                 self.workers.check_deaths(_WORKER_DEATH_WAIT_S)  # a dead worker is the cause
                 raise RanksOutOfStep(f"rank 0 failed inside a step: {exc!r}") from exc
-        sampling = [r for r in requests if r.sample]
         if logits is None:
             return LaunchedStep({}, None, {}, prompt_logprobs)
         bitmask = None
         if scheduler_output.grammar_bitmask is not None:
             bitmask = scheduler_output.grammar_bitmask.result()  # filled during the forward
-        result = self.sampler(logits, sampling, [self._generator(r) for r in sampling], bitmask)
-        logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True)
-                    if lp is not None}
-        step = LaunchedStep({r.request_id: i for i, r in enumerate(sampling)}, result.sampled,
-                            logprobs, prompt_logprobs)
+        sampling = [r for r in requests if r.sample]
+        verification = None
+        if any(r.num_draft_tokens for r in sampling):
+            logits, sampling, verification = self._verify(logits, sampling)
+        sampled, logprobs = None, {}
+        if sampling:
+            result = self.sampler(logits, sampling, [self._generator(r) for r in sampling],
+                                  bitmask)
+            sampled = result.sampled
+            logprobs = {r.request_id: lp for r, lp in zip(sampling, result.logprobs, strict=True)
+                        if lp is not None}
+        step = LaunchedStep({r.request_id: i for i, r in enumerate(sampling)}, sampled,
+                            logprobs, prompt_logprobs, verification)
         self._previous = step
         return step
+
+    def _verify(
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, list[ScheduledRequest], Verification]:
+        """Verify the drafts of the sampling requests that have some (their rows of
+        `logits`, 1 + num_draft_tokens each); the logits and requests left to sample."""
+        plain_rows: list[int] = []
+        draft_rows: list[int] = []
+        row = 0
+        for r in sampling:
+            num_rows = 1 + r.num_draft_tokens
+            (draft_rows if r.num_draft_tokens else plain_rows).extend(range(row, row + num_rows))
+            row += num_rows
+        drafted = [r for r in sampling if r.num_draft_tokens]
+        verification = self.sampler.verify(
+            logits[draft_rows], drafted, [self._generator(r) for r in drafted]
+        )
+        plain = [r for r in sampling if not r.num_draft_tokens]
+        return logits[plain_rows], plain, verification
 
     def _placeholders(
         self, requests: Sequence[ScheduledRequest]

@@ -34,6 +34,7 @@ from model_runner.sampling_batch import (
     StepRows,
     device_index,
 )
+from model_runner.spec_decode import Verification, rejection_sample
 from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -290,6 +291,54 @@ class Sampler:
             return SamplerOutput(sampled, [None] * len(requests))
         params = [row.params for row in step.rows]
         return SamplerOutput(sampled, self._logprobs(logprobs, sampled, params))
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[ScheduledRequest],
+        generators: Sequence[torch.Generator | None],
+    ) -> Verification:
+        """Verify the drafts of `requests` (model_runner/spec_decode.py): logits [R, vocab]
+        float32 (modified in place), 1 + num_draft_tokens consecutive rows per request.
+        Their requests have no grammar, penalties or min_tokens left to hold (the scheduler
+        gives such requests no drafts): their rows differ from a plain step's only in the
+        tokens before them."""
+        rows = [r for r in requests for _ in range(1 + r.num_draft_tokens)]
+        row_generators = [g for r, g in zip(requests, generators, strict=True)
+                          for _ in range(1 + r.num_draft_tokens)]
+        drafts = device_index([t for r in requests for t in (*r.draft_token_ids, -1)],
+                              logits.device)
+        step = self.batch.select(rows)
+        if step.any(TOKEN_MASK):
+            self._apply_token_masks(logits, rows)
+        if not step.all(GREEDY):
+            logits.div_(step.column(Column.TEMPERATURE)[:, None])
+        logprobs = torch.log_softmax(logits, dim=-1) if step.any(LOGPROBS) else None
+        greedy_ids = logits.argmax(-1)
+        accepted, tokens = greedy_ids == drafts, greedy_ids
+        if not step.all(GREEDY):
+            probs = torch.softmax(self._filter(logits, step), dim=-1)
+            uniforms = self._uniforms(len(rows), row_generators, logits.device)
+            sampled_accepted, sampled = rejection_sample(
+                probs, drafts, uniforms, lambda weights: self._draw(weights, row_generators)
+            )
+            is_greedy = step.column(Column.IS_GREEDY) > 0
+            accepted = torch.where(is_greedy, accepted, sampled_accepted)
+            tokens = torch.where(is_greedy, greedy_ids, sampled)
+        return Verification(requests, accepted, tokens, logprobs,
+                            drafts if logprobs is not None else None)
+
+    def _uniforms(
+        self, n: int, generators: Sequence[torch.Generator | None], device: torch.device
+    ) -> torch.Tensor:
+        """n draws from U[0, 1), each from its row's generator (None: the global one)."""
+        uniforms = torch.empty(n, device=device)
+        if any(g is None for g in generators):
+            uniforms.uniform_(generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                uniforms[i].uniform_(generator=g)
+        return uniforms
 
     def _apply_token_masks(
         self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]

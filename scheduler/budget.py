@@ -64,6 +64,8 @@ class StepBudget:
     decode_ids: set[str] = field(default_factory=set)
     prefill_room: int | None = None
     prefill_costs: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: request id -> the draft tokens its decode verifies
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.budget = self.config.max_num_batched_tokens
@@ -80,11 +82,18 @@ class StepBudget:
             self.prefill_costs[request.request_id] = cost
             self.prefill_room -= cost
 
+    def add_drafts(self, request: Request, draft_token_ids: list[int]) -> None:
+        """A decode scheduled in this step verifies `draft_token_ids` too."""
+        self.num_scheduled_tokens[request.request_id] += len(draft_token_ids)
+        self.budget -= len(draft_token_ids)
+        self.draft_token_ids[request.request_id] = draft_token_ids
+
     def unschedule(self, request: Request) -> None:
         """A victim scheduled earlier in this step gives its tokens back."""
         num_tokens = self.num_scheduled_tokens.pop(request.request_id, 0)
         self.budget += num_tokens
         self.decode_ids.discard(request.request_id)
+        self.draft_token_ids.pop(request.request_id, None)
         if self.prefill_room is not None:
             self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
 

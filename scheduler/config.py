@@ -2,7 +2,68 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (`--speculative-config`, vLLM's keys).
+
+    A decoding request proposes up to num_speculative_tokens tokens: those that followed
+    the most recent earlier occurrence of its last n tokens (n from prompt_lookup_max down
+    to prompt_lookup_min) within its last prompt_lookup_window tokens (prompt and
+    output); the step verifies them beside everyone's work (scheduler/speculation.py).
+    max_num_verify_tokens bounds a step's decodes plus draft tokens: drafts are granted
+    in priority order within it, so as the batch grows speculation stops, the least
+    urgent first, and with that many decodes it is off.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_window: int = 2048
+    max_num_verify_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"unknown speculative method {self.method!r}: use ngram")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.prompt_lookup_window <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_window must be > prompt_lookup_max")
+        if self.max_num_verify_tokens < 2:
+            raise ValueError("max_num_verify_tokens must be >= 2")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config of a `--speculative-config` JSON object; ValueError naming what is
+        wrong (not JSON, an unknown key, a value of the wrong type or out of range)."""
+        try:
+            values: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}: use {sorted(known)}")
+        for key, value in values.items():
+            wanted = str if known[key] == "str" else int
+            if type(value) is not wanted:  # NOTE: not isinstance: a bool is not an int here
+                raise ValueError(f"--speculative-config: {key} must be {wanted.__name__}")
+        return cls(**values)
+
+
+# The most draft tokens a request may verify in one step (the flag and the request field).
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -27,7 +88,8 @@ class SchedulerConfig:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
-    (overlapped steps; see engine/core.py).
+    (overlapped steps; see engine/core.py). speculative: n-gram speculative decoding
+    (None: off).
     """
 
     policy: str = "fcfs"
@@ -43,6 +105,7 @@ class SchedulerConfig:
     prefill_tokens_per_request: int = 2
     whole_prompt_slack: float = 1.5
     attention_cost_context: int = 2048
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -1,8 +1,10 @@
-"""Looking into a scheduler: the JSON snapshot behind GET /scheduler/state, and the
-integrity check that tests run, and the engine when idle or asked."""
+"""Looking into a scheduler: its stats for metrics, the JSON snapshot behind GET
+/scheduler/state, and the integrity check that tests run, and the engine when idle or
+asked."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
@@ -10,6 +12,27 @@ from scheduler.config import SchedulerConfig
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import RequestQueue, SchedulingPolicy
+from scheduler.speculation import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters and gauges for metrics (token counts for the prefix cache); the defaults
+    are those of a scheduler that has seen nothing."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions_total: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    num_blocks: int = 0
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    num_running_by_priority: dict[int, int] = field(default_factory=dict)
+    num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
+    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
 
 
 class SchedulerState(Protocol):

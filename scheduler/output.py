@@ -32,6 +32,10 @@ class ScheduledRequest:
     `prompt_logprob_rows` are the offsets [lo, hi) into `token_ids` of the positions whose
     logits give prompt logprobs still missing (the logits at position p give prompt token
     p + 1's); (0, 0) for none.
+    `num_draft_tokens` (speculative decoding): the last that many of `token_ids` are
+    proposed tokens after the request's last known one (then `sample` is set); the runner
+    verifies them from the logits at every one of those positions and returns the
+    accepted ones and one token more in `ModelRunnerOutput.verified_token_ids`.
     """
 
     request_id: str
@@ -43,6 +47,12 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     prompt_logprob_rows: tuple[int, int] = (0, 0)
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The proposed tokens this step verifies (empty without speculation)."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
     @property
     def num_new_tokens(self) -> int:
@@ -132,8 +142,17 @@ class PromptLogprobs:
 @dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step, keyed by request id (only requests with sample=True),
-    and the prompt logprobs of the chunks that had `prompt_logprob_rows`."""
+    and the prompt logprobs of the chunks that had `prompt_logprob_rows`.
+
+    A request that verified draft tokens is in `verified_token_ids` instead of
+    `sampled_token_ids`: its accepted drafts (a prefix of them) then the one token sampled
+    after them, and their logprobs (when asked for) in `verified_logprobs`. A runner that
+    does not verify may answer such a request with one sampled token: no draft accepted.
+    """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+

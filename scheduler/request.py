@@ -56,6 +56,10 @@ class Request:
     those of any other salt.
     """
 
+    # The most draft tokens it verifies in a step (speculative decoding; 0: none), set by
+    # the scheduler when it takes the request.
+    num_speculative_tokens: int = 0
+
     def __init__(
         self,
         request_id: str,

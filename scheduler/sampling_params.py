@@ -19,6 +19,8 @@ class SamplingParams:
     token ids' logits; `allowed_token_ids` (when set) masks every other token.
     `prompt_logprobs` (when set) asks for the logprob of every prompt token and its top
     alternatives: the whole prompt is then computed, whatever the prefix cache holds.
+    `num_speculative_tokens` caps the draft tokens of this request under speculative
+    decoding (None: the server's; 0: none); the server's setting caps it in turn.
     """
 
     temperature: float = 1.0
@@ -38,6 +40,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None for none
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError("logprobs must be >= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("prompt_logprobs must be >= 0")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
 

@@ -27,6 +27,8 @@ schedule() spends the budget in one order:
      priority (`_admit_by_preempting`). After a preemption for a decode's growth the
      pool is short: only requests more urgent than every victim are admitted (none under
      fcfs).
+  With speculative decoding, decodes get draft tokens around step 2 by priority
+  (scheduler/speculation.py gives the rule).
   The first waiting request that cannot be admitted is parked in `skipped_waiting`
   (NOTE: strict order: letting a smaller request overtake it would take the blocks it
   waits for and could starve it). Under priority, later requests that would win by
@@ -44,7 +46,6 @@ import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.config import CacheConfig
@@ -54,6 +55,7 @@ from scheduler.admission import Admission, Step
 from scheduler.budget import prefill_cap
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
+from scheduler.introspection import SchedulerStats
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -63,25 +65,7 @@ from scheduler.output import (
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus, check_stop
 from scheduler.request_queue import SchedulingPolicy, create_request_queue
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """Counters and gauges for metrics (token counts for the prefix cache); the defaults
-    are those of a scheduler that has seen nothing."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions_total: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    num_blocks: int = 0
-    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
-    num_running_by_priority: dict[int, int] = field(default_factory=dict)
-    num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
+from scheduler.speculation import Speculation
 
 
 class Scheduler(Admission):
@@ -126,6 +110,8 @@ class Scheduler(Admission):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.sharing = PromptSharing(self.kv_cache)  # n > 1: choices held back
+        speculative = scheduler_config.speculative
+        self.speculation = Speculation(speculative) if speculative is not None else None
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
@@ -171,6 +157,8 @@ class Scheduler(Admission):
                 f"{self.cache_config.block_size} tokens)"
             )
         self.requests[request.request_id] = request
+        if self.speculation is not None:
+            request.num_speculative_tokens = self.speculation.limit(request.sampling_params)
         if self.fair_share is not None:
             self.fair_share.tag(request)
         if request.deadline is not None:
@@ -218,7 +206,11 @@ class Scheduler(Admission):
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
         step.prefill_room = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
+        if self.speculation is not None:
+            self.speculation.grant_before_prefills(self, step)
         self._schedule_prefills(step)
+        if self.speculation is not None:
+            self.speculation.grant_after_prefills(self, step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
         return self._build_output(step)
@@ -231,8 +223,9 @@ class Scheduler(Admission):
         Returns the requests whose deadline passed in schedule(), then those that got a
         token this step (finished ones included), in batch order. Requests finished or
         aborted since schedule() are skipped; one preempted since gets its token (it was
-        sampled from the right context). ValueError if the runner returned no token for a
-        request that sampled.
+        sampled from the right context). A request that verified drafts gets the accepted
+        ones and the runner's own token, up to a stop (scheduler/speculation.py).
+        ValueError if the runner returned no token for a request that sampled.
         """
         outputs, self._expired = self._expired, []
         held = self.sharing.held
@@ -245,14 +238,9 @@ class Scheduler(Admission):
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
             if prompt_logprobs is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(prompt_logprobs)
+            status = None
             if scheduled.sample:
-                token_id = runner_output.sampled_token_ids.get(request.request_id)
-                if token_id is None:
-                    raise ValueError(f"the runner sampled no token for {request.request_id}")
-                request.num_output_placeholders -= 1
-                request.append_output_token(
-                    token_id, runner_output.logprobs.get(request.request_id)
-                )
+                status = self._append_sampled(request, scheduled, runner_output)
             if running:
                 # NOTE: blocks whose KV a later scheduled step computes may be keyed now:
                 # every step that could read them runs after that one.
@@ -262,7 +250,6 @@ class Scheduler(Admission):
                     self._release_held(request)
             if not scheduled.sample:
                 continue
-            status = check_stop(request, self.max_request_len)
             if status is not None:
                 if not running:
                     self._unqueue(request)
@@ -272,6 +259,20 @@ class Scheduler(Admission):
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _append_sampled(
+        self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> RequestStatus | None:
+        """Append the token(s) a step sampled for `request`: its finished status or None."""
+        if scheduled.num_draft_tokens and self.speculation is not None:
+            return self.speculation.apply(request, scheduled, runner_output,
+                                          self.max_request_len)
+        token_id = runner_output.sampled_token_ids.get(request.request_id)
+        if token_id is None:
+            raise ValueError(f"the runner sampled no token for {request.request_id}")
+        request.num_output_placeholders -= 1
+        request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
+        return check_stop(request, self.max_request_len)
 
     def _expire_deadlines(self, now: float) -> None:
         """Finish every unfinished request whose deadline is past; O(expired log n)."""
@@ -320,6 +321,7 @@ class Scheduler(Admission):
             num_waiting_by_priority=dict(waiting_by_priority),
             num_running_by_priority=dict(Counter(r.priority for r in self.running)),
             num_preemptions_by_priority=dict(self._num_preemptions_by_priority),
+            spec_decode=None if self.speculation is None else self.speculation.stats,
         )
 
     def snapshot(self, max_waiting: int = 100) -> dict[str, Any]:
@@ -420,10 +422,13 @@ class Scheduler(Admission):
             request = self.requests[request_id]
             start = request.num_computed_tokens
             end = start + num_new
-            token_ids = request.all_token_ids[start:end]
-            if end > request.num_tokens:  # the token of an unfinished step: a placeholder
-                token_ids += [PLACEHOLDER_TOKEN_ID] * (end - request.num_tokens)
-            sample = end == request.num_tokens + request.num_output_placeholders
+            drafts = step.draft_token_ids.get(request_id, _NO_DRAFTS)
+            known_end = end - len(drafts)  # the drafts (speculation) come after the known
+            token_ids = request.all_token_ids[start:known_end]
+            if known_end > request.num_tokens:  # the token of an unfinished step
+                token_ids += [PLACEHOLDER_TOKEN_ID] * (known_end - request.num_tokens)
+            sample = known_end == request.num_tokens + request.num_output_placeholders
+            token_ids += drafts
             scheduled.append(
                 ScheduledRequest(
                     request_id=request_id,
@@ -435,6 +440,7 @@ class Scheduler(Admission):
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
+                    num_draft_tokens=len(drafts),
                 )
             )
             request.num_computed_tokens = end
@@ -468,6 +474,9 @@ class Scheduler(Admission):
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self._release_held(request)
+
+
+_NO_DRAFTS: list[int] = []  # read only
 
 
 def _num_left(request: Request) -> int:

@@ -25,7 +25,7 @@ from loadgen import cli as bench_cli
 from loadgen.cli import API_KEY_ENV
 from loadgen.client import BenchConfig
 from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SpeculativeConfig
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.reasoning import REASONING_PARSERS
@@ -150,6 +150,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="overlapped steps: schedule and lay out step n+1 while step n "
                        "runs on the device (default: on with CUDA, off on the CPU, where "
                        "the host is the device; not with --tensor-parallel-size > 1)")
+    sched.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding by n-gram prompt lookup, vLLM's keys: "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                       "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (and "
+                       "prompt_lookup_window, max_num_verify_tokens; default: off); drafts "
+                       "go to the most urgent requests first")
     sched.add_argument("--watermark", type=float, default=0.0,
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
@@ -251,6 +257,10 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
             cuda and args.tensor_parallel_size == 1 and args.simulate_step_ms is None
             if args.async_scheduling is None
             else args.async_scheduling
+        ),
+        speculative=(
+            None if args.speculative_config is None
+            else SpeculativeConfig.from_json(args.speculative_config)
         ),
     )
     if scheduler.async_scheduling and args.tensor_parallel_size > 1:

@@ -163,6 +163,9 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: JsonInt | None = Field(default=None, ge=0)
+    # speculative decoding: at most this many draft tokens a step (capped by the server's
+    # --speculative-config; 0: none)
+    num_speculative_tokens: JsonInt | None = Field(default=None, ge=0, le=_INT32_MAX)
 
     @field_validator("logit_bias")
     @classmethod
@@ -264,6 +267,7 @@ class SamplingRequest(_Request):
             grammar=grammar,
             logit_bias=logit_bias,
             allowed_token_ids=allowed_token_ids,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

@@ -3,9 +3,9 @@
 Only rank 0 runs the scheduler and samples; the workers run the same forward on their
 shards. Per step rank 0 sends them a `StepPlan`: for each scheduled request (in the
 runner's order) its new tokens (a decode's one, a prefill chunk's), its computed count,
-whether it samples (the LM head's gather runs then), the rows whose prompt logprobs it
-wants (the LM head runs on them too) and the blocks added to its table since
-the workers last saw it; and the requests to forget (finished or preempted, whose tables
+whether it samples (the LM head's gather runs then, on its drafts' rows too), the rows
+whose prompt logprobs it wants (the LM head runs on them too) and the blocks added to its
+table since the workers last saw it; and the requests to forget (finished or preempted, whose tables
 were freed). Never a whole history: a table reaches the workers once, then grows by its new
 blocks, which is how the scheduler grows it.
 """
@@ -27,6 +27,7 @@ class PlannedRequest(msgspec.Struct, array_like=True):
     new_block_ids: list[int]
     sample: bool
     prompt_logprob_rows: tuple[int, int] = (0, 0)  # the LM head runs on these rows too
+    num_draft_tokens: int = 0  # speculative decoding: the LM head runs on their rows too
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -59,7 +60,7 @@ class PlanWriter:
             num_known = self._num_known.get(r.request_id, 0)
             planned.append(PlannedRequest(r.request_id, r.token_ids, r.num_computed_tokens,
                                           r.block_table[num_known:], r.sample,
-                                          r.prompt_logprob_rows))
+                                          r.prompt_logprob_rows, r.num_draft_tokens))
             self._num_known[r.request_id] = len(r.block_table)
         plan, self._forget = StepPlan(self._forget, planned), []
         return _encoder.encode(plan)
@@ -83,7 +84,7 @@ class BlockTables:
             table.extend(r.new_block_ids)
             requests.append(ScheduledRequest(r.request_id, r.token_ids, r.num_computed_tokens,
                                              table, r.sample, _NOT_SAMPLED, [], [],
-                                             r.prompt_logprob_rows))
+                                             r.prompt_logprob_rows, r.num_draft_tokens))
         return requests, plan.forget_ids
 
     def __len__(self) -> int:

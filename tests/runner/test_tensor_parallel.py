@@ -26,7 +26,7 @@ from model_runner.distributed.tp_plan import BlockTables, PlanWriter, StepPlan
 from model_runner.distributed.tp_workers import start_tensor_parallel
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -252,4 +252,28 @@ def test_prompt_logprobs_match_one_rank(models: Models):
     assert [[t for t, _ in row] for row in tp.top] == [[t for t, _ in row] for row in single.top]
     torch.testing.assert_close(torch.tensor(tp.logprobs), torch.tensor(single.logprobs),
                                rtol=0, atol=1e-4)
+    assert not models.deaths
+
+
+def test_speculative_decoding_matches_generate(models: Models):
+    """Drafts verified across the ranks: the plan names them, the workers join the LM
+    head on their rows, and greedy output is generate's."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                        speculative=SpeculativeConfig(num_speculative_tokens=3,
+                                                      prompt_lookup_min=1)),
+        CacheConfig(num_blocks=32, block_size=4),
+    )
+    prompts = [chunk * 3 for chunk in random_prompts([4, 5], seed=8)]  # the n-gram matches
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [Request(f"spec-{i}", p, params) for i, p in enumerate(prompts)]
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        scheduler.update(plan, models.tp.execute(plan))
+    models.tp.execute(scheduler.schedule())  # the finished ids reach the workers
+    spec = scheduler.stats.spec_decode
+    assert spec is not None and spec.num_draft_tokens > 0
+    assert [r.output_token_ids for r in requests] == [models.generate(p, 12) for p in prompts]
     assert not models.deaths

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from engine.metrics import OTHER_PRIORITY, PriorityLabels
+from scheduler.config import SpeculativeConfig
 from server.cli import build_configs, build_parser, parse_size
 from server.config import ServerConfig
 from server.limits import RequestLimits
@@ -201,3 +202,26 @@ def test_a_taken_port_fails_the_start_before_the_model_loads() -> None:
     assert [line for line in lines if "starting:" not in line] == [
         next(line for line in lines if "ERROR" in line)]
     assert f"127.0.0.1:{port}" in lines[-1] and "Address already in use" in lines[-1]
+
+
+def test_speculative_config_takes_vllms_json() -> None:
+    assert configs().scheduler.speculative is None
+    spec = configs("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                   '"prompt_lookup_max": 5, "prompt_lookup_min": 1}').scheduler.speculative
+    assert spec == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5,
+                                     prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("{nope", "not JSON"),
+    ("[4]", "JSON object"),
+    ('{"method": "eagle"}', "eagle"),
+    ('{"num_speculative_tokens": 4, "lookahead": 2}', "lookahead"),
+    ('{"num_speculative_tokens": "4"}', "num_speculative_tokens must be int"),
+    ('{"num_speculative_tokens": true}', "num_speculative_tokens must be int"),
+    ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+])
+def test_a_bad_speculative_config_says_why(text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        configs("--speculative-config", text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvcache.config import CacheConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -40,6 +40,7 @@ def make_scheduler(
     sliding_window: int | None = None,
     fair_share: bool = False,
     clock: Callable[[], float] | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     """A scheduler on a small pool (defaults: 32 blocks of 4 tokens, budget 64, 16 seats)."""
     return Scheduler(
@@ -53,6 +54,7 @@ def make_scheduler(
             watermark=watermark,
             long_prefill_token_threshold=long_prefill_token_threshold,
             fair_share=fair_share,
+            speculative=speculative,
         ),
         CacheConfig(
             num_blocks=num_blocks,
