@@ -144,20 +144,20 @@ def we(scale: float = 1.0, seed: int = 0) -> Workload:
 
 
 def wep(scale: float = 1.0, seed: int = 0, high_every_s: float = 3.0) -> Workload:
-    """WE under saturation: edits at priority 10 (128 tokens out) kept 16 in flight, and
+    """WE under saturation: edits at priority 10 (128 tokens out) kept 24 in flight, and
     urgent edits at priority -10 (128 out) sent one every `high_every_s` seconds from 5 s on.
     Speculation should shorten the urgent requests' time per token and keep the low ones'
     throughput."""
     rng = random.Random(seed)
-    n_low, n_high = max(8, round(32 * scale)), max(2, round(8 * scale))
+    n_low, n_high = max(32, round(48 * scale)), max(2, round(8 * scale))
     prompts = edit_prompts(n_low + n_high, rng)
     low = [BenchItem(p.prompt, 128, priority=10) for p in prompts[:n_low]]
     high = [
         BenchItem(p.prompt, 128, priority=-10, send_at_s=5.0 + high_every_s * i)
         for i, p in enumerate(prompts[n_low:])
     ]
-    return Workload("WEP", f"{n_low} low edits (prio 10, 128 out, 16 in flight) + {n_high} "
-                    f"urgent (prio -10, 128 out) every {high_every_s:g} s", low + high, 16)
+    return Workload("WEP", f"{n_low} low edits (prio 10, 128 out, 24 in flight) + {n_high} "
+                    f"urgent (prio -10, 128 out) every {high_every_s:g} s", low + high, 24)
 
 
 WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WPP": wpp, "WL": wl,
