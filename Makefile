@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: install serve test unit e2e lint bench gpu-check gpu-check-dry gpu-serve-check soak clean
+.PHONY: install serve test unit e2e lint bench bench-spec gpu-check gpu-check-dry gpu-serve-check soak clean
 
 $(STAMP): pyproject.toml $(wildcard model_runner/kernels/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ e2e: install
 # include llama.cpp (see docs/benchmarks.md for how it was built).
 bench: install
 	$(PY) -m bench.compare $(BENCH_ARGS)
+
+# speculative decoding on against off in one run (docs/benchmarks.md): WE (one stream of
+# input-copying edits), W1 and WV (loaded), WEP (urgent edits into a saturating low load);
+# llama.cpp without and with its own n-gram speculation when LLAMA_SERVER is set
+COMMA := ,
+SPEC_SYSTEMS := pagedserve,pagedserve-spec$(if $(LLAMA_SERVER),$(COMMA)llama-server$(COMMA)llama-server-spec)
+bench-spec: install
+	$(PY) -m bench.compare --workloads WE,W1,WV,WEP --systems $(SPEC_SYSTEMS) $(BENCH_ARGS)
 
 # a bounded soak: mixed priorities, streams, disconnects and bad requests at 64 in flight
 soak: install

@@ -1,19 +1,24 @@
 """Side-by-side throughput of pagedserve and its CPU peers on the same workloads, same run.
 
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
+    python -m bench.compare --workloads WE,W1,WV,WEP --systems pagedserve,pagedserve-spec
 
-Systems: `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype float16
---kv-cache-dtype float16`: float32 sums on 2-byte weights and KV), `pagedserve-int8`
-(`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see cpu_linear.py) and
-`llama-server` (llama.cpp, built separately: --llama-server PATH) and `baseline-tree`
-(pagedserve float32 from another checkout: --baseline-tree PATH) are started as servers
-here and driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging
-Face `generate` sequential, static batching and continuous batching, run in this process
-on the same converted weights. Every output is forced to its requested length. Prints one
-table per workload with each system's output tokens/s and its ratio to every baseline;
---json writes the raw results too. WP also measures the high-priority TTFT on an idle
-server and the low-priority throughput without high-priority arrivals, the two
-references of its targets.
+Systems (loadgen/systems.py): `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype
+float16 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV),
+`pagedserve-int8` (`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see
+cpu_linear.py), `pagedserve-spec` (float32 with n-gram speculation, k = 4),
+`llama-server` and `llama-server-spec` (llama.cpp without and with its n-gram
+speculation, built separately: --llama-server PATH) and `baseline-tree` (pagedserve
+float32 from another checkout: --baseline-tree PATH) are started as servers here and
+driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging Face
+`generate` sequential, static batching and continuous batching, run in this process on
+the same converted weights (token-id workloads only). Every output is forced to its
+requested length. Prints one table per workload with each system's output tokens/s, its
+TTFT, ITL (a streamed chunk: a speculating server's carries several tokens) and TPOT
+(time per output token after the first) p50, and its ratio to `pagedserve` and every peer;
+a workload of two priorities also gets each priority's TPOT and throughput. --json writes
+the raw results too. WP also measures the high-priority TTFT on an idle server and the
+low-priority throughput without high-priority arrivals, the two references of its targets.
 """
 
 from __future__ import annotations
@@ -31,19 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.client import BenchConfig, run_items
+from loadgen.systems import (
+    BASELINE_TREE,
+    LLAMA_SERVERS,
+    SERVERS,
+    llama_server_command,
+    pagedserve_flags,
+    parse_systems,
+)
 from loadgen.workloads import WORKLOADS, BenchItem, Workload
 from tests.support.server_process import ServerProcess, free_port, pagedserve_command
 
-# pagedserve as served by default (float32, exact), on float16 weights and on int8 ones
-PAGEDSERVE_VARIANTS = {
-    "pagedserve": [],
-    "pagedserve-fp16": ["--weight-dtype", "float16", "--kv-cache-dtype", "float16"],
-    "pagedserve-int8": ["--weight-dtype", "int8", "--kv-cache-dtype", "float16"],
-}
-# pagedserve (float32) served from another checkout (--baseline-tree): a same-run baseline
-BASELINE_TREE = "baseline-tree"
-SERVERS = (*PAGEDSERVE_VARIANTS, "llama-server", BASELINE_TREE)
-HF_SYSTEMS = ("hf-seq", "hf-static", "hf-cb")
+# workloads of priorities or text prompts: the servers only
+SERVER_ONLY_WORKLOADS = ("WP", "WE", "WEP")
 
 
 @contextlib.contextmanager
@@ -60,24 +65,17 @@ def server_in_tree(cmd: list[str], port: int, log: Path, tree: Path | None = Non
         server.remove_log()
 
 
-def pagedserve_cmd(
-    system: str, port: int, args: argparse.Namespace, num_kv_blocks: int | None
-) -> list[str]:
-    flags = ["--scheduling-policy", "priority", "--dtype", args.dtype, "--log-level", "warning"]
-    flags += PAGEDSERVE_VARIANTS[system]
-    if num_kv_blocks is not None:
-        flags += ["--num-kv-blocks", str(num_kv_blocks)]
-    return pagedserve_command(port, flags + args.pagedserve_args.split())
+def server_cmd(system: str, port: int, workload: Workload, args: argparse.Namespace
+               ) -> list[str]:
+    if system in LLAMA_SERVERS:
+        from model_runner.loader import default_gguf_path
 
-
-def llama_server_cmd(port: int, args: argparse.Namespace, workload: Workload) -> list[str]:
-    from model_runner.loader import default_gguf_path
-
-    longest = max(len(r.prompt) + r.max_tokens for r in workload.requests)
-    slots = workload.concurrency + sum(r.send_at_s is not None for r in workload.requests)
-    return [args.llama_server, "-m", str(default_gguf_path()), "--port", str(port),
-            "-t", str(args.threads), "-np", str(slots), "-c", str(slots * (longest + 16)),
-            "--no-webui"]
+        return llama_server_command(system, args.llama_server, default_gguf_path(), port,
+                                    args.threads, workload)
+    num_kv_blocks = args.wp_kv_blocks if workload.name == "WP" else None
+    variant = "pagedserve" if system == BASELINE_TREE else system
+    flags = pagedserve_flags(variant, args.dtype, num_kv_blocks, args.pagedserve_args.split())
+    return pagedserve_command(port, flags)
 
 
 def run_client(
@@ -100,6 +98,7 @@ def _server_result(system: str, summary: dict[str, Any]) -> dict[str, Any]:
         "failed": summary["num_failed"],
         "ttft_p50_ms": _ms(summary["all"]["ttft_s"]["p50"]),
         "itl_p50_ms": _ms(summary["all"]["itl_s"]["p50"]),
+        "tpot_p50_ms": _ms(summary["all"]["tpot_s"]["p50"]),
         "by_priority": summary["by_priority"],
     }
 
@@ -112,16 +111,9 @@ def run_server(system: str, workload: Workload, args: argparse.Namespace) -> lis
     """Start the server once, run the workload (and WP's references) against it."""
     port = free_port()
     log = Path(args.log_dir) / f"{system}-{workload.name}.log"
-    tree = None
-    if system in PAGEDSERVE_VARIANTS or system == BASELINE_TREE:
-        num_kv_blocks = args.wp_kv_blocks if workload.name == "WP" else None
-        variant = "pagedserve" if system == BASELINE_TREE else system
-        cmd = pagedserve_cmd(variant, port, args, num_kv_blocks)
-        tree = args.baseline_tree.resolve() if system == BASELINE_TREE else None
-    else:
-        cmd = llama_server_cmd(port, args, workload)
+    tree = args.baseline_tree.resolve() if system == BASELINE_TREE else None
     results = []
-    with server_in_tree(cmd, port, log, tree) as url:
+    with server_in_tree(server_cmd(system, port, workload, args), port, log, tree) as url:
         warm_up(url)
         if workload.name == "WP":
             low = [r for r in workload.requests if r.send_at_s is None]
@@ -160,22 +152,50 @@ def run_hf(system: str, workload: Workload, args: argparse.Namespace) -> dict[st
 
 
 def format_table(workload: Workload, results: list[dict[str, Any]]) -> str:
-    baselines = [r for r in results if not r["system"].startswith("pagedserve")]
-    head = "| system | output tok/s | TTFT p50 ms | ITL p50 ms |" + "".join(
+    baselines = [r for r in results if r["system"] == "pagedserve"]
+    baselines += [r for r in results if not r["system"].startswith("pagedserve")]
+    head = "| system | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms |" + "".join(
         f" x {b['system']} |" for b in baselines)
     lines = [f"### {workload.name}: {workload.description}", "", head,
-             "|---" * (4 + len(baselines)) + "|"]
+             "|---" * (5 + len(baselines)) + "|"]
     for r in results:
         cells = [r["system"], f"{r['output_tps']:.1f}", _fmt(r.get("ttft_p50_ms")),
-                 _fmt(r.get("itl_p50_ms"))]
+                 _fmt(r.get("itl_p50_ms")), _fmt(r.get("tpot_p50_ms"))]
         cells += [f"{r['output_tps'] / b['output_tps']:.2f}" for b in baselines]
         lines.append("| " + " | ".join(cells) + " |")
+    if len({item.priority for item in workload.requests}) > 1:
+        lines += ["", *priority_table(results)]
     for r in results:
         if "high_ttft_idle_ms" in r:
             lines.append(f"\nhigh-priority TTFT on an idle server: {r['high_ttft_idle_ms']:.0f} ms")
         if r["failed"]:
             lines.append(f"\n{r['system']}: {r['failed']} requests FAILED")
     return "\n".join(lines)
+
+
+def priority_table(results: list[dict[str, Any]]) -> list[str]:
+    """Per priority: TTFT, TPOT and output tok/s, and the TPOT and tok/s ratios to
+    `pagedserve`'s requests of the same priority in the same run."""
+    plain = next((_by_priority(r) for r in results if r["system"] == "pagedserve"), {})
+    lines = ["| system | priority | TTFT p50 ms | TPOT p50 ms | tok/s | TPOT x pagedserve | "
+             "tok/s x pagedserve |", "|---" * 7 + "|"]
+    for r in results:
+        for priority, (ttft, tpot, tps) in _by_priority(r).items():
+            ratios = ["-", "-"]
+            if priority in plain and tpot is not None and plain[priority][1]:
+                ratios = [f"{tpot / plain[priority][1]:.2f}", f"{tps / plain[priority][2]:.2f}"]
+            lines.append(f"| {r['system']} | {priority} | {_fmt(_ms(ttft))} | "
+                         f"{_fmt(_ms(tpot))} | {tps:.1f} | {ratios[0]} | {ratios[1]} |")
+    return lines
+
+
+def _by_priority(result: dict[str, Any]) -> dict[str, tuple[float | None, float | None, float]]:
+    """priority -> (TTFT p50 s, TPOT p50 s, output tok/s) of a server's result."""
+    return {
+        priority: (stats["ttft_s"]["p50"], stats["tpot_s"]["p50"],
+                   stats["output_tokens"] / result["duration_s"])
+        for priority, stats in result.get("by_priority", {}).items()
+    }
 
 
 def _fmt(value: float | None) -> str:
@@ -187,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="W0,W1,WV,WP")
     parser.add_argument("--systems", default=None,
                         help="default: pagedserve,pagedserve-fp16,hf-static,hf-seq,hf-cb, and "
-                        "llama-server when --llama-server is given")
+                        "llama-server when --llama-server is given; also pagedserve-int8, "
+                        "pagedserve-spec, llama-server-spec, baseline-tree")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every request count")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -201,15 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default="/tmp")
     parser.add_argument("--json", default=None, help="also write all results to this file")
     args = parser.parse_args(argv)
-    default = "pagedserve,pagedserve-fp16," + ("llama-server," if args.llama_server else "")
-    systems = (args.systems or default + "hf-static,hf-seq,hf-cb").split(",")
-    unknown = set(systems) - set(SERVERS) - set(HF_SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
-    if BASELINE_TREE in systems and args.baseline_tree is None:
-        parser.error("baseline-tree needs --baseline-tree PATH")
-    if "llama-server" in systems and not Path(args.llama_server).is_file():
-        parser.error("llama-server needs --llama-server PATH (or $LLAMA_SERVER)")
+    try:
+        systems = parse_systems(args.systems, args.llama_server, args.baseline_tree)
+    except ValueError as exc:
+        parser.error(str(exc))
     everything = {}
     for name in args.workloads.split(","):
         workload = WORKLOADS[name](args.scale)
@@ -217,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             if system in SERVERS:
                 results += run_server(system, workload, args)
-            elif name == "WP":  # WP is about priorities: servers only
+            elif name in SERVER_ONLY_WORKLOADS:
                 continue
             else:
                 try:

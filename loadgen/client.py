@@ -2,8 +2,9 @@
 
 Sends streaming /v1/completions requests, either with a fixed number in flight
 (--concurrency) or arriving as a Poisson process (--request-rate), and prints the
-throughput plus time to first token and inter-token latency (p50/p90/p99), per priority
-when --priority-mix is given. Prompts are random token ids (default) or random words.
+throughput plus time to first token, inter-token latency (between streamed chunks) and
+time per output token (p50/p90/p99), per priority when --priority-mix is given. Prompts
+are random token ids (default) or random words.
 
     pagedserve bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 16 \
         --input-len 64:256 --output-len 64 --priority-mix "10:0.9,-10:0.1"
@@ -317,11 +318,23 @@ def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
+def time_per_output_token(result: Result) -> float | None:
+    """TPOT: a request's time per output token after its first (None with one token). A
+    chunk's ITL is a step, which may carry several tokens (speculative decoding, a stream
+    interval); TPOT counts tokens."""
+    if result.ttft_s is None or result.output_tokens < 2:
+        return None
+    return (result.latency_s - result.ttft_s) / (result.output_tokens - 1)
+
+
 def _latency_stats(results: Sequence[Result]) -> dict[str, Any]:
+    tpots = [t for t in map(time_per_output_token, results) if t is not None]
     return {
         "num_requests": len(results),
+        "output_tokens": sum(r.output_tokens for r in results),
         "ttft_s": _percentiles([r.ttft_s for r in results if r.ttft_s is not None]),
         "itl_s": _percentiles([x for r in results for x in r.itl_s]),
+        "tpot_s": _percentiles(tpots),
     }
 
 
@@ -361,14 +374,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"throughput: total {summary['total_token_throughput']:.1f} tok/s, "
         f"output {summary['output_token_throughput']:.1f} tok/s "
         f"({summary['prompt_tokens']} prompt + {summary['output_tokens']} output tokens)",
-        f"{'priority':>8} {'n':>5}  {'TTFT p50/p90/p99 ms':>24}  {'ITL p50/p90/p99 ms':>22}",
+        f"{'priority':>8} {'n':>5}  {'TTFT p50/p90/p99 ms':>24}  {'ITL p50/p90/p99 ms':>22}"
+        f"  {'TPOT p50/p90/p99 ms':>22}",
     ]
     rows = [("all", summary["all"])]
     if len(summary["by_priority"]) > 1:
         rows += list(summary["by_priority"].items())
     for name, stats in rows:
         lines.append(f"{name:>8} {stats['num_requests']:>5}  {_ms(stats['ttft_s']):>24}  "
-                     f"{_ms(stats['itl_s']):>22}")
+                     f"{_ms(stats['itl_s']):>22}  {_ms(stats['tpot_s']):>22}")
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
 

@@ -1,13 +1,16 @@
 """The benchmark workloads of docs/benchmarks.md, as plain request lists.
 
-Every workload is token-id prompts drawn from a fixed seed, so pagedserve, llama.cpp's
-server and Hugging Face `generate` all see exactly the same requests.
+Every workload is drawn from a fixed seed, so pagedserve, llama.cpp's server and Hugging
+Face `generate` all see exactly the same requests: token-id prompts, but for the
+input-copying workloads (WE, WEP), whose prompts are text to rewrite (loadgen/edits.py).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from loadgen.edits import edit_prompts
 
 
 @dataclass(frozen=True)
@@ -130,4 +133,32 @@ def wl(scale: float = 1.0, seed: int = 0) -> Workload:
                     "2000/16) at 6 s", [*low, high], n_low)
 
 
-WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WPP": wpp, "WL": wl}
+def we(scale: float = 1.0, seed: int = 0) -> Workload:
+    """Input copying, one stream at a time: rewrite a given block of code or prose (256 to
+    512 tokens) with a small edit, the answer as long as the block (256 to 512 tokens, about
+    all of it copied from the prompt). What n-gram speculation speeds up."""
+    prompts = edit_prompts(max(2, round(6 * scale)), random.Random(seed))
+    reqs = [BenchItem(p.prompt, p.answer_tokens) for p in prompts]
+    return Workload("WE", f"{len(reqs)} edits, 256..512 in / 256..512 out, 1 in flight",
+                    reqs, 1)
+
+
+def wep(scale: float = 1.0, seed: int = 0, high_every_s: float = 3.0) -> Workload:
+    """WE under saturation: edits at priority 10 (128 tokens out) kept 24 in flight, and
+    urgent edits at priority -10 (128 out) sent one every `high_every_s` seconds from 5 s on.
+    Speculation should shorten the urgent requests' time per token and keep the low ones'
+    throughput."""
+    rng = random.Random(seed)
+    n_low, n_high = max(32, round(48 * scale)), max(2, round(8 * scale))
+    prompts = edit_prompts(n_low + n_high, rng)
+    low = [BenchItem(p.prompt, 128, priority=10) for p in prompts[:n_low]]
+    high = [
+        BenchItem(p.prompt, 128, priority=-10, send_at_s=5.0 + high_every_s * i)
+        for i, p in enumerate(prompts[n_low:])
+    ]
+    return Workload("WEP", f"{n_low} low edits (prio 10, 128 out, 24 in flight) + {n_high} "
+                    f"urgent (prio -10, 128 out) every {high_every_s:g} s", low + high, 24)
+
+
+WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WPP": wpp, "WL": wl,
+             "WE": we, "WEP": wep}

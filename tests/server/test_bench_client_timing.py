@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from loadgen.cli import build_bench_config
-from loadgen.client import BenchConfig, Result, _read_events
+from loadgen.client import BenchConfig, Result, _read_events, summarize, time_per_output_token
 from server.cli import build_parser
 
 
@@ -53,3 +53,21 @@ def test_bench_logprobs_flag() -> None:
     assert build_bench_config(build_parser().parse_args(["bench", "--url", "u"])).logprobs is None
     with pytest.raises(ValueError, match="logprobs"):
         BenchConfig(url="u", logprobs=-1)
+
+
+def test_time_per_output_token_counts_tokens_not_chunks() -> None:
+    """A speculating server streams several tokens a chunk: 9 tokens after the first in 3
+    chunks of 0.3 s is 0.1 s a token (the chunks' ITL is 0.3 s); per priority, the output
+    tokens add up for that priority's throughput."""
+    spec = Result(priority=-1, ok=True, output_tokens=10, ttft_s=0.5, itl_s=[0.3] * 3,
+                  latency_s=1.4)
+    plain = Result(priority=1, ok=True, output_tokens=4, ttft_s=0.2, itl_s=[0.2] * 3,
+                   latency_s=0.8)
+    assert time_per_output_token(spec) == pytest.approx(0.1)
+    assert time_per_output_token(Result(priority=0, ok=True, output_tokens=1, ttft_s=0.1)) \
+        is None
+    summary = summarize([spec, plain], 2.0, "m")
+    assert summary["by_priority"]["-1"]["tpot_s"]["p50"] == pytest.approx(0.1)
+    assert summary["by_priority"]["-1"]["itl_s"]["p50"] == pytest.approx(0.3)
+    assert summary["by_priority"]["1"]["output_tokens"] == 4
+    assert summary["all"]["tpot_s"]["p50"] == pytest.approx(0.15)
