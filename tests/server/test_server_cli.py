@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from engine.metrics import OTHER_PRIORITY, PriorityLabels
+from loadgen.systems import PAGEDSERVE_VARIANTS, pagedserve_flags
 from scheduler.config import SpeculativeConfig
 from server.cli import build_configs, build_parser, parse_size
 from server.config import ServerConfig
@@ -225,3 +226,12 @@ def test_speculative_config_takes_vllms_json() -> None:
 def test_a_bad_speculative_config_says_why(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         configs("--speculative-config", text)
+
+
+@pytest.mark.parametrize("system", sorted(PAGEDSERVE_VARIANTS))
+def test_the_benchmarks_pagedserve_systems_are_flags_serve_takes(system: str) -> None:
+    """`bench.compare`'s servers (the speculating one included) start with flags that
+    `pagedserve serve` parses."""
+    config = configs(*pagedserve_flags(system, "float32", 64))
+    assert (config.scheduler.speculative is not None) == ("--speculative-config" in
+                                                          PAGEDSERVE_VARIANTS[system])
