@@ -1,7 +1,7 @@
 """Where one batch-1 decode step of the default model goes, component by component.
 
 `python -m bench.step_profile [--weight-dtype auto|float16|int8] [--kv-cache-dtype
-auto|float16] [--steps 48] [--threads N]`
+auto|float16] [--steps 48] [--threads N] [--paired-matvec]`
 
 One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
 (`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
@@ -13,6 +13,11 @@ steps: one row per op, and the Python around them (the step's median less the op
 the profiler's own overhead inflates the ops a little). What the API process does beyond
 detokenizing (metrics, the SSE chunk, HTTP) is not in the table: the server's TPOT
 (bench.compare, W0) less this total.
+
+`--paired-matvec` measures the C++ matvec of small batches (cpu_linear.MATVEC_MAX_ROWS)
+against the GEMM it replaces in the same process instead: steps alternate between the
+two, and the table gives each one's median step and the median ratio of neighbouring
+steps, which a machine shared with others disturbs least.
 """
 
 from __future__ import annotations
@@ -124,12 +129,34 @@ def op_table(prof: Any, num_steps: int, step_ms: float) -> list[tuple[str, float
     return [*rows, ("(Python and dispatch around the ops)", max(0.0, step_ms - ops_ms), 0)]
 
 
+def paired_matvec(core: EngineCore, num_pairs: int) -> None:
+    """Steps alternately with and without the small-batch matvec; prints the medians."""
+    # NOTE: imported here, so that the profile runs on a tree without the matvec too
+    from model_runner.kernels import cpu_linear
+
+    default = cpu_linear.MATVEC_MAX_ROWS
+    on, off = [], []
+    for _ in range(num_pairs):
+        for times, max_rows in ((on, default), (off, 0)):
+            cpu_linear.MATVEC_MAX_ROWS = max_rows
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+    cpu_linear.MATVEC_MAX_ROWS = default
+    ratio = statistics.median(b / a for a, b in zip(on, off, strict=True))
+    print("| step | matvec ms | GEMM ms | GEMM / matvec (median of pairs) |\n|---|---|---|---|")
+    print(f"| batch-1 decode | {statistics.median(on) * 1000:.2f} | "
+          f"{statistics.median(off) * 1000:.2f} | {ratio:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--paired-matvec", action="store_true",
+                        help="only the matvec against the GEMM, steps alternating")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,6 +166,11 @@ def main() -> None:
                             ignore_eos=True)
     core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=prompt,
                                        sampling_params=params)]))
+    if args.paired_matvec:
+        for _ in range(WARMUP_STEPS + 1):
+            core.step()
+        paired_matvec(core, args.steps // 2)
+        return
     timers = Timers()
     instrument(core, runner, timers)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt)
