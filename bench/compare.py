@@ -53,8 +53,14 @@ SERVER_ONLY_WORKLOADS = ("WP", "WE", "WEP")
 
 @contextlib.contextmanager
 def server_in_tree(cmd: list[str], port: int, log: Path, tree: Path | None = None) -> Iterator[str]:
-    """A server from this checkout, or from `tree` (its own PYTHONPATH and cwd)."""
-    where = {} if tree is None else {"env": {"PYTHONPATH": str(tree)}, "cwd": tree}
+    """A server from this checkout, or from `tree` (its own PYTHONPATH and cwd, and its own
+    C++ kernel cache beside the logs: one cache for two trees' sources rebuilds at each
+    switch)."""
+    where: dict[str, Any] = {}
+    if tree is not None:
+        kernels = log.parent / "torch_extensions-baseline"
+        where = {"env": {"PYTHONPATH": str(tree), "TORCH_EXTENSIONS_DIR": str(kernels)},
+                 "cwd": tree}
     server = ServerProcess(command=cmd, port=port, log_prefix=f"{log.stem}-", **where)
     try:
         server.wait_healthy()

@@ -15,6 +15,9 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   GEMM runs ~1.8x the float32 FLOP rate, and from a batch of ~16 tokens the CPU waits for
   FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
   (measured in docs/benchmarks.md).
+
+Up to MATVEC_MAX_ROWS rows (a small decode batch) the float32 and float16 projections run
+on a row-major copy of their weight instead, through the C++ matvec (csrc/cpu_matvec.cpp).
 """
 
 from __future__ import annotations
@@ -46,6 +49,22 @@ def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: s
         )
 
 
+# NOTE: up to this many rows a projection is a stream over its weight, and the C++ matvec
+# on the plain row-major weight reaches more of the memory's bandwidth than the GEMM
+# libraries' blocked kernels (docs/benchmarks.md: the batch-1 decode step). Its price is a
+# second copy of each weight (none for a tied LM head: that one is the embedding table).
+# Both copies are exact float32 (or the same float16 values); only the order of the sums
+# differs, as between any two GEMM kernels.
+MATVEC_MAX_ROWS = 4
+
+
+def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The row-major copy of `weight` the C++ matvec reads, or None without the kernels."""
+    if not cpu_kernels_available() or weight.shape[1] % 8:
+        return None
+    return weight.detach().to(dtype).contiguous()
+
+
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -68,9 +87,12 @@ class OneDNNLinear:
         # NOTE: the batch size is only a layout hint; any number of rows works.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
         self.bias = None if bias is None else bias.detach()
+        self.rows_weight = matvec_weight(weight, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if rows <= MATVEC_MAX_ROWS and self.rows_weight is not None:
+            return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
         padded = padded_rows(rows)
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))
@@ -83,10 +105,13 @@ class Float16Linear:
     """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        bias = None if bias is None else bias.detach()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), bias)
+        self.bias = None if bias is None else bias.detach()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
+        self.rows_weight = matvec_weight(weight, torch.float16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MATVEC_MAX_ROWS and self.rows_weight is not None:
+            return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 

@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from model_runner.config import ModelConfig
-from model_runner.kernels.cpu_linear import Int8Linear, can_pack, hadamard, pack_linear, padded_rows
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
+from model_runner.kernels.cpu_linear import (
+    MATVEC_MAX_ROWS,
+    Int8Linear,
+    can_pack,
+    hadamard,
+    matvec_weight,
+    pack_linear,
+    padded_rows,
+)
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 from tests.support.model_helpers import (
@@ -26,6 +35,7 @@ from tests.support.model_helpers import (
 from tests.support.quality import prefill
 
 CPU = torch.device("cpu")
+load_cpu_kernels()  # registers torch.ops.pagedserve.matvec
 needs_onednn = pytest.mark.skipif(
     not can_pack(CPU, torch.float32, "auto"), reason="torch built without oneDNN"
 )
@@ -206,3 +216,49 @@ def test_int8_rotation_in_cpp_matches_torch(in_features: int, block: int) -> Non
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_amax, expected_amax, rtol=1e-5, atol=1e-12)
     assert got.abs().amax(dim=1)[[0, 1, 2, 4, 5, 6]].allclose(torch.ones(6))
+
+
+# --- the small-batch matvec (csrc/cpu_matvec.cpp) -----------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_features", [40, 64, 576])  # 40: a tail of eight after sixteens
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matvec_matches_float64_on_its_weights(rows: int, in_features: int,
+                                               dtype: torch.dtype) -> None:
+    torch.manual_seed(rows * in_features)
+    weight = torch.randn(200, in_features).to(dtype)
+    bias = torch.randn(200)
+    x = torch.randn(rows, 2 * in_features)[:, in_features:]  # strided rows
+    got = torch.ops.pagedserve.matvec(x, weight, bias)
+    expected = (x.double() @ weight.double().T + bias.double()).float()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    no_bias = torch.ops.pagedserve.matvec(x, weight, None)
+    torch.testing.assert_close(no_bias, expected - bias, rtol=1e-5, atol=1e-5)
+
+
+def test_matvec_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.pagedserve.matvec(torch.randn(1, 12), torch.randn(4, 12), None)
+    with pytest.raises(RuntimeError, match="n <= 8"):
+        torch.ops.pagedserve.matvec(torch.randn(9, 16), torch.randn(4, 16), None)
+
+
+@needs_onednn
+@needs_fbgemm
+@pytest.mark.parametrize("weight_dtype", ["auto", "float16"])
+def test_small_batches_take_the_matvec_and_agree_with_the_gemm(weight_dtype: str) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packed = pack_linear(weight, bias, weight_dtype)
+    assert packed.rows_weight is not None
+    x = torch.randn(MATVEC_MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        gemm = packed(x)  # one row more than the matvec takes
+        for rows in range(1, MATVEC_MAX_ROWS + 1):
+            torch.testing.assert_close(packed(x[:rows]), gemm[:rows], rtol=1e-5, atol=1e-5)
+
+
+def test_widths_the_matvec_cannot_read_keep_the_gemm() -> None:
+    assert matvec_weight(torch.randn(8, 12), torch.float32) is None
+    assert matvec_weight(torch.randn(8, 16), torch.float16).dtype == torch.float16

@@ -1,0 +1,224 @@
+"""Where one batch-1 decode step of the default model goes, component by component.
+
+`python -m bench.step_profile [--weight-dtype auto|float16|int8] [--kv-cache-dtype
+auto|float16] [--steps 48] [--threads N] [--paired-matvec]`
+
+One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
+(`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
+token to the client: the step message encoded, sent over a pyzmq `ipc://` pair and
+decoded, and the token detokenized. Each component is timed by wrapping the function
+that does it, per step; the table gives the median over the steps (after a warm-up) and
+its share of the total. The step's torch ops come from torch.profiler over as many more
+steps: one row per op, and the Python around them (the step's median less the ops' own;
+the profiler's own overhead inflates the ops a little). What the API process does beyond
+detokenizing (metrics, the SSE chunk, HTTP) is not in the table: the server's TPOT
+(bench.compare, W0) less this total.
+
+`--paired-matvec` measures the C++ matvec of small batches (cpu_linear.MATVEC_MAX_ROWS)
+against the GEMM it replaces in the same process instead: steps alternate between the
+two, and the table gives each one's median step and the median ratio of neighbouring
+steps, which a machine shared with others disturbs least.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+from torch.profiler import ProfilerActivity, profile
+
+import model_runner.runner as runner_module
+from engine.core import EngineCore
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import AddRequests, NewRequest, output_decoder, output_encoder
+from kvcache.config import CacheConfig
+from model_runner.config import ModelConfig
+from model_runner.loader import load_model
+from model_runner.runner import LaunchedStep, ModelRunner
+from model_runner.sampler import Sampler
+from scheduler.config import SchedulerConfig
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+
+PROMPT_LEN = 32
+WARMUP_STEPS = 4
+
+
+class Timers:
+    """Per-step durations of wrapped functions, by label."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        """Replace `owner.name` (an instance's or a class's function) by a timed call."""
+        inner = getattr(owner, name)
+        times = self.times[label]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times.append(time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+    def timed(self, label: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        self.times[label].append(time.perf_counter() - start)
+        return result
+
+    def clear(self) -> None:
+        for times in self.times.values():
+            times.clear()
+
+
+def build_core(args: argparse.Namespace) -> tuple[EngineCore, ModelRunner, Any]:
+    config = ModelConfig(
+        model=None, dtype="float32", weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, device="cpu", num_kv_blocks=64,
+    )
+    loaded = load_model(config)
+    runner = ModelRunner(loaded, config)
+    cache = CacheConfig(num_blocks=runner.num_kv_blocks, block_size=runner.block_size)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=loaded.max_model_len), cache)
+    return EngineCore(scheduler, runner, loaded.eos_token_ids), runner, loaded.tokenizer
+
+
+def instrument(core: EngineCore, runner: ModelRunner, timers: Timers) -> None:
+    """Time the components of a step where they are called (bench only: patched for good)."""
+    timers.wrap(core.scheduler, "schedule", "scheduler: schedule()")
+    timers.wrap(runner_module, "prepare_inputs", "runner: layout (prepare_inputs)")
+    timers.wrap(runner.model, "forward", "runner: forward (30 layers, final norm)")
+    timers.wrap(runner.model, "compute_logits", "runner: LM head")
+    timers.wrap(Sampler, "__call__", "runner: sampler")
+    timers.wrap(LaunchedStep, "result", "runner: sampled ids to the host")
+    timers.wrap(core.scheduler, "update", "scheduler: update()")
+
+
+def carry(message: Any, timers: Timers, push: zmq.Socket, pull: zmq.Socket,
+          detokenizer: IncrementalDetokenizer) -> None:
+    """The step message to the API side and its token to text, each part timed."""
+    data = timers.timed("message: encode (msgspec)", lambda: output_encoder.encode(message))
+    timers.timed("message: zmq ipc send + receive", lambda: (push.send(data), pull.recv()))
+    decoded = timers.timed("message: decode (msgspec)", lambda: output_decoder.decode(data))
+    new_ids = [t for delta in decoded.deltas for t in delta.new_token_ids]
+    timers.timed("API: detokenize", lambda: detokenizer.step(new_ids))
+
+
+def op_table(prof: Any, num_steps: int, step_ms: float) -> list[tuple[str, float, float]]:
+    """(op, ms per step, calls per step) of the step's torch ops (forward, LM head,
+    sampler), and the Python around them (the step's median time less the ops')."""
+    rows = []
+    for event in prof.key_averages():
+        if event.key.startswith("ProfilerStep") or event.self_cpu_time_total <= 0:
+            continue
+        rows.append((event.key, event.self_cpu_time_total / 1000 / num_steps,
+                     event.count / num_steps))
+    rows.sort(key=lambda row: -row[1])
+    ops_ms = sum(ms for _, ms, _ in rows)
+    return [*rows, ("(Python and dispatch around the ops)", max(0.0, step_ms - ops_ms), 0)]
+
+
+def paired_matvec(core: EngineCore, num_pairs: int) -> None:
+    """Steps alternately with and without the small-batch matvec; prints the medians."""
+    # NOTE: imported here, so that the profile runs on a tree without the matvec too
+    from model_runner.kernels import cpu_linear
+
+    default = cpu_linear.MATVEC_MAX_ROWS
+    on, off = [], []
+    for _ in range(num_pairs):
+        for times, max_rows in ((on, default), (off, 0)):
+            cpu_linear.MATVEC_MAX_ROWS = max_rows
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+    cpu_linear.MATVEC_MAX_ROWS = default
+    ratio = statistics.median(b / a for a, b in zip(on, off, strict=True))
+    print("| step | matvec ms | GEMM ms | GEMM / matvec (median of pairs) |\n|---|---|---|---|")
+    print(f"| batch-1 decode | {statistics.median(on) * 1000:.2f} | "
+          f"{statistics.median(off) * 1000:.2f} | {ratio:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weight-dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--paired-matvec", action="store_true",
+                        help="only the matvec against the GEMM, steps alternating")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    core, runner, tokenizer = build_core(args)
+    prompt = list(range(1000, 1000 + PROMPT_LEN))
+    params = SamplingParams(temperature=0.0, max_tokens=2 * (args.steps + WARMUP_STEPS) + 4,
+                            ignore_eos=True)
+    core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=prompt,
+                                       sampling_params=params)]))
+    if args.paired_matvec:
+        for _ in range(WARMUP_STEPS + 1):
+            core.step()
+        paired_matvec(core, args.steps // 2)
+        return
+    timers = Timers()
+    instrument(core, runner, timers)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    context = zmq.Context()
+    with tempfile.TemporaryDirectory() as folder:
+        pull = context.socket(zmq.PULL)
+        pull.bind(f"ipc://{folder}/outputs")
+        push = context.socket(zmq.PUSH)
+        push.connect(f"ipc://{folder}/outputs")
+
+        def one_step() -> None:
+            message = timers.timed("engine core: step() in all", core.step)
+            carry(message, timers, push, pull, detokenizer)
+
+        for _ in range(WARMUP_STEPS + 1):  # the prefill, then warm decodes
+            one_step()
+        timers.clear()
+        for _ in range(args.steps):
+            one_step()
+        step_times = {label: statistics.median(t) * 1000 for label, t in timers.times.items()}
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                core.step()
+        push.close(0)
+        pull.close(0)
+    context.term()
+    print_tables(args, step_times, op_table(
+        prof, args.steps, step_times["engine core: step() in all"]))
+
+
+def print_tables(args: argparse.Namespace, step_times: dict[str, float],
+                 ops: list[tuple[str, float, float]]) -> None:
+    step_ms = step_times["engine core: step() in all"]
+    carried = sum(ms for label, ms in step_times.items()
+                  if label.startswith(("message", "API")))
+    total = step_ms + carried
+    print(f"weight dtype {args.weight_dtype}, KV cache {args.kv_cache_dtype}, "
+          f"{torch.get_num_threads()} threads, {args.steps} steps (medians)\n")
+    print("| component | ms per step | share |\n|---|---|---|")
+    for label, ms in step_times.items():
+        print(f"| {label} | {ms:.2f} | {ms / total:.0%} |")
+    parts = sum(ms for label, ms in step_times.items() if label.startswith(("runner", "sched")))
+    print(f"| engine core: the rest of step() | {max(0.0, step_ms - parts):.2f} | |")
+    print(f"| **total, core and carriage** | **{total:.2f}** | |\n")
+    print("| torch op (whole step) | ms per step | calls per step |\n|---|---|---|")
+    for name, ms, calls in ops[:12] + ops[-1:]:
+        print(f"| {name} | {ms:.2f} | {calls:g} |")
+
+
+if __name__ == "__main__":
+    main()
