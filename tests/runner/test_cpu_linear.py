@@ -57,7 +57,7 @@ def test_onednn_linear_matches_plain(rows: int, bias: bool) -> None:
         got = linear(x)
     assert got.shape == (rows, 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert linear.weight.numel() == 0  # the packed copy is the only one
+    assert linear.weight.numel() == 0  # the parameter's storage is released once packed
 
 
 def test_row_buckets_are_few_and_cover_every_count() -> None:
