@@ -10,7 +10,7 @@ handed out by a counter, no scheduler.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -283,11 +283,13 @@ def _word_ids() -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class TextPrompt:
-    """A text as a request sends it (a completion's prompt, or a chat's one user message)
-    and its ids as the server tokenizes it (the text, or the chat it renders)."""
+    """A text as a request sends it (a completion's prompt, or a chat's one user message),
+    its ids as the server tokenizes it (the text, or the chat it renders), and Hugging
+    Face's greedy tokens after them."""
 
     text: str
     ids: list[int]
+    greedy: list[int] = field(default_factory=list)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -318,10 +320,11 @@ def margin_texts(
     chat: bool = False,
 ) -> list[TextPrompt]:
     """Texts of `lengths` words of the default tokenizer (the first `shared` common to all;
-    sent as they are, or as a chat's user message) whose greedy tokens Hugging Face picks by
-    at least MIN_MARGIN at every step, each token one whose text names it: each drawn again
-    (from one generator seeded by `seed`) until it does, so that random weights' near ties
-    never decide a parity test, and the tokens a server's logprobs name are its ids."""
+    sent as they are, or as a chat's user message) with their `max_new_tokens` greedy
+    tokens, which Hugging Face picks by at least MIN_MARGIN at every step, each a token
+    whose text names it: each text drawn again (from one generator seeded by `seed`) until
+    they are, so that random weights' near ties never decide a parity test, and the tokens
+    a server's logprobs name are its ids."""
     gen = torch.Generator().manual_seed(seed)
     words = _word_ids()
 
@@ -337,7 +340,7 @@ def margin_texts(
                 continue
             tokens, margin = greedy_margin(hf_model, prompt.ids, max_new_tokens)
             if margin >= MIN_MARGIN and _named_ids().issuperset(tokens):
-                picked.append(prompt)
+                picked.append(replace(prompt, greedy=tokens))
                 break
         else:
             raise ValueError(f"no text of {length} words with a clear greedy margin")
