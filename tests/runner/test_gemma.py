@@ -14,19 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from model_runner.models.gemma import GemmaForCausalLM
-from model_runner.runner import prepare_inputs
-from scheduler.output import ScheduledRequest
 from tests.support.model_helpers import (
-    GREEDY,
     WINDOW,
     WINDOWED_CONFIGS,
     Engine,
     Seq,
     TinyModel,
+    assert_chunked_logits_match_hf,
     clear_margin_generations,
     make_model_folder,
     prompts,
@@ -71,23 +68,7 @@ def test_registered_and_windowed(tiny: TinyModel) -> None:
 @torch.inference_mode()
 def test_logits_match_hf_forward(tiny: TinyModel) -> None:
     """A whole prompt and a chunk after a cached prefix, both past the window."""
-    runner = tiny.runner(block_size=4)
-    p0, p1 = prompts([21, 29], seed=4)
-    first = [ScheduledRequest("b", p1[:12], 0, list(range(10, 18)), False, GREEDY, p1, [])]
-    inputs = prepare_inputs(first, BlockTables(4), runner.device)
-    tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers,
-                      runner.attn)
-    step = [
-        ScheduledRequest("a", p0, 0, list(range(6)), True, GREEDY, p0, []),
-        ScheduledRequest("b", p1[12:], 12, list(range(10, 18)), True, GREEDY, p1, []),
-    ]
-    inputs = prepare_inputs(step, BlockTables(4), runner.device)
-    hidden = tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta,
-                               runner.kv_cache.layers, runner.attn)
-    logits = tiny.loaded.model.compute_logits(hidden)
-    want = torch.cat([tiny.hf(torch.tensor([p0])).logits[0],
-                      tiny.hf(torch.tensor([p1])).logits[0, 12:]])
-    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert_chunked_logits_match_hf(tiny, tiny.runner(block_size=4))
 
 
 def test_one_at_a_time(tiny: TinyModel, expected) -> None:

@@ -19,23 +19,20 @@ from transformers import GptOssConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.distributed.tp_workers import start_tensor_parallel
 from model_runner.loader import load_model
 from model_runner.models.gpt_oss import GptOssForCausalLM, GptOssMoE
 from model_runner.models.moe import route
 from model_runner.models.rope import rope_cache
-from model_runner.runner import prepare_inputs
-from scheduler.output import ScheduledRequest
 from tests.support.model_helpers import (
-    GREEDY,
     MIN_MARGIN,
     TINY,
     WINDOWED_CONFIGS,
     Engine,
     Seq,
     TinyModel,
+    assert_chunked_logits_match_hf,
     clear_margin_generations,
     make_model_folder,
     prompts,
@@ -144,23 +141,7 @@ def test_registered_with_sinks_and_alternating_windows(tiny: TinyModel) -> None:
 @torch.inference_mode()
 def test_logits_match_hf_forward(tiny: TinyModel, backend: str) -> None:
     """A whole prompt and a chunk after a cached prefix, both past the window."""
-    runner = tiny.runner(block_size=4, attention_backend=backend)
-    p0, p1 = prompts([21, 29], seed=4)
-    first = [ScheduledRequest("b", p1[:12], 0, list(range(10, 18)), False, GREEDY, p1, [])]
-    inputs = prepare_inputs(first, BlockTables(4), runner.device)
-    tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers,
-                      runner.attn)
-    step = [
-        ScheduledRequest("a", p0, 0, list(range(6)), True, GREEDY, p0, []),
-        ScheduledRequest("b", p1[12:], 12, list(range(10, 18)), True, GREEDY, p1, []),
-    ]
-    inputs = prepare_inputs(step, BlockTables(4), runner.device)
-    hidden = tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta,
-                               runner.kv_cache.layers, runner.attn)
-    logits = tiny.loaded.model.compute_logits(hidden)
-    want = torch.cat([tiny.hf(torch.tensor([p0])).logits[0],
-                      tiny.hf(torch.tensor([p1])).logits[0, 12:]])
-    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert_chunked_logits_match_hf(tiny, tiny.runner(block_size=4, attention_backend=backend))
 
 
 def test_two_ranks_match_hf(tiny: TinyModel) -> None:

@@ -35,9 +35,10 @@ from transformers import (
     SmolLM3Config,
 )
 
+from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model_spec
-from model_runner.runner import ModelRunner
+from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -254,6 +255,27 @@ def clear_margin_generations(
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+def assert_chunked_logits_match_hf(tiny: TinyModel, runner: ModelRunner) -> None:
+    """The runner's logits equal HF's forward for a whole prompt and for a chunk after a
+    cached 12-token prefix, in one step (both past a window of 8)."""
+    p0, p1 = prompts([21, 29], seed=4)
+    first = [ScheduledRequest("b", p1[:12], 0, list(range(10, 18)), False, GREEDY, p1, [])]
+    inputs = prepare_inputs(first, BlockTables(4), runner.device)
+    tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_cache.layers,
+                      runner.attn)
+    step = [
+        ScheduledRequest("a", p0, 0, list(range(6)), True, GREEDY, p0, []),
+        ScheduledRequest("b", p1[12:], 12, list(range(10, 18)), True, GREEDY, p1, []),
+    ]
+    inputs = prepare_inputs(step, BlockTables(4), runner.device)
+    hidden = tiny.loaded.model(inputs.input_ids, inputs.positions, inputs.meta,
+                               runner.kv_cache.layers, runner.attn)
+    logits = tiny.loaded.model.compute_logits(hidden)
+    want = torch.cat([tiny.hf(torch.tensor([p0])).logits[0],
+                      tiny.hf(torch.tensor([p1])).logits[0, 12:]])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
 
 
 @cache
