@@ -3,8 +3,8 @@
 `python -m bench.moe_bench [--scale small|full] [--batch-sizes 1,16] [--decode-steps 8]
 [--threads N]`
 
-A random Qwen3-MoE scaled down from Qwen3-30B-A3B's shape (`full`: 16 layers, hidden 1024,
-64 experts of width 384, 8 a token, ~0.5 GB in float32; `small`: a few seconds' run), float32
+A random Qwen3-MoE scaled down from Qwen3-30B-A3B's shape (`full`: 8 layers, hidden 768,
+32 experts of width 256, 4 a token, ~0.65 GB in float32; `small`: a few seconds' run), float32
 on the CPU. Per batch size: decode tokens/s (the median step, prompts of ~16 tokens), then one
 512-token prefill (the best of a few), both sides in the same run, with runner_bench's loops.
 """
@@ -32,9 +32,9 @@ from model_runner.runner import ModelRunner
 from tests.support.gpu_models import random_model_folder
 
 SHAPES = {
-    "full": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                 num_key_value_heads=4, num_experts=64, num_experts_per_tok=8,
-                 moe_intermediate_size=384),
+    "full": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12,
+                 num_key_value_heads=4, num_experts=32, num_experts_per_tok=4,
+                 moe_intermediate_size=256),
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, num_experts=16, num_experts_per_tok=4,
                   moe_intermediate_size=128),
@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=list(SHAPES), default="full")
     parser.add_argument("--batch-sizes", default="1,16")
-    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
