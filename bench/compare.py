@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         systems = parse_systems(args.systems, args.llama_server, args.baseline_tree)
     except ValueError as exc:
         parser.error(str(exc))
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     everything = {}
     for name in args.workloads.split(","):
         workload = WORKLOADS[name](args.scale)
