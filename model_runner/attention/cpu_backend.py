@@ -1,13 +1,18 @@
 """The "cpu" attention backend: the C++ kernels of csrc/cpu_attention.cpp, and the float32
 layer kernels of csrc/cpu_layers.cpp as its LayerOps.
 
-Decode rows read their keys and values straight from the paged cache (the torch
-reference gathers them first); prompt chunks use the reference's prefill path, whose
-time goes to matmul-shaped work that torch's fused CPU attention already does well.
+Decode rows, and every row of a short chunk (a speculative verification's last token
+and drafts: up to SHORT_CHUNK_MAX rows), read their keys and values straight from the
+paged cache in the C++ decode kernel, one query row at a time with its own causal length
+(the torch reference gathers them first); longer prompt chunks use the reference's
+prefill path, whose time goes to matmul-shaped work that torch's fused CPU attention
+already does well.
 `write_kv_cache` and `paged_attention` have the signatures of the torch reference's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,17 +51,67 @@ def paged_attention(
     options: AttentionOptions = FULL_ATTENTION,
 ) -> torch.Tensor:
     """As attention.paged_attention."""
-    num_decodes = meta.num_decode_seqs
+    rows = meta.scratch.get("cpu_rows")
+    if rows is None:
+        rows = meta.scratch["cpu_rows"] = _DecodeRows.of(meta)
     decoded = torch.ops.pagedserve.decode_attention(
-        query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+        query[: rows.num_rows] if rows.index is None else query[rows.index], k_cache, v_cache,
+        rows.block_tables, rows.context_lens, scale,
         options.sliding_window or 0, options.softcap or 0.0, options.sinks,  # 0, None: none
     )
-    if num_decodes == meta.num_seqs:
+    if not rows.long_chunks and rows.num_rows == query.shape[0]:
         return decoded
     out = torch.empty_like(query)
-    out[:num_decodes] = decoded
-    prefill_attention(query, k_cache, v_cache, meta, scale, out, options)
+    if rows.index is None:
+        out[: rows.num_rows] = decoded
+    else:
+        out[rows.index] = decoded
+    if rows.long_chunks:
+        prefill_attention(query, k_cache, v_cache, meta, scale, out, options, rows.long_chunks)
     return out
+
+
+# NOTE: a chunk of up to this many rows (a verification: the last token and up to 16
+# drafts) runs row by row in the decode kernel: reading its context once a row costs less
+# than gathering the context and the Python of the prefill path, at every layer
+SHORT_CHUNK_MAX = 17
+
+
+@dataclass(frozen=True)
+class _DecodeRows:
+    """The rows of a step the decode kernel attends, those of decodes and short chunks:
+    the first `num_rows` of the flat batch, or those at `index` when a long chunk comes
+    between; each one's block table and causal length; the sequences left to the prefill
+    path (`long_chunks`)."""
+
+    num_rows: int
+    index: torch.Tensor | None
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    long_chunks: list[int]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> _DecodeRows:
+        num_decodes, num_seqs = meta.num_decode_seqs, meta.num_seqs
+        if num_decodes == num_seqs:
+            return cls(num_decodes, None, meta.block_tables, meta.context_lens, [])
+        starts = meta.query_start_loc.tolist()
+        query_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+        chunks = range(num_decodes, num_seqs)
+        short = [i for i in chunks if query_lens[i] <= SHORT_CHUNK_MAX]
+        long_chunks = [i for i in chunks if query_lens[i] > SHORT_CHUNK_MAX]
+        if not short:  # the decodes lead: their rows, tables and lengths as they are
+            return cls(num_decodes, None, meta.block_tables, meta.context_lens, long_chunks)
+        seqs = torch.tensor([*range(num_decodes), *short])
+        lens = torch.tensor(query_lens)[seqs]
+        seq_of_row = seqs.repeat_interleave(lens)
+        first_row = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+        offset = torch.arange(len(seq_of_row)) - first_row  # j: the row's place in its chunk
+        # row j of a chunk of q rows with context c sees c - q + j + 1 keys
+        context = meta.context_lens[seq_of_row] - lens.repeat_interleave(lens) + offset + 1
+        index = meta.query_start_loc[seq_of_row].long() + offset
+        return cls(len(index), index if long_chunks else None, meta.block_tables[seq_of_row],
+                   context.to(torch.int32), long_chunks)
 
 
 def rope_(

@@ -9,6 +9,7 @@ s lives at block s // block_size, offset s % block_size. `write_kv_cache` and
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -262,14 +263,18 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     options: AttentionOptions = FULL_ATTENTION,
+    sequences: Sequence[int] | None = None,
 ) -> None:
-    """Prompt chunks, one sequence at a time; writes into `out`."""
+    """Prompt chunks, one sequence at a time (`sequences`, by default all but the leading
+    decodes); writes into `out`."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     window = options.sliding_window
     sinks = None if options.sinks is None else options.sinks.view(1, -1, 1, 1)
     starts = meta.query_start_loc.tolist()
     context_lens = meta.context_lens.tolist()
-    for i in range(meta.num_decode_seqs, meta.num_seqs):
+    if sequences is None:
+        sequences = range(meta.num_decode_seqs, meta.num_seqs)
+    for i in sequences:
         start, end, context_len = starts[i], starts[i + 1], context_lens[i]
         query_len = end - start
         cached = context_len - query_len  # the position of the chunk's first row

@@ -49,13 +49,14 @@ def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: s
         )
 
 
-# NOTE: up to this many rows a projection is a stream over its weight, and the C++ matvec
-# on the plain row-major weight reaches more of the memory's bandwidth than the GEMM
-# libraries' blocked kernels (docs/benchmarks.md: the batch-1 decode step). Its price is a
-# second copy of each weight (none for a tied LM head: that one is the embedding table).
+# NOTE: up to this many rows (a small decode batch, or a speculative verification's token
+# and drafts) a projection is a stream over its weight, and the C++ matvec on the plain
+# row-major weight reaches more of the memory's bandwidth than the GEMM libraries' blocked
+# kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
+# price is a second copy of each weight (none for a tied LM head: the embedding table).
 # Both copies are exact float32 (or the same float16 values); only the order of the sums
 # differs, as between any two GEMM kernels.
-MATVEC_MAX_ROWS = 4
+MATVEC_MAX_ROWS = 8
 
 
 def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

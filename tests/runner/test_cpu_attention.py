@@ -74,6 +74,25 @@ def test_mixed_step_skips_padding_rows() -> None:
     assert_close(out, ref, batch.num_rows)
 
 
+@pytest.mark.parametrize(("query_lens", "context_lens", "num_decodes", "num_padding_rows"), [
+    # verifications (a token and its drafts after a cached prefix) alone, then beside a
+    # decode, chunks at the decode kernel's limit and one past it, and padding rows
+    ([5, 3], [50, 3], 0, 0),
+    ([1, 5, 17, 18, 2], [9, 45, 60, 18, 20], 1, 2),
+    ([1, 1, 9], [30, 12, 70], 2, 3),
+])
+def test_short_chunks_attend_row_by_row_in_the_decode_kernel(
+    query_lens: list[int], context_lens: list[int], num_decodes: int, num_padding_rows: int
+) -> None:
+    assert cpu_attention.SHORT_CHUNK_MAX == 17  # the cases straddle it
+    batch = Batch(query_lens, context_lens, num_decode_seqs=num_decodes,
+                  num_padding_rows=num_padding_rows, seed=6)
+    out = step(batch)
+    assert out.shape == batch.query.shape
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+
+
 def test_matches_torch_backend_bit_for_bit_on_the_cache() -> None:
     batch = Batch([1, 1, 12], [9, 50, 12], num_decode_seqs=2, seed=4)
     batch.k_cache.nan_to_num_(1e3)  # the torch backend masks gathered blocks: keep it finite

@@ -221,7 +221,7 @@ def test_int8_rotation_in_cpp_matches_torch(in_features: int, block: int) -> Non
 # --- the small-batch matvec (csrc/cpu_matvec.cpp) -----------------------------------------
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("in_features", [40, 64, 576])  # 40: a tail of eight after sixteens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_matvec_matches_float64_on_its_weights(rows: int, in_features: int,
@@ -235,6 +235,19 @@ def test_matvec_matches_float64_on_its_weights(rows: int, in_features: int,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     no_bias = torch.ops.pagedserve.matvec(x, weight, None)
     torch.testing.assert_close(no_bias, expected - bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_matvec_row_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    # a verification's rows (a token and its drafts) give each token the logits a plain
+    # decode of it gives: bit for bit, whatever the number of rows beside it
+    torch.manual_seed(1)
+    weight, bias = torch.randn(300, 40).to(dtype), torch.randn(300)
+    x = torch.randn(8, 40)
+    together = torch.ops.pagedserve.matvec(x, weight, bias)
+    for row in range(8):
+        alone = torch.ops.pagedserve.matvec(x[row:row + 1], weight, bias)
+        assert torch.equal(alone[0], together[row])
 
 
 def test_matvec_refuses_what_it_cannot_read() -> None:

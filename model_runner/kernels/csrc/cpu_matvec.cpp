@@ -1,7 +1,7 @@
 // y = x @ weight.T + bias for a few rows of x (a small decode batch), on a row-major
 // float32 or float16 weight, as a torch op (torch.ops.pagedserve.matvec). At one to four
 // rows a projection only streams its weight once: each weight row is read once and dotted
-// with every input row while it sits in L1, with two accumulators of eight lanes. The
+// with every input row, four at a time, with two accumulators of eight lanes each. The
 // GEMM libraries (oneDNN, fbgemm) run the same shapes through their blocked GEMM and
 // reach less of the memory's bandwidth there (docs/benchmarks.md);
 // model_runner/kernels/cpu_linear.py calls this one up to its MATVEC_MAX_ROWS.
@@ -11,6 +11,7 @@
 
 #include "vec8.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -24,29 +25,51 @@ constexpr int64_t kMaxRows = 8;
 // Output rows a thread takes at least: a float32 row of 576 is ~2 KiB of weight.
 constexpr int64_t kGrain = 64;
 
-// Products of sixteen at a time into two accumulators, then a tail of eight.
-template <typename W>
-inline float dot(const W* w, const float* x, int64_t width) {
-  Vec8 even = {}, odd = {};
+// Up to four rows of x dotted with one weight row: each weight vector is loaded once for
+// all of them. A row's products go sixteen at a time into its two accumulators, then a
+// tail of eight: the same sums in the same order whatever the number of rows, so a row's
+// result does not depend on the rows beside it (a verified draft's logits are the ones a
+// plain decode of the same token would have had).
+template <int R, typename W>
+inline void dot_rows(const W* w, const float* x, int64_t x_stride, int64_t width, float* out) {
+  Vec8 even[R] = {}, odd[R] = {};
   int64_t i = 0;
   for (; i + 16 <= width; i += 16) {
-    even += load8(w + i) * load8(x + i);
-    odd += load8(w + i + 8) * load8(x + i + 8);
+    const Vec8 w0 = load8(w + i), w1 = load8(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      even[r] += w0 * load8(x + r * x_stride + i);
+      odd[r] += w1 * load8(x + r * x_stride + i + 8);
+    }
   }
-  if (i < width) even += load8(w + i) * load8(x + i);
-  return sum8(even + odd);
+  if (i < width) {
+    const Vec8 w0 = load8(w + i);
+    for (int r = 0; r < R; ++r) even[r] += w0 * load8(x + r * x_stride + i);
+  }
+  for (int r = 0; r < R; ++r) out[r] = sum8(even[r] + odd[r]);
+}
+
+template <typename W>
+inline void dot_any(const W* w, const float* x, int64_t x_stride, int64_t num_rows,
+                    int64_t width, float* out) {
+  for (int64_t r = 0; r < num_rows; r += 4, x += 4 * x_stride, out += 4) {
+    switch (std::min<int64_t>(num_rows - r, 4)) {
+      case 1: dot_rows<1>(w, x, x_stride, width, out); break;
+      case 2: dot_rows<2>(w, x, x_stride, width, out); break;
+      case 3: dot_rows<3>(w, x, x_stride, width, out); break;
+      default: dot_rows<4>(w, x, x_stride, width, out); break;
+    }
+  }
 }
 
 template <typename W>
 void matvec_rows(const float* x, int64_t x_stride, int64_t num_rows, const W* w,
                  const float* bias, float* y, int64_t width, int64_t out_features) {
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[kMaxRows];
     for (int64_t o = begin; o < end; ++o) {
-      const W* row = w + o * width;
+      dot_any(w + o * width, x, x_stride, num_rows, width, dots);
       const float b = bias == nullptr ? 0.f : bias[o];
-      for (int64_t r = 0; r < num_rows; ++r) {
-        y[r * out_features + o] = dot(row, x + r * x_stride, width) + b;
-      }
+      for (int64_t r = 0; r < num_rows; ++r) y[r * out_features + o] = dots[r] + b;
     }
   });
 }
