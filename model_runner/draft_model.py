@@ -20,22 +20,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from model_runner.attention.selection import select_attention_backend
+from model_runner.attention_metadata import AttentionMetadata
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import KVCache, allocate_kv_cache, bytes_per_block
 from model_runner.loader import LoadedModel
 from model_runner.models.sliding_windows import model_window
 from scheduler.output import ModelRunnerOutput, ScheduledRequest
 
-if TYPE_CHECKING:
-    from model_runner.runner import ModelInputs
+
+class FlatBatch(Protocol):
+    """A step laid out flat (the runner's ModelInputs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
 
 # Lays a batch out flat on the target's block tables (the runner's prepare_inputs).
-PrepareFn = Callable[[Sequence[ScheduledRequest]], "ModelInputs"]
+PrepareFn = Callable[[Sequence[ScheduledRequest]], FlatBatch]
 
 
 def check_draft_fits(target: LoadedModel, draft: LoadedModel) -> None:
@@ -88,7 +95,7 @@ class DraftModel:
                                           model.num_kv_heads, model.head_dim, self.kv_dtype,
                                           device)
 
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward(self, inputs: FlatBatch) -> torch.Tensor:
         """The draft's forward over a step's flat batch (the target's inputs): its KV written
         at the same slots; its hidden states [T, H]."""
         assert self.kv_cache is not None
