@@ -40,10 +40,14 @@ def build_core_parts(
     dies later ends this process.
 
     The context length is the model's (or model_config.max_model_len), capped to what
-    the KV cache holds. Loading errors (FileNotFoundError, ValueError) are raised here.
+    the KV cache holds. A draft model (scheduler_config.speculative, method draft_model)
+    loads beside the target, on the same device and dtype. Loading errors
+    (FileNotFoundError, ValueError: the draft model's included) are raised here.
     `grammar_step_timeout_s` is the steps' grammar-mask deadline (StructuredOutputs).
     """
-    runner, model = _load_runner(model_config, simulate_step_ms)
+    speculative = scheduler_config.speculative
+    draft_path = None if speculative is None else speculative.model
+    runner, model = _load_runner(model_config, simulate_step_ms, draft_path)
     model_len = model.max_model_len
     cache_config = CacheConfig(
         num_blocks=runner.num_kv_blocks,
@@ -76,18 +80,26 @@ def build_core_parts(
 
 
 def _load_runner(
-    model_config: ModelConfig, simulate_step_ms: float | None
+    model_config: ModelConfig, simulate_step_ms: float | None, draft_path: str | None
 ) -> tuple[ModelRunner | SimulatedRunner, LoadedModel | ModelSpec]:
     """The runner and what it was loaded from (with `simulate_step_ms`, only the model's
-    config and tokenizer)."""
+    config and tokenizer: a simulated runner proposes no drafts)."""
     if simulate_step_ms is not None:
         spec = load_model_spec(model_config)
         return SimulatedRunner(spec, model_config, simulate_step_ms), spec
+    if draft_path is not None and model_config.tensor_parallel_size > 1:
+        raise ValueError("a draft model (speculative method draft_model) does not run with "
+                         "--tensor-parallel-size > 1: use method ngram")
     if model_config.tensor_parallel_size > 1:
         loaded, runner = start_tensor_parallel(model_config)
         return runner, loaded
     loaded = load_model(model_config)
-    return ModelRunner(loaded, model_config), loaded
+    draft = None
+    if draft_path is not None:
+        draft = load_model(replace(model_config, model=draft_path,
+                                   max_model_len=loaded.max_model_len))
+        logger.info("draft model %s loaded", draft.model_path)
+    return ModelRunner(loaded, model_config, draft=draft), loaded
 
 
 def _structured_outputs(

@@ -17,6 +17,7 @@ from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import create_decode_graph_runner, host_to_device
 from model_runner.distributed.tensor_parallel import RanksOutOfStep
+from model_runner.draft_model import DraftModel
 from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -149,7 +150,8 @@ class LaunchedStep:
     """A launched step: its sampled ids on the device, in row order of `rows` (request id
     -> row), read on the host by `result()` (on CUDA through a pinned copy started at
     launch, so the read waits only for this step's kernels); the step's prompt
-    logprobs, already on the host; and the verification of the requests with drafts."""
+    logprobs, already on the host; and the verification of the requests with drafts.
+    The output is read once (the draft model adds its proposals to it)."""
 
     def __init__(self, rows: dict[str, int], sampled: torch.Tensor | None,
                  logprobs: dict[str, SampleLogprobs],
@@ -162,6 +164,7 @@ class LaunchedStep:
         self.verification = verification
         self._host: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None
+        self._output: ModelRunnerOutput | None = None
         if sampled is not None and sampled.device.type == "cuda":
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
             self._host.copy_(sampled, non_blocking=True)
@@ -175,6 +178,11 @@ class LaunchedStep:
 
     def result(self) -> ModelRunnerOutput:
         """The sampled tokens (waiting for the device when they are not there yet)."""
+        if self._output is None:
+            self._output = self._read()
+        return self._output
+
+    def _read(self) -> ModelRunnerOutput:
         output = ModelRunnerOutput(logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
         if self.verification is not None:
             output.verified_token_ids, output.verified_logprobs = self.verification.result()
@@ -199,10 +207,15 @@ class ModelRunner:
     Tensor parallel (a sharded model): rank 0's runner has the `workers` and sends them
     each step before its own forward; a worker's runner runs `execute_worker`. The number
     of KV blocks is the smallest any rank can hold.
+
+    With a `draft` model (speculative decoding, one process only) every forward is
+    followed by the draft's over the same batch, the KV budget pays for both caches, and
+    the requests with num_lookahead_tokens get its proposals (model_runner/draft_model.py).
     """
 
     def __init__(
-        self, loaded: LoadedModel, config: ModelConfig, workers: Workers | None = None
+        self, loaded: LoadedModel, config: ModelConfig, workers: Workers | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         self.model = loaded.model
         self.workers = workers
@@ -220,12 +233,16 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._previous: LaunchedStep | None = None  # the last step that sampled
-        # CUDA graphs for decode-only steps (None: every step runs eagerly)
-        self.decode_graphs = create_decode_graph_runner(
+        self.draft = None if draft is None else DraftModel(draft, loaded, config, self.kv_dtype)
+        # CUDA graphs for decode-only steps (None: every step runs eagerly, as with a draft
+        # model, whose forward reads the step's flat inputs)
+        self.decode_graphs = None if draft is not None else create_decode_graph_runner(
             self.model, self.attn, config, self.max_model_len, self.device
         )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks, self.device)
         if self.decode_graphs is not None:
             self.decode_graphs.capture(self.kv_cache.layers)
         logger.info(
@@ -290,7 +307,19 @@ class ModelRunner:
         step = LaunchedStep({r.request_id: i for i, r in enumerate(sampling)}, sampled,
                             logprobs, prompt_logprobs, verification)
         self._previous = step
+        if self.draft is not None:
+            self._propose(step, requests)
         return step
+
+    def _propose(self, step: LaunchedStep, requests: list[ScheduledRequest]) -> None:
+        """The draft model's proposals, into the step's output, for the requests that ask
+        for some (their tokens read first: the drafts follow them)."""
+        wanting = [r for r in requests if r.num_lookahead_tokens]
+        if wanting and self.draft is not None:
+            output = step.result()
+            output.draft_token_ids = self.draft.propose(
+                wanting, output, lambda batch: prepare_inputs(batch, self.block_tables,
+                                                               self.device))
 
     def _verify(
         self, logits: torch.Tensor, sampling: list[ScheduledRequest]
@@ -379,6 +408,8 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache.layers, self.attn
         )
+        if self.draft is not None:  # NOTE: so that its KV always matches the target's
+            self.draft.forward(inputs)
         return hidden, inputs.sample_rows
 
     def _generator(self, request: ScheduledRequest) -> torch.Generator | None:
@@ -396,7 +427,7 @@ class ModelRunner:
         model = self.model
         block_bytes = bytes_per_block(
             model.num_layers, self.block_size, model.num_kv_heads, model.head_dim, self.kv_dtype
-        )
+        ) + (0 if self.draft is None else self.draft.bytes_per_block)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif self.device.type == "cuda":

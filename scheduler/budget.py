@@ -66,6 +66,8 @@ class StepBudget:
     prefill_costs: dict[str, int] = field(default_factory=dict)
     # speculative decoding: request id -> the draft tokens its decode verifies
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # draft-model speculation: request id -> the draft tokens to propose after the step
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.budget = self.config.max_num_batched_tokens
@@ -94,6 +96,7 @@ class StepBudget:
         self.budget += num_tokens
         self.decode_ids.discard(request.request_id)
         self.draft_token_ids.pop(request.request_id, None)
+        self.num_lookahead_tokens.pop(request.request_id, None)
         if self.prefill_room is not None:
             self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
 

@@ -9,18 +9,23 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding by n-gram prompt lookup (`--speculative-config`, vLLM's keys).
+    """Speculative decoding (`--speculative-config`, vLLM's keys).
 
-    A decoding request proposes up to num_speculative_tokens tokens: those that followed
-    the most recent earlier occurrence of its last n tokens (n from prompt_lookup_max down
-    to prompt_lookup_min) within its last prompt_lookup_window tokens (prompt and
-    output); the step verifies them beside everyone's work (scheduler/speculation.py).
+    A decoding request proposes up to num_speculative_tokens tokens. method "ngram": those
+    that followed the most recent earlier occurrence of its last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) within its last prompt_lookup_window
+    tokens (prompt and output). method "draft_model": the greedy tokens of the draft
+    model `model` (a local folder or .gguf on the target's tokenizer), run by the model
+    runner after each step (model_runner/draft_model.py); a "model" without a "method"
+    means draft_model, as in vLLM. The step verifies them beside everyone's work
+    (scheduler/speculation.py).
     max_num_verify_tokens bounds a step's decodes plus draft tokens: drafts are granted
     in priority order within it, so as the batch grows speculation stops, the least
     urgent first, and with that many decodes it is off.
     """
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -28,8 +33,12 @@ class SpeculativeConfig:
     max_num_verify_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"unknown speculative method {self.method!r}: use ngram")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}: use ngram or "
+                             "draft_model")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('--speculative-config: "model" (the draft model: a local folder '
+                             'or .gguf) goes with method draft_model, and only with it')
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]"
@@ -42,9 +51,10 @@ class SpeculativeConfig:
             raise ValueError("max_num_verify_tokens must be >= 2")
 
     @classmethod
-    def from_json(cls, text: str) -> SpeculativeConfig:
-        """The config of a `--speculative-config` JSON object; ValueError naming what is
-        wrong (not JSON, an unknown key, a value of the wrong type or out of range)."""
+    def from_json(cls, text: str, draft_model: str | None = None) -> SpeculativeConfig:
+        """The config of a `--speculative-config` JSON object (with `draft_model`, the
+        `--speculative-model` flag: its "model"); ValueError naming what is wrong (not
+        JSON, an unknown key, a value of the wrong type or out of range)."""
         try:
             values: Any = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -55,13 +65,21 @@ class SpeculativeConfig:
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {unknown}: use {sorted(known)}")
+        if draft_model is not None:
+            if values.get("method", "draft_model") != "draft_model" or "model" in values:
+                raise ValueError("--speculative-model is the draft model: give no other "
+                                 'method or "model" in --speculative-config')
+            values["model"] = draft_model
+        if "model" in values:
+            values.setdefault("method", "draft_model")
         for key, value in values.items():
-            wanted = str if known[key] == "str" else int
+            wanted = str if known[key] in ("str", "str | None") else int
             if type(value) is not wanted:  # NOTE: not isinstance: a bool is not an int here
                 raise ValueError(f"--speculative-config: {key} must be {wanted.__name__}")
         return cls(**values)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # The most draft tokens a request may verify in one step (the flag and the request field).
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -88,8 +106,8 @@ class SchedulerConfig:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
-    (overlapped steps; see engine/core.py). speculative: n-gram speculative decoding
-    (None: off).
+    (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
+    or a draft model (None: off).
     """
 
     policy: str = "fcfs"

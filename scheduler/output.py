@@ -36,6 +36,10 @@ class ScheduledRequest:
     proposed tokens after the request's last known one (then `sample` is set); the runner
     verifies them from the logits at every one of those positions and returns the
     accepted ones and one token more in `ModelRunnerOutput.verified_token_ids`.
+    `num_lookahead_tokens` (draft-model speculation): after the step, the runner proposes
+    that many draft tokens to follow the request's newest token, into
+    `ModelRunnerOutput.draft_token_ids` (the block table already covers their KV slots:
+    the newest token's position and the lookahead ones after it).
     """
 
     request_id: str
@@ -48,6 +52,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     prompt_logprob_rows: tuple[int, int] = (0, 0)
     num_draft_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -148,6 +153,8 @@ class ModelRunnerOutput:
     `sampled_token_ids`: its accepted drafts (a prefix of them) then the one token sampled
     after them, and their logprobs (when asked for) in `verified_logprobs`. A runner that
     does not verify may answer such a request with one sampled token: no draft accepted.
+    `draft_token_ids`: the draft model's proposals for the requests that had
+    `num_lookahead_tokens` (a runner without a draft model gives none).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
@@ -155,4 +162,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

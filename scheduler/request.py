@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 from kvcache.hashing import BlockHash
 from scheduler.output import PromptLogprobs, SampleLogprobs
@@ -59,6 +60,11 @@ class Request:
     # The most draft tokens it verifies in a step (speculative decoding; 0: none), set by
     # the scheduler when it takes the request.
     num_speculative_tokens: int = 0
+    # Draft-model speculation: the draft tokens the runner proposed to follow the request's
+    # first `proposal_at` tokens (the next step verifies them while that is still its
+    # length; they are replaced, never mutated).
+    proposal: Sequence[int] = ()
+    proposal_at: int = 0
 
     def __init__(
         self,

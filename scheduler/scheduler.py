@@ -115,11 +115,8 @@ class Scheduler(Admission):
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
-        self.fair_share = (
-            FairShare()
-            if scheduler_config.fair_share and self.policy is SchedulingPolicy.PRIORITY
-            else None
-        )
+        fair = scheduler_config.fair_share and self.policy is SchedulingPolicy.PRIORITY
+        self.fair_share = FairShare() if fair else None
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request id)
         self._expired: list[Request] = []  # passed their deadline in schedule()
         self._clock = clock
@@ -258,6 +255,8 @@ class Scheduler(Admission):
             outputs.append(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        if runner_output.draft_token_ids and self.speculation is not None:
+            self.speculation.keep_proposals(runner_output, self.requests)
         return outputs
 
     def _append_sampled(
@@ -441,6 +440,7 @@ class Scheduler(Admission):
                     output_token_ids=request.output_token_ids,
                     prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                     num_draft_tokens=len(drafts),
+                    num_lookahead_tokens=step.num_lookahead_tokens.get(request_id, 0),
                 )
             )
             request.num_computed_tokens = end

@@ -22,6 +22,13 @@ nor do requests still short of min_tokens (whose stop tokens are masked per posi
 A draft never reaches past max_tokens or the length cap: the request's tokens after a
 verified step are at most what it may still produce.
 
+With a draft model (`"method": "draft_model"`) the drafts are the model runner's proposal
+after the request's previous step (model_runner/draft_model.py): a request granted room
+for drafts also gets that many lookahead slots allocated (free blocks only; fewer, down to
+what its blocks hold, when the pool is short) and the runner proposes as many tokens to
+follow its newest one; the next step's grant takes them, truncated to its room. Who gets
+drafts and how many is the n-gram rule's; only their source differs.
+
 Rejected drafts roll back: `num_computed_tokens` counts the accepted tokens only, and
 the blocks stay with the request (their slots are written again by its next tokens; its
 table only grows), so only blocks full of accepted tokens are keyed in the prefix cache.
@@ -160,12 +167,41 @@ class Speculation:
         if (num_room <= 0 or request.num_output_placeholders
                 or request.num_output_tokens < params.min_tokens):
             return
-        config = self.config
-        drafts = propose_ngram(request.all_token_ids, num_room, config.prompt_lookup_max,
-                               config.prompt_lookup_min, config.prompt_lookup_window)
-        if drafts and scheduler.kv_cache.allocate_slots(request, 1 + len(drafts)) is not None:
+        drafts = self._propose(request, num_room)
+        num_lookahead = 0
+        if self.config.model is not None:
+            # NOTE: what this step has room for, proposed for the next, whose last draft
+            # decode stays within the length cap
+            num_lookahead = min(num_room,
+                                scheduler.max_request_len - request.num_tokens - len(drafts))
+        if not drafts and not num_lookahead:
+            return
+        drafts, num_lookahead = _allocate(request, scheduler.kv_cache, drafts, num_lookahead)
+        if drafts:
             step.add_drafts(request, drafts)
             self._room -= len(drafts)
+        if num_lookahead:
+            step.num_lookahead_tokens[request.request_id] = num_lookahead
+
+    def _propose(self, request: Request, num_room: int) -> list[int]:
+        """Up to `num_room` draft tokens: n-gram lookup, or the draft model's latest
+        proposal while it still follows the request's tokens."""
+        config = self.config
+        if config.model is None:
+            return propose_ngram(request.all_token_ids, num_room, config.prompt_lookup_max,
+                                 config.prompt_lookup_min, config.prompt_lookup_window)
+        if request.proposal_at != request.num_tokens:
+            return []
+        return list(request.proposal[:num_room])
+
+    def keep_proposals(self, runner_output: ModelRunnerOutput,
+                       requests: dict[str, Request]) -> None:
+        """Keep the draft model's proposals of a step, once its tokens are appended: the
+        next step's grants verify them."""
+        for request_id, token_ids in runner_output.draft_token_ids.items():
+            request = requests.get(request_id)
+            if request is not None:
+                request.proposal, request.proposal_at = token_ids, request.num_tokens
 
     def apply(
         self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput,
@@ -218,6 +254,23 @@ class Speculation:
             draft_tokens_by_priority=dict(self._draft_tokens),
             accepted_tokens_by_priority=dict(self._accepted_tokens),
         )
+
+
+def _allocate(
+    request: Request, kv_cache: KVCacheManager, drafts: list[int], num_lookahead: int
+) -> tuple[list[int], int]:
+    """The drafts and lookahead slots (draft model) `request` gets blocks for, from free
+    blocks only: all of them; else the drafts, and the lookahead slots its blocks hold
+    anyway; else no drafts."""
+    num_new = 1 + len(drafts)
+    if kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead) is not None:
+        return drafts, num_lookahead
+    if not num_lookahead:
+        return [], 0
+    if kv_cache.allocate_slots(request, num_new) is None:
+        drafts, num_new = [], 1
+    num_held = kv_cache.num_held_blocks(request.request_id) * kv_cache.block_size
+    return drafts, max(0, min(num_lookahead, num_held - request.num_computed_tokens - num_new))
 
 
 def _best_prefill_priority(scheduler: _Scheduler, now: float) -> int | None:

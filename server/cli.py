@@ -151,11 +151,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        "runs on the device (default: on with CUDA, off on the CPU, where "
                        "the host is the device; not with --tensor-parallel-size > 1)")
     sched.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help="speculative decoding by n-gram prompt lookup, vLLM's keys: "
-                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                       help="speculative decoding, vLLM's keys; method ngram (prompt "
+                       "lookup): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (and "
-                       "prompt_lookup_window, max_num_verify_tokens; default: off); drafts "
-                       "go to the most urgent requests first")
+                       "prompt_lookup_window), or method draft_model: '{\"method\": "
+                       "\"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' "
+                       "(a checkpoint on the target's tokenizer; not with -tp > 1); and "
+                       "max_num_verify_tokens; default: off; drafts go to the most urgent "
+                       "requests first")
+    sched.add_argument("--speculative-model", default=None, metavar="PATH",
+                       help="the draft model: same as --speculative-config's "
+                       "'{\"method\": \"draft_model\", \"model\": PATH}'")
     sched.add_argument("--watermark", type=float, default=0.0,
                        help="fraction of KV blocks admission leaves free for running "
                        "requests to grow into (default 0)")
@@ -259,10 +265,14 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
             else args.async_scheduling
         ),
         speculative=(
-            None if args.speculative_config is None
-            else SpeculativeConfig.from_json(args.speculative_config)
+            None if args.speculative_config is None and args.speculative_model is None
+            else SpeculativeConfig.from_json(args.speculative_config or "{}",
+                                             args.speculative_model)
         ),
     )
+    if scheduler.speculative and scheduler.speculative.model and args.tensor_parallel_size > 1:
+        raise ValueError("a draft model (speculative method draft_model) does not run with "
+                         "--tensor-parallel-size > 1: use method ngram")
     if scheduler.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError("--async-scheduling does not run with --tensor-parallel-size > 1")
     names = args.served_model_name or [None]

@@ -213,6 +213,14 @@ def test_speculative_config_takes_vllms_json() -> None:
                                      prompt_lookup_min=1)
 
 
+def test_speculative_model_is_a_draft_model_in_the_speculative_config() -> None:
+    spec = configs("--speculative-model", "/m", "--speculative-config",
+                   '{"num_speculative_tokens": 2}').scheduler.speculative
+    assert spec == SpeculativeConfig(method="draft_model", model="/m", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        configs("--speculative-config", '{"model": "/m"}', "-tp", "2")
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ("{nope", "not JSON"),
     ("[4]", "JSON object"),
