@@ -18,7 +18,9 @@ ends the loop.
 
 Requests with a grammar go through `StructuredOutputs` (structured/matchers.py): they
 reach the scheduler once their grammar is compiled, each step's plan carries the masks of
-their sampling rows, and a request whose grammar is complete stops there. A request whose
+their sampling rows (one per verified position for speculation, whose drafts the scheduler
+checks against the grammar through `num_valid_drafts`), and a request whose grammar is
+complete stops there. A request whose
 mask missed the step's deadline, or whose grammar failed, ends with an `error` delta
 alone; the step goes on for the others.
 """
@@ -128,6 +130,8 @@ class EngineCore:
     ) -> None:
         self.scheduler = scheduler
         self.structured = structured
+        if structured is not None and scheduler.speculation is not None:
+            scheduler.speculation.check_drafts = structured.num_valid_drafts
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.

@@ -32,6 +32,7 @@ from model_runner.sampler import Sampler
 from model_runner.spec_decode import Verification
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
+    GrammarBitmask,
     ModelRunnerOutput,
     PromptLogprobs,
     SampleLogprobs,
@@ -296,7 +297,7 @@ class ModelRunner:
         sampling = [r for r in requests if r.sample]
         verification = None
         if any(r.num_draft_tokens for r in sampling):
-            logits, sampling, verification = self._verify(logits, sampling)
+            logits, sampling, verification = self._verify(logits, sampling, bitmask)
         sampled, logprobs = None, {}
         if sampling:
             result = self.sampler(logits, sampling, [self._generator(r) for r in sampling],
@@ -322,10 +323,12 @@ class ModelRunner:
                                                                self.device))
 
     def _verify(
-        self, logits: torch.Tensor, sampling: list[ScheduledRequest]
+        self, logits: torch.Tensor, sampling: list[ScheduledRequest],
+        bitmask: GrammarBitmask | None,
     ) -> tuple[torch.Tensor, list[ScheduledRequest], Verification]:
         """Verify the drafts of the sampling requests that have some (their rows of
-        `logits`, 1 + num_draft_tokens each); the logits and requests left to sample."""
+        `logits`, 1 + num_draft_tokens each, masked by `bitmask` where constrained); the
+        logits and requests left to sample."""
         plain_rows: list[int] = []
         draft_rows: list[int] = []
         row = 0
@@ -335,7 +338,7 @@ class ModelRunner:
             row += num_rows
         drafted = [r for r in sampling if r.num_draft_tokens]
         verification = self.sampler.verify(
-            logits[draft_rows], drafted, [self._generator(r) for r in drafted]
+            logits[draft_rows], drafted, [self._generator(r) for r in drafted], bitmask
         )
         plain = [r for r in sampling if not r.num_draft_tokens]
         return logits[plain_rows], plain, verification

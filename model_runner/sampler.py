@@ -34,7 +34,7 @@ from model_runner.sampling_batch import (
     StepRows,
     device_index,
 )
-from model_runner.spec_decode import Verification, rejection_sample
+from model_runner.spec_decode import Verification, rejection_sample, verified_rows
 from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -297,18 +297,22 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[ScheduledRequest],
         generators: Sequence[torch.Generator | None],
+        bitmask: GrammarBitmask | None = None,
     ) -> Verification:
         """Verify the drafts of `requests` (model_runner/spec_decode.py): logits [R, vocab]
         float32 (modified in place), 1 + num_draft_tokens consecutive rows per request.
-        Their requests have no grammar, penalties or min_tokens left to hold (the scheduler
-        gives such requests no drafts): their rows differ from a plain step's only in the
-        tokens before them."""
+        A grammar's rows are masked each with its own state (`bitmask`, a mask per
+        position). Their requests have no penalties or min_tokens left to hold (the
+        scheduler gives such requests no drafts): their rows differ from a plain step's
+        only in the tokens before them."""
         rows = [r for r in requests for _ in range(1 + r.num_draft_tokens)]
         row_generators = [g for r, g in zip(requests, generators, strict=True)
                           for _ in range(1 + r.num_draft_tokens)]
-        drafts = device_index([t for r in requests for t in (*r.draft_token_ids, -1)],
-                              logits.device)
+        draft_ids, masked, bitmask_rows = verified_rows(requests, bitmask)
+        drafts = device_index(draft_ids, logits.device)
         step = self.batch.select(rows)
+        if bitmask is not None:
+            mask_rows(logits, masked, bitmask_rows, bitmask.bitmask)
         if step.any(TOKEN_MASK):
             self._apply_token_masks(logits, rows)
         if not step.all(GREEDY):
@@ -441,15 +445,23 @@ def apply_bitmask(
 ) -> None:
     """-inf for the tokens a row's grammar forbids (only the rows `bitmask` names)."""
     rows = [i for i, r in enumerate(requests) if r.request_id in bitmask.rows]
+    mask_rows(logits, rows, [bitmask.rows[requests[i].request_id] for i in rows],
+              bitmask.bitmask)
+
+
+def mask_rows(
+    logits: torch.Tensor, rows: Sequence[int], bitmask_rows: Sequence[int], bitmask: np.ndarray
+) -> None:
+    """-inf in each of `rows` of `logits` for the tokens its row of `bitmask` (the same
+    place in `bitmask_rows`) forbids."""
     if not rows:
         return
-    order = [bitmask.rows[requests[i].request_id] for i in rows]
     vocab = logits.shape[1]
     # NOTE: unpacked on the host in one numpy pass (bit t of a row is token t)
-    words = np.ascontiguousarray(bitmask.bitmask[order])  # [n, vocab / 32] int32
+    words = np.ascontiguousarray(bitmask[list(bitmask_rows)])  # [n, vocab / 32] int32
     allowed = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
     forbidden = torch.from_numpy(allowed).to(logits.device, non_blocking=True) == 0
-    if len(rows) == len(requests):  # every row constrained: in place, no gather
+    if len(rows) == logits.shape[0]:  # every row masked (in order): in place, no gather
         logits.masked_fill_(forbidden, float("-inf"))
         return
     index = device_index(rows, logits.device)

@@ -9,6 +9,12 @@ sampling with the proposer's one-hot distribution), and on a rejection draws fro
 the draft removed, so that every output token follows p exactly. The tokens are the
 accepted prefix of the drafts, then the row after it gives one more: the correction at
 the first rejection, or a bonus token when every draft was accepted.
+
+A request with a grammar has a mask per row (`verified_rows`): row i's is the grammar's
+state after the first i drafts, applied before everything else, so p is the masked
+distribution at every position. A draft after which the grammar's mask is missing (it
+was late) is not accepted: its own row then gives a token drawn from p whole, as a bonus
+row does.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.output import SampleLogprobs, ScheduledRequest
+from scheduler.output import GrammarBitmask, SampleLogprobs, ScheduledRequest
 
 # A categorical draw per row from unnormalised weights [R, vocab] -> [R] int64.
 DrawFn = Callable[[torch.Tensor], torch.Tensor]
@@ -38,6 +44,27 @@ def rejection_sample(
     # weights); a bonus row keeps p whole
     probs.scatter_(1, index, torch.where(has_draft, 0.0, p_draft)[:, None])
     return accepted, draw(probs)
+
+
+def verified_rows(
+    requests: Sequence[ScheduledRequest], bitmask: GrammarBitmask | None
+) -> tuple[list[int], list[int], list[int]]:
+    """Per verified row (1 + num_draft_tokens per request, in order), the draft it decides
+    (-1: none, on the last row of a request and past its grammar's masks); and the rows
+    masked by a grammar, with their rows of `bitmask` (each request's consecutive ones)."""
+    drafts: list[int] = []
+    masked: list[int] = []
+    bitmask_rows: list[int] = []
+    for request in requests:
+        draft_ids = request.draft_token_ids
+        first = None if bitmask is None else bitmask.rows.get(request.request_id)
+        if bitmask is not None and first is not None:
+            num_masked = min(len(draft_ids), bitmask.num_draft_rows.get(request.request_id, 0))
+            masked += range(len(drafts), len(drafts) + num_masked + 1)
+            bitmask_rows += range(first, first + num_masked + 1)
+            draft_ids = draft_ids[:num_masked] + [-1] * (len(draft_ids) - num_masked)
+        drafts += [*draft_ids, -1]
+    return drafts, masked, bitmask_rows
 
 
 @dataclass

@@ -101,11 +101,16 @@ class GrammarBitmask:
     `bitmask`, an int32 array [n >= len(rows), ceil(vocab / 32)] (numpy) in which bit t of
     a row allows token t (rows that `rows` does not name are unused). `failed` names the
     constrained rows that have no mask (it was late, or the grammar failed), with why:
-    the engine core fails their requests after the step, whatever they sample."""
+    the engine core fails their requests after the step, whatever they sample.
+
+    A request that verifies drafts has the masks after its first i drafts in the rows
+    after its own, for i = 1 .. `num_draft_rows[id]` (absent: 0; fewer than its drafts
+    when the later ones were late or rejected: those drafts are not accepted)."""
 
     rows: dict[str, int]
     bitmask: Any
     failed: dict[str, str] = field(default_factory=dict)
+    num_draft_rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

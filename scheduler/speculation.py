@@ -16,9 +16,14 @@ decodes, in `running` order (priority order under priority), within three bounds
   - blocks: the drafts' slots are allocated if the pool has them (never by preempting).
 
 Who speculates (`limit`, once per request): the server's num_speculative_tokens, capped
-by the request's own (0: never). Requests with penalties or a grammar never speculate
-(their sampling depends on the tokens before each position, which drafts are not yet),
-nor do requests still short of min_tokens (whose stop tokens are masked per position).
+by the request's own (0: never). Requests with penalties never speculate (their
+penalties count the tokens before each position on the device, which drafts are not
+yet), nor do requests still short of min_tokens (whose stop tokens are masked per
+position). A request with a grammar speculates through `check_drafts` (the engine's
+structured outputs): its drafts are cut before the first token its grammar rejects (or
+one that ends it), before any slot is allocated for them, and the runner masks each
+verified position with the grammar's state after the drafts before it
+(structured/matchers.py); without a check it gets no drafts.
 A draft never reaches past max_tokens or the length cap: the request's tokens after a
 verified step are at most what it may still produce.
 
@@ -37,7 +42,7 @@ table only grows), so only blocks full of accepted tokens are keyed in the prefi
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,6 +100,10 @@ class SpecDecodeStats:
     accepted_tokens_by_priority: dict[int, int] = field(default_factory=dict)
 
 
+# (request id, its proposed tokens) -> how many of them its grammar lets it verify
+DraftCheck = Callable[[str, list[int]], int]
+
+
 class _Scheduler(Protocol):
     """What speculation reads of the Scheduler."""
 
@@ -116,6 +125,7 @@ class Speculation:
         self._accepted_per_position = [0] * config.num_speculative_tokens
         self._draft_tokens: Counter[int] = Counter()  # by priority
         self._accepted_tokens: Counter[int] = Counter()
+        self.check_drafts: DraftCheck | None = None  # the grammars' (set by the engine)
 
     def any_speculates(self, plan: SchedulerOutput, requests: dict[str, Request]) -> bool:
         """Whether a request that samples in `plan` speculates: with overlapped steps its
@@ -129,7 +139,7 @@ class Speculation:
 
     def limit(self, params: SamplingParams) -> int:
         """The most draft tokens a request of `params` verifies in a step (0: none)."""
-        if params.has_penalties or params.grammar is not None:
+        if params.has_penalties:
             return 0
         own = params.num_speculative_tokens
         k = self.config.num_speculative_tokens
@@ -168,6 +178,8 @@ class Speculation:
                 or request.num_output_tokens < params.min_tokens):
             return
         drafts = self._propose(request, num_room)
+        if drafts and params.grammar is not None:
+            drafts = self._grammar_cut(request, drafts)
         num_lookahead = 0
         if self.config.model is not None:
             # NOTE: what this step has room for, proposed for the next, whose last draft
@@ -202,6 +214,12 @@ class Speculation:
             request = requests.get(request_id)
             if request is not None:
                 request.proposal, request.proposal_at = token_ids, request.num_tokens
+
+    def _grammar_cut(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts a constrained request verifies: those its grammar accepts."""
+        if self.check_drafts is None:
+            return []
+        return drafts[:self.check_drafts(request.request_id, drafts)]
 
     def apply(
         self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput,

@@ -12,16 +12,30 @@ the masks and named in `GrammarBitmask.failed`, and the core fails its request a
 After the step, `accept` feeds each request's new tokens to its matcher. A matcher lives
 as long as its request: preemption keeps it (the tokens it saw are kept, recompute
 samples nothing again), `free` drops it on finish or abort.
+
+Speculative decoding: the scheduler asks `num_valid_drafts` how many of a request's
+proposed tokens to keep (those the grammar accepts in order, short of one that ends it,
+so that only a step's last token can end the grammar, as in a plain step). A row that
+verifies d drafts gets d + 1 masks, consecutive in the bitmask: mask i is the grammar's
+state after the first i drafts (a copy of the matcher advanced through them, so that the
+matcher itself is never touched by a mask thread once the first mask is done); its
+accepted tokens reach the matcher through `accept` like any others. Late masks: the
+request fails only when its first mask is late or failed (as without drafts); draft
+masks done by the deadline are used (`GrammarBitmask.num_draft_rows`), and the drafts
+past them are not accepted that step (the last masked position gives the request's
+token): the matcher, no longer read by the late thread, goes on as usual.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import enum
+import itertools
 import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 from llguidance import LLMatcher
@@ -114,19 +128,38 @@ class StructuredOutputs:
         self._num_consumed.pop(request_id, None)
         self._compiling.pop(request_id, None)
 
+    def num_valid_drafts(self, request_id: str, draft_token_ids: list[int]) -> int:
+        """How many of `draft_token_ids` (proposed after the request's tokens so far) to
+        verify: the longest prefix its grammar accepts in which no token ends the grammar
+        (the grammar must end on a step's last token, as without drafts). The matcher is
+        left as it was."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return 0
+        valid = draft_token_ids[:matcher.validate_tokens(draft_token_ids)]
+        num_kept = len(valid)
+        for i, token_id in enumerate(valid):  # NOTE: valid tokens only: no error state
+            matcher.consume_token(token_id)
+            if matcher.is_stopped():
+                num_kept = i
+                break
+        matcher.rollback(min(num_kept + 1, len(valid)))
+        return num_kept
+
     def bitmask(self, plan: SchedulerOutput) -> concurrent.futures.Future[GrammarBitmask] | None:
         """The masks of the plan's constrained sampling rows, being filled (None when no
-        row is constrained)."""
-        rows = [
-            (scheduled.request_id, self._matchers[scheduled.request_id])
+        row is constrained): one per row, and one more per draft it verifies."""
+        tasks = [
+            MaskTask(scheduled.request_id, self._matchers[scheduled.request_id],
+                     scheduled.draft_token_ids)
             for scheduled in plan.scheduled
             if scheduled.sample and scheduled.request_id in self._matchers
         ]
-        if not rows:
+        if not tasks:
             return None
         deadline = None if self.step_timeout_s is None else time.monotonic() + self.step_timeout_s
-        masks = StepMasks(rows, (self.compiler.vocab_size + 31) // 32)
-        for _ in range(min(NUM_MASK_THREADS, len(rows))):
+        masks = StepMasks(tasks, (self.compiler.vocab_size + 31) // 32)
+        for _ in range(min(NUM_MASK_THREADS, len(tasks))):
             self._mask_pool.submit(masks.fill)
         return self._collector.submit(self._collect, masks, deadline)
 
@@ -161,42 +194,80 @@ def grammar_failed(error: str) -> str:
     return f"its grammar failed: {error}"
 
 
+@dataclass(frozen=True)
+class MaskTask:
+    """A constrained row's masks for one step: its first mask from `matcher`, then one
+    per draft in `draft_token_ids` (empty: none)."""
+
+    request_id: str
+    matcher: LLMatcher
+    draft_token_ids: list[int]
+
+
 class StepMasks:
     """The masks of one step's constrained rows, filled by the mask threads: each takes
-    the next row not yet taken (`fill`), so that a slow row holds up only its thread."""
+    the next task not yet taken (`fill`), so that a slow one holds up only its thread.
+    A task's masks are consecutive rows of `bitmask`, from `first_rows[index]`."""
 
-    def __init__(self, rows: list[tuple[str, LLMatcher]], words: int) -> None:
-        self.request_ids = [request_id for request_id, _ in rows]
-        self.bitmask = np.full((len(rows), words), -1, dtype=np.int32)
-        self._todo = deque(enumerate(matcher for _, matcher in rows))
-        self._errors: dict[int, str] = {}
-        self._done: set[int] = set()
+    def __init__(self, tasks: list[MaskTask], words: int) -> None:
+        self.tasks = tasks
+        self.first_rows = list(itertools.accumulate(
+            (1 + len(task.draft_token_ids) for task in tasks), initial=0))
+        self.bitmask = np.full((self.first_rows.pop(), words), -1, dtype=np.int32)
+        self._todo = deque(range(len(tasks)))
+        self._errors: dict[int, str] = {}  # task index -> why its first mask failed
+        self._done: set[int] = set()  # tasks whose first mask is done
+        self._num_draft_rows: dict[int, int] = {}  # task index -> draft masks done
+        self._num_finished = 0  # tasks with every mask done
         self._cond = threading.Condition()
-        self._max_pending = 0  # the waiter wakes once no more rows than this are pending
+        self._max_pending = 0  # the waiter wakes once no more tasks than this are pending
 
     def fill(self) -> None:
-        """On a mask thread: compute rows until none is left to take."""
+        """On a mask thread: compute tasks until none is left to take."""
         while True:
             try:
-                index, matcher = self._todo.popleft()
+                index = self._todo.popleft()
             except IndexError:
                 return
-            row = self.bitmask[index]
-            try:
-                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                error = matcher_error(matcher) if matcher.is_error() else None
-            except Exception as exc:  # NOTE: a row is never left undone
-                logger.exception("grammar mask failed")
-                error = str(exc)
+            task, first = self.tasks[index], self.first_rows[index]
+            error = self._compute(task.matcher, first)
+            # NOTE: copied before the first mask counts as done: from then on the engine
+            # may feed the matcher, even while this thread is still on the drafts' masks
+            ahead = task.matcher.deep_copy() if task.draft_token_ids and error is None else None
             with self._cond:
                 if error is not None:
                     self._errors[index] = grammar_failed(error)
                 self._done.add(index)
+            if ahead is not None:
+                self._fill_drafts(index, ahead, task.draft_token_ids, first)
+            with self._cond:
+                self._num_finished += 1
                 if self._num_pending() <= self._max_pending:
                     self._cond.notify_all()
 
+    def _fill_drafts(self, index: int, ahead: LLMatcher, draft_token_ids: list[int],
+                     first: int) -> None:
+        """The mask after each draft, on `ahead` (a copy of the task's matcher), up to one
+        that the grammar rejects or whose mask failed."""
+        for num_drafts, token_id in enumerate(draft_token_ids, 1):
+            if (not ahead.consume_token(token_id)
+                    or self._compute(ahead, first + num_drafts) is not None):
+                return
+            with self._cond:
+                self._num_draft_rows[index] = num_drafts
+
+    def _compute(self, matcher: LLMatcher, row_index: int) -> str | None:
+        """Fill one row of `bitmask` from `matcher`: None, or why it failed."""
+        row = self.bitmask[row_index]
+        try:
+            matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            return matcher_error(matcher) if matcher.is_error() else None
+        except Exception as exc:  # NOTE: a row is never left undone
+            logger.exception("grammar mask failed")
+            return str(exc)
+
     def wait(self, deadline: float | None, max_pending: int = 0) -> None:
-        """Until every row is done (at most `max_pending` rows are not: the tests'
+        """Until every task is done (at most `max_pending` tasks are not: the tests'
         deadline), or `deadline` (monotonic; None: none) has passed."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         with self._cond:
@@ -204,21 +275,26 @@ class StepMasks:
             self._cond.wait_for(lambda: self._num_pending() <= max_pending, timeout)
 
     def _num_pending(self) -> int:
-        return len(self.request_ids) - len(self._done)
+        return len(self.tasks) - self._num_finished
 
     def result(self, late: str) -> GrammarBitmask:
-        """The rows done so far; the others fail (`late` says why for those not done).
-        NOTE: the array is the one the late rows are still written into, at their own
-        rows, which `rows` does not name."""
+        """The rows done so far; those whose first mask is not done fail (`late` says why).
+        NOTE: the array is the one the late masks are still written into, at their own
+        rows, which the result does not name."""
         with self._cond:
             done, errors = set(self._done), dict(self._errors)
+            num_draft_rows = dict(self._num_draft_rows)
         rows: dict[str, int] = {}
+        draft_rows: dict[str, int] = {}
         failed: dict[str, str] = {}
-        for index, request_id in enumerate(self.request_ids):
+        for index, task in enumerate(self.tasks):
+            request_id = task.request_id
             if index not in done:
                 failed[request_id] = late
             elif index in errors:
                 failed[request_id] = errors[index]
             else:
-                rows[request_id] = index
-        return GrammarBitmask(rows, self.bitmask, failed)
+                rows[request_id] = self.first_rows[index]
+                if index in num_draft_rows:
+                    draft_rows[request_id] = num_draft_rows[index]
+        return GrammarBitmask(rows, self.bitmask, failed, draft_rows)

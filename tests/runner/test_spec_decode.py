@@ -1,13 +1,14 @@
 """Verification of draft tokens in the sampler: greedy accepts exactly the argmax prefix,
 rejection sampling leaves every output token's distribution as it was, logprobs are those
-of the tokens returned."""
+of the tokens returned, a grammar masks every position with its own state."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model_runner.sampler import Sampler
-from scheduler.output import ScheduledRequest
+from scheduler.output import GrammarBitmask, ScheduledRequest
 from scheduler.sampling_params import SamplingParams
 
 DEVICE = torch.device("cpu")
@@ -83,3 +84,49 @@ def test_a_draft_outside_the_top_k_is_never_accepted() -> None:
     requests = [drafted(f"r{i}", [2], params) for i in range(200)]
     tokens, _ = Sampler(DEVICE, frozenset()).verify(logits, requests, [None] * 200).result()
     assert all(out == [1] for out in tokens.values())
+
+
+def bitmask_of(*allowed: list[int], vocab: int = 6) -> np.ndarray:
+    """One int32 bitmask row per list of allowed tokens."""
+    bits = np.zeros((len(allowed), 32 * -(-vocab // 32)), dtype=np.uint8)
+    for row, tokens in enumerate(allowed):
+        bits[row, tokens] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_greedy_verification_masks_each_position_with_its_own_grammar_state() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    # argmax unmasked: 3, 4, 5; masks: row 0 allows {1, 3}, row 1 (after draft 3) {2, 5},
+    # row 2 {0, 5}
+    logits = torch.tensor([[0, 1, 0, 5, 0, 0], [0, 0, 1, 0, 6, 0], [2, 0, 0, 0, 0, 9]],
+                          dtype=torch.float32)
+    masks = GrammarBitmask({"a": 0}, bitmask_of([1, 3], [2, 5], [0, 5]), {}, {"a": 2})
+    tokens, _ = Sampler(DEVICE, frozenset()).verify(
+        logits, [drafted("a", [3, 4], greedy)], [None], masks).result()
+    assert tokens == {"a": [3, 2]}  # 4, the unmasked argmax, is forbidden at row 1
+
+
+def test_a_draft_past_the_grammars_masks_is_not_accepted() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    logits = torch.tensor([[0, 0, 0, 5, 0, 0], [0, 0, 0, 0, 6, 0], [0, 0, 0, 0, 0, 9]],
+                          dtype=torch.float32)
+    late = GrammarBitmask({"a": 0}, bitmask_of([3, 4], [4], [5]), {}, {"a": 1})
+    tokens, _ = Sampler(DEVICE, frozenset()).verify(
+        logits, [drafted("a", [3, 4], greedy)], [None], late).result()
+    assert tokens == {"a": [3, 4]}  # the mask after draft 4 was late: 4 comes as the token
+
+
+def test_rejection_sampling_never_accepts_a_masked_draft_and_corrects_within_the_mask() -> None:
+    n = 400
+    params = SamplingParams(temperature=1.0)
+    rows = torch.tensor([[0.0, 0.5, 3.0, 0.2, 1.0, 0.0], [0.0, 2.0, 0.0, 1.0, 0.0, 1.5]])
+    # row 0 allows {1, 3, 4} (not the draft 2, the likeliest), row 1 {1, 5}
+    masks = bitmask_of([1, 3, 4], [1, 5])
+    requests = [drafted(f"r{i}", [2], params) for i in range(n)]
+    bitmask = GrammarBitmask({f"r{i}": 0 for i in range(n)}, masks, {},
+                             {f"r{i}": 1 for i in range(n)})
+    tokens, _ = Sampler(DEVICE, frozenset(), seed=2).verify(
+        rows.repeat(n, 1), requests, [None] * n, bitmask).result()
+    firsts = [out[0] for out in tokens.values()]
+    assert all(len(out) == 1 for out in tokens.values())  # 2 never accepted
+    assert set(firsts) == {1, 3, 4}  # corrections drawn within the mask, each seen

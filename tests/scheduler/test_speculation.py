@@ -137,6 +137,34 @@ def test_who_speculates(params: dict, num_drafts: int) -> None:
     assert s.num_draft_tokens == num_drafts
 
 
+def test_a_grammar_cuts_the_drafts_before_any_slot_is_allocated_for_them() -> None:
+    # block size 4: the 17-token contexts decode at position 16 (a 5th block); 4 drafts
+    # reach position 20 (a 6th), 2 drafts stop at 18 (the 5th)
+    scheduler = spec_scheduler(block_size=4)
+    checked: list[tuple[str, list[int]]] = []
+
+    def check(request_id: str, drafts: list[int]) -> int:
+        checked.append((request_id, list(drafts)))
+        return {"cut": 2, "rejected": 0}[request_id]
+
+    assert scheduler.speculation is not None
+    scheduler.speculation.check_drafts = check
+    grammar = "start: /[0-9]+/"  # never read here: the check stands for it
+    requests = [copying("cut", grammar=grammar), copying("rejected", grammar=grammar),
+                copying("free")]
+    to_decode(scheduler, *requests)
+    checked.clear()
+    out = scheduler.schedule()
+    drafts = {s.request_id: s.draft_token_ids for s in out.scheduled}
+    assert drafts == {"cut": PATTERN[1:3], "rejected": [], "free": PATTERN[1:5]}
+    assert checked == [("cut", PATTERN[1:5]), ("rejected", PATTERN[1:5])]  # the free one: no
+    blocks = {s.request_id: len(s.block_table) for s in out.scheduled}
+    assert blocks == {"cut": 5, "rejected": 5, "free": 6}
+    scheduler.update(out, verified(out))
+    assert requests[0].output_token_ids == PATTERN[:4]  # both drafts and one token
+    scheduler.check_integrity()
+
+
 def test_drafts_go_in_priority_order_within_the_verify_budget() -> None:
     # 3 decodes + at most 6 drafts: the urgent one gets 4, the next 2, the last none
     scheduler = spec_scheduler(policy="priority", max_num_verify_tokens=9)
