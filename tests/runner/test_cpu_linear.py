@@ -334,10 +334,25 @@ def test_int8_batches_above_the_matvecs_rows_keep_fbgemm() -> None:
 
 def test_int8_matvec_refuses_what_it_cannot_read() -> None:
     weight, scales = torch.zeros(4, 16, dtype=torch.int8), torch.ones(4)
+    op = torch.ops.pagedserve.int8_matvec
     with pytest.raises(RuntimeError, match="n <= 4"):
-        torch.ops.pagedserve.int8_matvec(torch.randn(5, 16), torch.ones(5), weight, scales, None)
+        op(torch.randn(5, 16), torch.ones(5), weight, scales, None)
     with pytest.raises(RuntimeError, match="one value per row"):
-        torch.ops.pagedserve.int8_matvec(torch.randn(2, 16), torch.ones(3), weight, scales, None)
+        op(torch.randn(2, 16), torch.ones(3), weight, scales, None)
     with pytest.raises(RuntimeError, match="contiguous int8"):
-        torch.ops.pagedserve.int8_matvec(torch.randn(1, 16), torch.ones(1), weight.float(),
-                                         scales, None)
+        op(torch.randn(1, 16), torch.ones(1), weight.float(), scales, None)
+
+
+@needs_fbgemm
+def test_int8_matvec_is_exact_at_the_ends_of_both_grids() -> None:
+    # weights of -128 and 127 against inputs at the top and the bottom of their grid: the
+    # products and their pairwise sums reach the ends of int16, and must stay exact
+    weight = torch.tensor([[-128] * 64, [127] * 64, [-128, 127] * 32], dtype=torch.int8)
+    scales = torch.full((3,), 0.01)
+    quantized = torch._make_per_channel_quantized_tensor(weight, scales.double(),
+                                                         torch.zeros(3, dtype=torch.long), 0)
+    packed = torch.ops.quantized.linear_prepack(quantized, None)
+    for x in (torch.ones(1, 64), torch.cat([torch.ones(1, 32), -torch.ones(1, 32)], 1),
+              torch.linspace(-0.3, 1, 64)[None]):
+        got = torch.ops.pagedserve.int8_matvec(x, torch.ones(1), weight, scales, None)
+        assert torch.equal(got, torch.ops.quantized.linear_dynamic(x, packed, True))
