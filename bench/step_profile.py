@@ -1,7 +1,7 @@
 """Where one batch-1 decode step of the default model goes, component by component.
 
 `python -m bench.step_profile [--weight-dtype auto|float16|int8] [--kv-cache-dtype
-auto|float16] [--steps 48] [--threads N] [--paired-matvec]`
+auto|float16] [--steps 48] [--threads N] [--paired-matvec | --bandwidth]`
 
 One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
 (`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
@@ -15,9 +15,14 @@ detokenizing (metrics, the SSE chunk, HTTP) is not in the table: the server's TP
 (bench.compare, W0) less this total.
 
 `--paired-matvec` measures the C++ matvec of small batches (cpu_linear.MATVEC_MAX_ROWS)
-against the GEMM it replaces in the same process instead: steps alternate between the
-two, and the table gives each one's median step and the median ratio of neighbouring
-steps, which a machine shared with others disturbs least.
+against the GEMM it replaces (oneDNN, or fbgemm for float16 and int8 weights) in the same
+process instead: steps alternate between the two, and the table gives each one's median
+step and the median ratio of neighbouring steps, which a machine shared with others
+disturbs least.
+
+`--bandwidth` measures, with no model, what one row reads per second: a plain read (torch's
+sum over 128 MB of float32) against each dtype's matvec and GEMM at one row, on weights of
+the default model's MLP shape, 128 MB of them in turn, so that none stays in the caches.
 """
 
 from __future__ import annotations
@@ -149,6 +154,46 @@ def paired_matvec(core: EngineCore, num_pairs: int) -> None:
           f"{statistics.median(off) * 1000:.2f} | {ratio:.2f} |")
 
 
+BANDWIDTH_BYTES = 128 << 20  # of weights per dtype, four times the L3 cache here
+MLP_SHAPE = (3072, 576)  # the default model's fused gate and up projection, [out, in]
+
+
+def bandwidth(repeats: int = 7) -> None:
+    """GB/s of a plain read and of one row's projections (see the module's docstring)."""
+    from model_runner.kernels import cpu_linear
+
+    def gb_per_s(fn: Callable[[], Any], num_bytes: int) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return num_bytes / statistics.median(times) / 1e9
+
+    plain = torch.ones(BANDWIDTH_BYTES // 4)
+    print(f"{torch.get_num_threads()} threads, one row, median of {repeats}\n")
+    print("| read | GB/s |\n|---|---|")
+    print(f"| plain read (torch.sum, float32) | {gb_per_s(plain.sum, BANDWIDTH_BYTES):.1f} |")
+    del plain
+    x = torch.randn(1, MLP_SHAPE[1])
+    default = cpu_linear.MATVEC_MAX_ROWS
+    for weight_dtype, element_size in (("auto", 4), ("float16", 2), ("int8", 1)):
+        count = BANDWIDTH_BYTES // (element_size * MLP_SHAPE[0] * MLP_SHAPE[1])
+        weights = [cpu_linear.pack_linear(torch.randn(MLP_SHAPE) * 0.05, None, weight_dtype)
+                   for _ in range(count)]
+        num_bytes = count * element_size * MLP_SHAPE[0] * MLP_SHAPE[1]
+
+        def run_all(weights: list[Any] = weights) -> None:
+            for packed in weights:
+                packed(x)
+
+        for label, max_rows in (("matvec", default), ("GEMM", 0)):
+            cpu_linear.MATVEC_MAX_ROWS = max_rows
+            print(f"| {weight_dtype} {label} | {gb_per_s(run_all, num_bytes):.1f} |")
+    cpu_linear.MATVEC_MAX_ROWS = default
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weight-dtype", default="auto")
@@ -157,9 +202,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--paired-matvec", action="store_true",
                         help="only the matvec against the GEMM, steps alternating")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="only the GB/s of a plain read and of one row's projections")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.bandwidth:
+        bandwidth()
+        return
     core, runner, tokenizer = build_core(args)
     prompt = list(range(1000, 1000 + PROMPT_LEN))
     params = SamplingParams(temperature=0.0, max_tokens=2 * (args.steps + WARMUP_STEPS) + 4,

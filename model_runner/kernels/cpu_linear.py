@@ -16,8 +16,9 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
   (measured in docs/benchmarks.md).
 
-Up to MATVEC_MAX_ROWS rows (a small decode batch) the float32 and float16 projections run
-on a row-major copy of their weight instead, through the C++ matvec (csrc/cpu_matvec.cpp).
+Up to MATVEC_MAX_ROWS rows (a small decode batch) the projections run on a row-major copy
+of their weight instead, through the C++ matvec: float32 and float16 in csrc/cpu_matvec.cpp,
+int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: s
 # kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
 # price is a second copy of each weight (none for a tied LM head: the embedding table).
 # Both copies are exact float32 (or the same float16 values); only the order of the sums
-# differs, as between any two GEMM kernels.
+# differs, as between any two GEMM kernels. The int8 matvec repeats fbgemm's arithmetic, up
+# to INT8_MATVEC_MAX_ROWS rows (csrc/cpu_matvec_int8.cpp).
 MATVEC_MAX_ROWS = 8
+INT8_MATVEC_MAX_ROWS = 4
 
 
 def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -144,6 +147,9 @@ class Int8Linear:
             quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.bias = None if bias is None else bias.detach()
+        # the int8 matvec's copy: fbgemm's int8 values and float32 scales, row-major
+        self.rows_weight = quantized.int_repr() if cpu_kernels_available() else None
+        self.weight_scales = quantized.q_per_channel_scales().float()
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
@@ -152,6 +158,12 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x, row_amax = self.rotate_and_scale(x)
+        # NOTE: MATVEC_MAX_ROWS bounds it too: 0 turns every matvec off (bench.step_profile)
+        max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
+        if x.shape[0] <= max_rows and self.rows_weight is not None:
+            return torch.ops.pagedserve.int8_matvec(
+                x, row_amax, self.rows_weight, self.weight_scales, self.bias
+            )
         # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         y.mul_(row_amax)

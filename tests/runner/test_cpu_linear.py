@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from model_runner.config import ModelConfig
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
 from model_runner.kernels.cpu_linear import (
+    INT8_MATVEC_MAX_ROWS,
     MATVEC_MAX_ROWS,
     Int8Linear,
     can_pack,
@@ -275,3 +276,97 @@ def test_small_batches_take_the_matvec_and_agree_with_the_gemm(weight_dtype: str
 def test_widths_the_matvec_cannot_read_keep_the_gemm() -> None:
     assert matvec_weight(torch.randn(8, 12), torch.float32) is None
     assert matvec_weight(torch.randn(8, 16), torch.float16).dtype == torch.float16
+
+
+# --- the small-batch int8 matvec (csrc/cpu_matvec_int8.cpp) -------------------------------
+
+
+def _fbgemm(packed: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What Int8Linear computes on fbgemm's GEMM, at any row count."""
+    scaled, row_amax = packed.rotate_and_scale(x)
+    y = torch.ops.quantized.linear_dynamic(scaled, packed.packed, True) * row_amax
+    return y if packed.bias is None else y + packed.bias
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(
+    ("in_features", "out_features"),
+    # blocks of 64 (the default model's widths), of 8 with a tail of eight after sixteens,
+    # and an odd width: the torch rotation and a tail of five
+    [(576, 960), (1536, 576), (40, 33), (37, 50)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_int8_matvec_gives_fbgemms_numbers(in_features: int, out_features: int,
+                                           bias: bool) -> None:
+    torch.manual_seed(in_features)
+    weight = torch.randn(out_features, in_features) * 0.05
+    packed = pack_linear(weight, torch.randn(out_features) if bias else None, "int8")
+    assert packed.rows_weight is not None
+    x = _outlier_inputs(INT8_MATVEC_MAX_ROWS, in_features, seed=out_features)
+    for rows in range(1, INT8_MATVEC_MAX_ROWS + 1):
+        # the same activation grid, roundings and sums: equal to the bit, not just close
+        assert torch.equal(packed(x[:rows]), _fbgemm(packed, x[:rows])), rows
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(
+    "case", ["zeros", "tiny", "positive", "negative", "one row of zeros", "strided"]
+)
+def test_int8_matvec_grids_match_fbgemms_at_the_edges(case: str) -> None:
+    # the op itself, on inputs whose grid takes torch's special cases: no range at all
+    # (scale 0.1), a range below its smallest scale, a range on one side of zero
+    torch.manual_seed(1)
+    packed = pack_linear(torch.randn(48, 64) * 0.05, torch.randn(48), "int8")
+    x = {
+        "zeros": torch.zeros(2, 64),
+        "tiny": torch.randn(3, 64) * 1e-6,
+        "positive": torch.rand(4, 64) + 0.5,
+        "negative": -torch.rand(1, 64),
+        "one row of zeros": torch.cat([torch.zeros(1, 64), torch.randn(2, 64)]),
+        "strided": torch.randn(3, 128)[:, 32:96],
+    }[case]
+    row_scales = torch.rand(x.shape[0], 1) + 0.5
+    got = torch.ops.pagedserve.int8_matvec(
+        x, row_scales, packed.rows_weight, packed.weight_scales, packed.bias
+    )
+    expected = torch.ops.quantized.linear_dynamic(x, packed.packed, True) * row_scales
+    assert torch.equal(got, expected + packed.bias)
+
+
+@needs_fbgemm
+@torch.inference_mode()
+def test_int8_batches_above_the_matvecs_rows_keep_fbgemm() -> None:
+    torch.manual_seed(2)
+    packed = pack_linear(torch.randn(96, 64) * 0.05, None, "int8")
+    x = torch.randn(INT8_MATVEC_MAX_ROWS + 1, 64)
+    expected = _fbgemm(packed, x)
+    packed.rows_weight = torch.zeros_like(packed.rows_weight)  # the matvec now gives zeros
+    assert not packed(x[:INT8_MATVEC_MAX_ROWS]).any()
+    assert torch.equal(packed(x), expected)
+
+
+def test_int8_matvec_refuses_what_it_cannot_read() -> None:
+    weight, scales = torch.zeros(4, 16, dtype=torch.int8), torch.ones(4)
+    op = torch.ops.pagedserve.int8_matvec
+    with pytest.raises(RuntimeError, match="n <= 4"):
+        op(torch.randn(5, 16), torch.ones(5), weight, scales, None)
+    with pytest.raises(RuntimeError, match="one value per row"):
+        op(torch.randn(2, 16), torch.ones(3), weight, scales, None)
+    with pytest.raises(RuntimeError, match="contiguous int8"):
+        op(torch.randn(1, 16), torch.ones(1), weight.float(), scales, None)
+
+
+@needs_fbgemm
+def test_int8_matvec_is_exact_at_the_ends_of_both_grids() -> None:
+    # weights of -128 and 127 against inputs at the top and the bottom of their grid: the
+    # products and their pairwise sums reach the ends of int16, and must stay exact
+    weight = torch.tensor([[-128] * 64, [127] * 64, [-128, 127] * 32], dtype=torch.int8)
+    scales = torch.full((3,), 0.01)
+    quantized = torch._make_per_channel_quantized_tensor(weight, scales.double(),
+                                                         torch.zeros(3, dtype=torch.long), 0)
+    packed = torch.ops.quantized.linear_prepack(quantized, None)
+    for x in (torch.ones(1, 64), torch.cat([torch.ones(1, 32), -torch.ones(1, 32)], 1),
+              torch.linspace(-0.3, 1, 64)[None]):
+        got = torch.ops.pagedserve.int8_matvec(x, torch.ones(1), weight, scales, None)
+        assert torch.equal(got, torch.ops.quantized.linear_dynamic(x, packed, True))
