@@ -45,3 +45,11 @@ def test_every_shipped_module_has_its_job_in_the_structure_doc() -> None:
     assert not modules - listed, sorted(modules - listed)
     stale = {m for m in listed if m.endswith(".py") and not (ROOT / m).exists()}
     assert not stale, sorted(stale)
+
+
+def test_the_modules_run_first_exist() -> None:
+    """tests/conftest.py's LONGEST_MODULES (started first by `make test`) name real files."""
+    from tests.conftest import LONGEST_MODULES
+
+    missing = [m for m in LONGEST_MODULES if not (ROOT / m).is_file()]
+    assert not missing, missing

@@ -5,10 +5,12 @@ request at a time and batched, through chunked prefill (16 tokens a step), a pre
 hit and a preemption (a pool of 20 blocks of 4). The server names its tokens by their texts
 in logprobs; the prompts are picked so that each greedy token's text is its own.
 
-To add a family: a config factory in `FAMILIES` (tests/support/model_helpers.py's
-FAMILY_CONFIGS, or one of its own). One server per family, a few requests each. Gemma's
-and gpt-oss's local layers have a window of 8 tokens that these contexts cross (their
-global layers keep every block, so the pool still fills and preempts).
+To add a family: a config factory in `FAMILIES` or `EXPERT_FAMILIES`
+(tests/support/model_helpers.py's FAMILY_CONFIGS, or one of its own). One server per
+family, a few requests each; the mixtures of experts run in test_model_families_moe.py, on
+these tests, so that `make test`'s two workers share the families. Gemma's and gpt-oss's
+local layers have a window of 8 tokens that these contexts cross (their global layers keep
+every block, so the pool still fills and preempts).
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from tests.support.model_helpers import (
 
 pytestmark = pytest.mark.e2e
 
-# family -> its tiny config
+# family -> its tiny config: the dense ones here, the mixtures of experts in
+# test_model_families_moe.py
 FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
     **FAMILY_CONFIGS,
-    **MOE_CONFIGS,
     "gemma2": WINDOWED_CONFIGS["gemma2"],
     "gemma3": WINDOWED_CONFIGS["gemma3"],
+}
+EXPERT_FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
+    **MOE_CONFIGS,
     "gpt_oss": WINDOWED_CONFIGS["gpt_oss"],  # sinks, YaRN, experts with biases
 }
 # Gemma inits its (1 + w) norms at w = 0: moved off it so that the 1 + shows
@@ -84,13 +89,18 @@ class Family:
         return metric(self.server, name)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory) -> Iterator[Family]:
-    folder: Path = tmp_path_factory.mktemp(request.param)
-    hf = make_model_folder(folder, FAMILIES[request.param](), NORM_NOISE.get(request.param, 0.0))
+def serve_family(name: str, config: PretrainedConfig, tmp_path_factory) -> Iterator[Family]:
+    """A tiny checkpoint of `config` served until the generator is closed."""
+    folder: Path = tmp_path_factory.mktemp(name)
+    hf = make_model_folder(folder, config, NORM_NOISE.get(name, 0.0))
     server = ServerProcess("--model", str(folder), *FLAGS)
     yield Family(hf, server)
     server.stop()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> Iterator[Family]:
+    yield from serve_family(request.param, FAMILIES[request.param](), tmp_path_factory)
 
 
 def test_one_at_a_time_and_chunked(family: Family):

@@ -15,6 +15,7 @@ from server.config import ServerConfig
 from server.limits import RequestLimits
 from tests.support.engine_helpers import core_of
 from tests.support.metrics import metric_in
+from tests.support.waits import wait_for
 
 SCRIPT = "Hello, wörld! Bye."
 SPEC_METRICS = {
@@ -410,17 +411,18 @@ def test_max_waiting_is_503_with_retry_after(serve) -> None:
 
     threads = [threading.Thread(target=send) for _ in range(2)]
     threads[0].start()
-    assert entered.wait(5)  # the first request runs (blocked in its step)
+    # NOTE: waits without a tight bound: a third request sent before the second one waits
+    # is queued, and every step then blocks for 10 s (minutes on a loaded machine)
+    wait_for(entered.is_set, "the first request runs (blocked in its step)", 60)
     threads[1].start()
-    for _ in range(500):  # the second one waits
-        if engine.num_waiting >= 1:
-            break
-        threading.Event().wait(0.01)
-    response = client.post("/v1/completions", json={"prompt": "hi"})
+    wait_for(lambda: engine.num_waiting >= 1, "the second request waits", 60)
+    try:
+        response = client.post("/v1/completions", json={"prompt": "hi"})
+    finally:
+        core_of(engine).fault_hook = None
+        release.set()
     assert_error(response, 503, "overloaded")
     assert response.headers["retry-after"] == "1"
-    core_of(engine).fault_hook = None
-    release.set()
     for thread in threads:
         thread.join(10)
     assert [r.status_code for r in results] == [200, 200]

@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.config import ServerConfig
 from tests.support.engine_helpers import core_of
 from tests.support.metrics import metric_in
+from tests.support.waits import wait_for
 
 SEATS = 2
 BODY = {"prompt": "hi", "max_tokens": 8}
@@ -46,13 +45,6 @@ def picker_scrape(text: str) -> PickerView:
         block_size=int(info.labels["block_size"]),
         num_gpu_blocks=int(info.labels["num_gpu_blocks"]),
     )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""Waiting for an idle engine, over HTTP or in process: until nothing runs or waits, then the
-KV pool is whole (no block held) and the scheduler's integrity check passes."""
+"""Waiting for a condition, or for an idle engine over HTTP or in process: until nothing runs
+or waits, then the KV pool is whole (no block held) and the scheduler's integrity check
+passes."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,6 +18,14 @@ def assert_whole(state: dict) -> dict:
     assert kv["num_free_blocks"] == kv["num_blocks"] and kv["usage"] == 0, kv
     assert state["integrity"] == "ok", state["integrity"]
     return state
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    """Polls `condition` until true; fails saying `what` never happened after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
 
 
 def wait_idle(url: str, headers: dict | None = None, timeout_s: float = 10.0) -> dict:
