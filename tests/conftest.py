@@ -47,6 +47,8 @@ LONGEST_MODULES = (
     "tests/e2e/test_tensor_parallel_server.py",
     "tests/e2e/test_data_parallel_server.py",
     "tests/runner/test_gemma.py",
+    "tests/engine/test_draft_model_engine.py",
+    "tests/e2e/test_speculative_decoding.py",
     "tests/e2e/test_router_replicas.py",
     "tests/e2e/test_reliability_server.py",
     "tests/e2e/test_structured_outputs.py",
