@@ -5,20 +5,17 @@ with prefix hits, n > 1 and aborts; the pool whole afterwards."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.core import EngineCore
 from engine.messages import AddRequests, FinishRequests, NewRequest
 from engine.metrics import ServerMetrics
 from kvcache.config import CacheConfig
-from model_runner.config import ModelConfig
-from model_runner.loader import load_model
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.speculation import SpecDecodeStats
 from tests.support.metrics import metric_in
-from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
+from tests.support.model_helpers import TinyModel, make_repeating_model
 
 LIVE_IDS = 64
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
@@ -26,15 +23,7 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_l
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> TinyModel:
-    folder = tmp_path_factory.mktemp("llama")
-    hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
-    # NOTE: only the first LIVE_IDS ids keep their output rows (the rest score 0), so the
-    # random model's greedy text repeats itself and n-gram drafts get accepted, as with a
-    # small vocabulary
-    with torch.no_grad():
-        hf_model.get_output_embeddings().weight[LIVE_IDS:] = 0
-    hf_model.save_pretrained(folder)
-    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+    return make_repeating_model(tmp_path_factory.mktemp("llama"), LIVE_IDS)
 
 
 def build(tiny: TinyModel, speculative: SpeculativeConfig | None, num_blocks: int,

@@ -9,13 +9,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from engine.core import EngineCore
 from engine.messages import AddRequests, FinishRequests, NewRequest
 from kvcache.config import CacheConfig
-from model_runner.config import ModelConfig
-from model_runner.loader import load_model
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
@@ -25,7 +22,7 @@ from structured.compiler import GrammarCompiler, build_ll_tokenizer
 from structured.grammars import choice_grammar, json_schema_grammar, regex_grammar
 from structured.matchers import MaskTask, StepMasks, StructuredOutputs
 from tests.conftest import BYTE_EOS
-from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
+from tests.support.model_helpers import TinyModel, make_repeating_model
 from tests.support.structured_helpers import VOCAB_SIZE, allowed_tokens, make_structured
 
 # ------------------------------------------------------------------ the matchers
@@ -129,14 +126,7 @@ GRAMMARS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> TinyModel:
-    folder = tmp_path_factory.mktemp("llama")
-    hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
-    # NOTE: only the first LIVE_IDS ids keep their output rows (the rest score 0), so the
-    # random model's greedy text repeats itself and n-gram drafts get accepted
-    with torch.no_grad():
-        hf_model.get_output_embeddings().weight[LIVE_IDS:] = 0
-    hf_model.save_pretrained(folder)
-    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
+    return make_repeating_model(tmp_path_factory.mktemp("llama"), LIVE_IDS)
 
 
 def build(tiny: TinyModel, speculative: SpeculativeConfig | None,

@@ -37,7 +37,7 @@ from transformers import (
 
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
-from model_runner.loader import LoadedModel, load_model_spec
+from model_runner.loader import LoadedModel, load_model, load_model_spec
 from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -193,6 +193,17 @@ def make_model_folder(folder: Path, hf_config, norm_noise: float = 0.0) -> torch
     save_tokenizer(folder, hf_config)
     hf_model.generation_config.eos_token_id = None  # generate fixed lengths
     return hf_model
+
+
+def make_repeating_model(folder: Path, live_ids: int) -> TinyModel:
+    """The tiny SmolLM2-shaped model (CONFIGS["smollm2"]) in `folder`, whose output rows
+    past the first `live_ids` ids score 0: its greedy text repeats itself, so n-gram drafts
+    get accepted as with a small vocabulary (the speculation tests)."""
+    hf_model = make_model_folder(folder, CONFIGS["smollm2"]())
+    with torch.no_grad():
+        hf_model.get_output_embeddings().weight[live_ids:] = 0
+    hf_model.save_pretrained(folder)
+    return TinyModel(hf_model, load_model(ModelConfig(model=str(folder), num_kv_blocks=1)))
 
 
 @dataclass
