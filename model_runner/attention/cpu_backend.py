@@ -104,11 +104,11 @@ class _DecodeRows:
             return cls(num_decodes, None, meta.block_tables, meta.context_lens, long_chunks)
         seqs = torch.tensor([*range(num_decodes), *short])
         lens = torch.tensor(query_lens)[seqs]
-        seq_of_row = seqs.repeat_interleave(lens)
+        seq_of_row, row_lens = seqs.repeat_interleave(lens), lens.repeat_interleave(lens)
         first_row = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
         offset = torch.arange(len(seq_of_row)) - first_row  # j: the row's place in its chunk
         # row j of a chunk of q rows with context c sees c - q + j + 1 keys
-        context = meta.context_lens[seq_of_row] - lens.repeat_interleave(lens) + offset + 1
+        context = meta.context_lens[seq_of_row] - row_lens + offset + 1
         index = meta.query_start_loc[seq_of_row].long() + offset
         return cls(len(index), index if long_chunks else None, meta.block_tables[seq_of_row],
                    context.to(torch.int32), long_chunks)
