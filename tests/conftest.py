@@ -24,6 +24,7 @@ from scheduler.output import (
 from scheduler.scheduler import Scheduler
 from server.app import build_app
 from server.config import ServerConfig
+from tests.support.crash_safe_loadscope import pytest_xdist_make_scheduler  # noqa: F401
 from tests.support.live_server import LiveServer
 
 # NOTE: `make test` runs two pytest workers (pytest-xdist) on this 2-core machine: each, and

@@ -1,0 +1,59 @@
+"""`--dist loadscope` that survives a crashed worker (a pytest plugin; tests/conftest.py
+registers it).
+
+NOTE: pytest-xdist 3.8.0's LoadScopeScheduling puts a crashed worker's whole workload back
+on the queue, the modules it had finished included (pytest-xdist issue #1378). Each
+finished module is later sent to a worker as an empty unit, which never reports back, so
+the run stalls at its end until CI kills it: one crashed worker cost a 90-minute timeout
+instead of one failed test. Here a crashed worker's finished modules are dropped and the
+test it crashed on is marked done (xdist has reported it failed already; run again, it
+would take the replacement worker down too), so the rest of its module goes to another
+worker and the run ends with the crash in its summary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xdist.scheduler import LoadScopeScheduling
+
+
+class CrashSafeLoadScopeScheduling(LoadScopeScheduling):
+    def remove_node(self, node: Any) -> str | None:
+        """The node is gone: its unfinished tests, less the one it crashed on, go back on
+        the queue; that one (None after a clean shutdown) is returned for xdist to report."""
+        workload = self.assigned_work.pop(node)
+        pending = [(scope, nodeid) for scope, unit in workload.items()
+                   for nodeid, done in unit.items() if not done]
+        if not pending:
+            return None
+        scope, crashitem = pending[0]
+        workload[scope][crashitem] = True
+        self.workqueue.update(
+            (scope, unit) for scope, unit in workload.items() if not all(unit.values())
+        )
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return crashitem
+
+    def _reschedule(self, node: Any) -> None:
+        """As xdist's, and a node is never left holding a single test (a worker waits for a
+        next one before running it: a replacement worker given a one-test module would
+        wait for ever); once the queue is empty every node is told to finish."""
+        if node.shutting_down:
+            return
+        if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+            self._assign_work_unit(node)
+        while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+            self._assign_work_unit(node)
+        if not self.workqueue:
+            for each in self.nodes:
+                if not each.shutting_down:
+                    each.shutdown()
+
+
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> LoadScopeScheduling | None:
+    """`--dist loadscope` gets the crash-safe scheduler; other modes keep xdist's."""
+    if config.getvalue("dist") == "loadscope":
+        return CrashSafeLoadScopeScheduling(config, log)
+    return None
