@@ -18,7 +18,9 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
 
 Up to MATVEC_MAX_ROWS rows (a small decode batch) the projections run on a row-major copy
 of their weight instead, through the C++ matvec: float32 and float16 in csrc/cpu_matvec.cpp,
-int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit).
+int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit). A float32 weight whose
+values are a GGUF's Q4_1 or Q8_0 blocks (the default model's) is read from those blocks
+instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from model_runner.kernels.block_quant import find_blocks
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
 
@@ -54,7 +57,8 @@ def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: s
 # and drafts) a projection is a stream over its weight, and the C++ matvec on the plain
 # row-major weight reaches more of the memory's bandwidth than the GEMM libraries' blocked
 # kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
-# price is a second copy of each weight (none for a tied LM head: the embedding table).
+# price is a second copy of each weight (none for a tied LM head: the embedding table),
+# a sixth of it (Q4_1) or a quarter (Q8_0) where the weight has exact GGUF blocks.
 # Both copies are exact float32 (or the same float16 values); only the order of the sums
 # differs, as between any two GEMM kernels. The int8 matvec repeats fbgemm's arithmetic, up
 # to INT8_MATVEC_MAX_ROWS rows (csrc/cpu_matvec_int8.cpp).
@@ -91,12 +95,18 @@ class OneDNNLinear:
         # NOTE: the batch size is only a layout hint; any number of rows works.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
         self.bias = None if bias is None else bias.detach()
-        self.rows_weight = matvec_weight(weight, torch.float32)
+        # the small-batch matvec's copy: the weight's exact GGUF blocks where it has them
+        # (block_quant.py), else the row-major float32 weight
+        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
+        self.rows_weight = None if self.blocks else matvec_weight(weight, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= MATVEC_MAX_ROWS and self.rows_weight is not None:
-            return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
+        if rows <= MATVEC_MAX_ROWS:
+            if self.blocks is not None:
+                return self.blocks(x, self.bias)
+            if self.rows_weight is not None:
+                return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
         padded = padded_rows(rows)
         if padded != rows:
             x = F.pad(x, (0, 0, 0, padded - rows))

@@ -1,0 +1,79 @@
+"""A float32 weight's exact block-quantized form, when it has one: the matvec's copy.
+
+A model converted from a GGUF holds, as float32, the values of the GGUF's quantized
+blocks: the default model's projections are Q4_1 (each block of 32 weights of a row is
+d * q + m, q in 0..15, d and m float16 values) and its embedding, the tied LM head, Q8_0
+(d * q, q in -127..127). `find_blocks` recovers d, m and q from the float32 values and
+keeps them only if they give back every weight to the bit; the small-batch float32
+matvec then reads 4.5 or 8.5 bits a weight instead of 32 (csrc/cpu_matvec_blocks.cpp),
+with the float32 matvec's result to the bit. Weights off such a grid (a model saved in
+float32 or bfloat16) get None and keep the float32 matvec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+
+
+class Q41Weight:
+    """Q4_1 blocks: nibbles [out, in / 2] uint8, scales d and mins m [out, in / 32]."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        self.qs, self.d, self.m = qs, d, m
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.pagedserve.q4_1_matvec(x, self.qs, self.d, self.m, bias)
+
+
+class Q80Weight:
+    """Q8_0 blocks: int8 values [out, in], scales d [out, in / 32]."""
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor) -> None:
+        self.qs, self.d = qs, d
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.pagedserve.q8_0_matvec(x, self.qs, self.d, bias)
+
+
+BlockWeight = Q41Weight | Q80Weight
+
+
+@torch.no_grad()
+def find_blocks(weight: torch.Tensor) -> BlockWeight | None:
+    """The exact Q4_1 or Q8_0 form of a float32 [out, in] weight, or None."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    return _q4_1(blocks) or _q8_0(blocks)
+
+
+def _is_float16(values: torch.Tensor) -> bool:
+    return bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values)
+
+
+def _q4_1(blocks: torch.Tensor) -> Q41Weight | None:
+    m = blocks.amin(dim=-1)
+    if not _is_float16(m):
+        return None
+    d = ((blocks.amax(dim=-1) - m) / 15).half().float()
+    if not _is_float16(d):
+        return None
+    q = ((blocks - m[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).round_().clamp_(0, 15)
+    if not torch.equal(q * d[..., None] + m[..., None], blocks):
+        return None
+    q = q.to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return Q41Weight(nibbles.reshape(blocks.shape[0], -1).contiguous(), d.contiguous(),
+                     m.contiguous())
+
+
+def _q8_0(blocks: torch.Tensor) -> Q80Weight | None:
+    d = (blocks.abs().amax(dim=-1) / 127).half().float()
+    if not _is_float16(d):
+        return None
+    q = (blocks / torch.where(d == 0, 1.0, d)[..., None]).round_().clamp_(-127, 127)
+    if not torch.equal(q * d[..., None], blocks):
+        return None
+    return Q80Weight(q.to(torch.int8).reshape(blocks.shape[0], -1).contiguous(), d.contiguous())
