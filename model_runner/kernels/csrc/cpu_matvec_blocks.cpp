@@ -114,7 +114,8 @@ struct Q80 {
   }
 };
 
-// Up to four rows of x dotted with output row o, each block's weights made once for all.
+// Every row of x (up to eight) dotted with output row o, each block's weights made once for
+// all of them (a verification's token and drafts: five rows cost about twice one).
 template <int R, typename Q>
 inline void dot_rows(const Q& q, int64_t o, const float* x, int64_t x_stride, float* out) {
   Vec8 even[R] = {}, odd[R] = {};
@@ -137,14 +138,15 @@ void matvec_rows(const Q& q, const float* x, int64_t x_stride, int64_t num_rows,
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kMaxRows];
     for (int64_t o = begin; o < end; ++o) {
-      for (int64_t r = 0; r < num_rows; r += 4) {
-        const float* xr = x + r * x_stride;
-        switch (std::min<int64_t>(num_rows - r, 4)) {
-          case 1: dot_rows<1>(q, o, xr, x_stride, dots + r); break;
-          case 2: dot_rows<2>(q, o, xr, x_stride, dots + r); break;
-          case 3: dot_rows<3>(q, o, xr, x_stride, dots + r); break;
-          default: dot_rows<4>(q, o, xr, x_stride, dots + r); break;
-        }
+      switch (num_rows) {
+        case 1: dot_rows<1>(q, o, x, x_stride, dots); break;
+        case 2: dot_rows<2>(q, o, x, x_stride, dots); break;
+        case 3: dot_rows<3>(q, o, x, x_stride, dots); break;
+        case 4: dot_rows<4>(q, o, x, x_stride, dots); break;
+        case 5: dot_rows<5>(q, o, x, x_stride, dots); break;
+        case 6: dot_rows<6>(q, o, x, x_stride, dots); break;
+        case 7: dot_rows<7>(q, o, x, x_stride, dots); break;
+        default: dot_rows<8>(q, o, x, x_stride, dots); break;
       }
       const float b = bias == nullptr ? 0.f : bias[o];
       for (int64_t r = 0; r < num_rows; ++r) y[r * out_features + o] = dots[r] + b;
