@@ -30,9 +30,16 @@ lint: install
 # the suite without the wall-clock bounds on two workers (each test module whole on one, so
 # that a module's server starts once; the longest modules first, tests/conftest.py's
 # LONGEST_MODULES, rather than xdist's most tests first), then the wall-clock bounds alone,
-# with one retry of the failed ones; the 30 slowest tests listed, to keep the suite's time in view
+# with one retry of the failed ones; the 30 slowest tests listed, to keep the suite's time in view.
+# If a pytest worker died (tests/support/crash_safe_loadscope.py lists what it was running),
+# the failed tests run once more.
+CRASHED := .pytest_cache/crashed-tests
+PYTEST_SUITE := $(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder -m "not timing"
 test: install lint
-	$(PY) -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=30 -m "not timing" $(PYTEST_ARGS)
+	rm -f $(CRASHED)
+	CRASHED_TESTS_FILE=$(CRASHED) $(PYTEST_SUITE) --durations=30 $(PYTEST_ARGS) || { \
+		test -s $(CRASHED) && echo "a pytest worker died running $$(cat $(CRASHED)):" \
+			"the failed tests once more" && $(PYTEST_SUITE) --lf $(PYTEST_ARGS); }
 	$(PY) -m pytest -q -m timing $(PYTEST_ARGS) || $(PY) -m pytest -q -m timing --lf $(PYTEST_ARGS)
 
 # everything but the end-to-end and GPU tests

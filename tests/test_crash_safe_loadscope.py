@@ -1,9 +1,11 @@
 """`make test`'s scheduling (tests/support/crash_safe_loadscope.py) when a worker dies: the
 run ends, the crash reported as one failed test and every other test run, instead of
-stalling until CI's timeout as xdist 3.8.0's loadscope does."""
+stalling until CI's timeout as xdist 3.8.0's loadscope does; the test it died on is listed
+for make test's one retry."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,8 @@ def test_after(): pass
 """
 
 
-def run_suite(folder: Path, modules: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run_suite(folder: Path, modules: dict[str, str], *flags: str,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     (folder / "conftest.py").write_text(
         "from tests.support.crash_safe_loadscope import pytest_xdist_make_scheduler  # noqa\n"
     )
@@ -25,8 +28,10 @@ def run_suite(folder: Path, modules: dict[str, str]) -> subprocess.CompletedProc
         (folder / f"test_{name}.py").write_text(text)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadscope",
-         "--no-loadscope-reorder", "-p", "no:cacheprovider", "-o", "timeout=0", str(folder)],
+         "--no-loadscope-reorder", "-o", f"cache_dir={folder / '.cache'}", "-o", "timeout=0",
+         *flags, str(folder)],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -46,3 +51,21 @@ def test_a_replacement_worker_given_one_test_modules_finishes(tmp_path) -> None:
     done = run_suite(tmp_path, {"a_crash": "import os\n\ndef test_crash(): os._exit(1)\n",
                                 **{f"one_{i}": "def test_only(): pass\n" for i in range(8)}})
     assert "1 failed, 8 passed" in done.stdout.strip().splitlines()[-1], done.stdout
+
+
+def test_the_test_a_worker_died_on_is_listed_and_passes_when_run_again(tmp_path) -> None:
+    # make test's retry: the first run lists the crashed test in CRASHED_TESTS_FILE, the
+    # second (--lf) runs only the failed ones; this test dies only on its first run
+    crashed = tmp_path / "crashed-tests"
+    once = tmp_path / "crashed-once"
+    modules = {"a_crash": f"import os, pathlib\n\ndef test_crash():\n"
+                          f"    marker = pathlib.Path({str(once)!r})\n"
+                          f"    if not marker.exists():\n"
+                          f"        marker.touch()\n"
+                          f"        os._exit(1)\n",
+               **{f"one_{i}": "def test_only(): pass\n" for i in range(3)}}
+    first = run_suite(tmp_path, modules, env={"CRASHED_TESTS_FILE": str(crashed)})
+    assert "1 failed, 3 passed" in first.stdout.strip().splitlines()[-1], first.stdout
+    assert crashed.read_text().strip().endswith("test_a_crash.py::test_crash")
+    again = run_suite(tmp_path, {}, "--lf")
+    assert again.stdout.strip().splitlines()[-1].startswith("1 passed in"), again.stdout

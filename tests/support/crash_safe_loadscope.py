@@ -9,13 +9,21 @@ instead of one failed test. Here a crashed worker's finished modules are dropped
 test it crashed on is marked done (xdist has reported it failed already; run again, it
 would take the replacement worker down too), so the rest of its module goes to another
 worker and the run ends with the crash in its summary.
+
+With CRASHED_TESTS_FILE set, each test a worker died on is also appended to that file:
+`make test` then runs the failed tests once more (a worker killed from outside, which no
+test can cause or prevent, must not fail CI alone; a test that fails again still does).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from xdist.scheduler import LoadScopeScheduling
+
+CRASHED_TESTS_FILE = "CRASHED_TESTS_FILE"
 
 
 class CrashSafeLoadScopeScheduling(LoadScopeScheduling):
@@ -34,6 +42,10 @@ class CrashSafeLoadScopeScheduling(LoadScopeScheduling):
         )
         for other in self.assigned_work:
             self._reschedule(other)
+        if log := os.environ.get(CRASHED_TESTS_FILE):
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "a") as f:
+                f.write(crashitem + "\n")
         return crashitem
 
     def _reschedule(self, node: Any) -> None:
