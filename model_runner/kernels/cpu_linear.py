@@ -98,7 +98,7 @@ class OneDNNLinear:
         # the small-batch matvec's copy: the weight's exact GGUF blocks where it has them
         # (block_quant.py), else the row-major float32 weight
         self.blocks = find_blocks(weight) if cpu_kernels_available() else None
-        self.rows_weight = None if self.blocks else matvec_weight(weight, torch.float32)
+        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -10,7 +10,8 @@
 // the add; the products then go into the accumulators in cpu_matvec.cpp's order (sixteen
 // weights at a time, the first eight to one accumulator, the next eight to the other), so
 // a row's output equals that matvec's on the float32 weight, bit for bit
-// (tests/runner/test_cpu_linear.py). model_runner/kernels/block_quant.py finds the blocks.
+// (tests/runner/test_block_quant.py holds the two orders together). model_runner/kernels/
+// block_quant.py finds the blocks.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
