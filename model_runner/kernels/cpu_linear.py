@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import find_blocks
+from model_runner.kernels.block_quant import Q41Weight, Q80Weight, find_blocks
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
 
@@ -73,7 +74,24 @@ def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | No
     return weight.detach().to(dtype).contiguous()
 
 
-# y = x @ weight.T + bias for x [N, in], on a packed copy of the weight
+@dataclass(frozen=True)
+class DecodeForm:
+    """A projection's small-batch copy as the C++ decode stack holds it
+    (csrc/cpu_decode_stack.cpp, ProjectionKind): its kind, its tensors in that kind's
+    order, its bias, the most rows it takes, and (int8) its input's rotation block."""
+
+    kind: int
+    tensors: tuple[torch.Tensor, ...]
+    bias: torch.Tensor | None
+    max_rows: int
+    rotation_block: int = 0
+
+
+ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS = range(4)
+
+
+# y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
+# gives its small-batch copy as the C++ decode stack takes it, or None
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -114,6 +132,17 @@ class OneDNNLinear:
             :rows
         ]
 
+    def decode_form(self) -> DecodeForm | None:
+        if isinstance(self.blocks, Q41Weight):
+            blocks = (self.blocks.qs, self.blocks.d, self.blocks.m)
+            return DecodeForm(Q4_1_BLOCKS, blocks, self.bias, MATVEC_MAX_ROWS)
+        if isinstance(self.blocks, Q80Weight):
+            blocks = (self.blocks.qs, self.blocks.d)
+            return DecodeForm(Q8_0_BLOCKS, blocks, self.bias, MATVEC_MAX_ROWS)
+        if self.rows_weight is None:
+            return None
+        return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
+
 
 class Float16Linear:
     """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums."""
@@ -127,6 +156,11 @@ class Float16Linear:
         if x.shape[0] <= MATVEC_MAX_ROWS and self.rows_weight is not None:
             return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def decode_form(self) -> DecodeForm | None:
+        if self.rows_weight is None:
+            return None
+        return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
 
 
 class Int8Linear:
@@ -178,6 +212,13 @@ class Int8Linear:
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         y.mul_(row_amax)
         return y if self.bias is None else y.add_(self.bias)
+
+    def decode_form(self) -> DecodeForm | None:
+        if self.rows_weight is None or not self.fused:
+            return None
+        max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
+        return DecodeForm(INT8_ROWS, (self.rows_weight, self.weight_scales), self.bias, max_rows,
+                          self.block)
 
     def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]

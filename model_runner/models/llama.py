@@ -25,6 +25,7 @@ from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.models.decode_stack import DecodeStack, build_decode_stack
 from model_runner.models.layers import MLP, Attention, Linear, RMSNorm, dropped, is_first
 from model_runner.models.rope import rope_cache, rotary_dim
 from model_runner.models.sliding_windows import layer_windows
@@ -59,6 +60,20 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x, ops)
         x = x + self.self_attn(h, cos, sin, meta, kv_cache, attn, ops)
         return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+
+
+def _plain_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is exactly the Llama layer the C++ decode stack repeats: a
+    DecoderLayer of an Attention (full RoPE, no q/k norm) and an MLP, none subclassed."""
+    attn = getattr(layer, "self_attn", None)
+    return (
+        type(layer) is DecoderLayer
+        and type(attn) is Attention
+        and type(layer.mlp) is MLP
+        and not attn.qk_norm
+        and attn.rotary_dim == attn.head_dim
+        and attn.head_dim % 16 == 0
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,6 +118,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None
+        # the layers in one C++ call for small decode steps (decode_stack.py), once packed
+        self.decode_stack: DecodeStack | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -147,8 +164,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # [T, R / 2]
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache, attn, ops)
+        stack = self.decode_stack
+        if stack is not None and ops is not None and attn.name == "cpu" and stack.takes(
+            meta, x.shape[0]
+        ):
+            x = stack(x, cos, sin, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, meta, kv_cache, attn, ops)
         return self.norm(x, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -193,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype)
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
+        if self.tp is None and all(map(_plain_layer, self.layers)):
+            self.decode_stack = build_decode_stack(self.layers)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:

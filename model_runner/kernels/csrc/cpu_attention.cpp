@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "vec8.h"
 
 #include <algorithm>
@@ -175,6 +176,10 @@ void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache,
   }
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window,
@@ -274,12 +279,11 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   }
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY(pagedserve, m) {
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) "
-        "-> Tensor",
-        &decode_attention);
-  m.def("write_kv_cache", &write_kv_cache);
+        "-> Tensor", &pagedserve::decode_attention);
+  m.def("write_kv_cache", &pagedserve::write_kv_cache);
 }

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "vec8.h"
 
 #include <algorithm>
@@ -30,6 +31,24 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, ": float32 rows [n, width] with contiguous columns");
   TORCH_CHECK(x.size(1) % 8 == 0, name, ": width must be a multiple of 8");
 }
+
+// v (n values, n a power of two) times Sylvester's unnormalised n x n Hadamard matrix, in
+// place: log2(n) rounds of butterflies.
+inline void walsh_hadamard_(float* v, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2) {
+    for (int64_t i = 0; i < n; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace pagedserve {
 
 // weight * x / sqrt(mean(x^2) + eps) per row, as Hugging Face's LlamaRMSNorm in float32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -115,20 +134,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// v (n values, n a power of two) times Sylvester's unnormalised n x n Hadamard matrix, in
-// place: log2(n) rounds of butterflies.
-inline void walsh_hadamard_(float* v, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2) {
-    for (int64_t i = 0; i < n; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-    }
-  }
-}
-
 // Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
 // a power of two; Sylvester's order, as cpu_linear.hadamard builds it) with an in-place
 // fast Walsh-Hadamard transform, then divided by its largest magnitude: the int8 linear's
@@ -168,11 +173,11 @@ std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t bl
   return {out, amax};
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("hadamard_rows", &hadamard_rows);
-  m.def("rms_norm", &rms_norm);
-  m.def("rope_", &rope_);
-  m.def("silu_and_mul", &silu_and_mul);
+  m.def("hadamard_rows", &pagedserve::hadamard_rows);
+  m.def("rms_norm", &pagedserve::rms_norm);
+  m.def("rope_", &pagedserve::rope_);
+  m.def("silu_and_mul", &pagedserve::silu_and_mul);
 }

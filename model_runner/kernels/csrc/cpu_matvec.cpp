@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "vec8.h"
 
 #include <algorithm>
@@ -74,6 +75,10 @@ void matvec_rows(const float* x, int64_t x_stride, int64_t num_rows, const W* w,
   });
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 // x [n, in] float32 (n up to 8, columns contiguous), weight [out, in] float32 or float16
 // contiguous (in a multiple of 8), bias [out] float32 or None: [n, out] float32.
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
@@ -106,8 +111,8 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &matvec);
+  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::matvec);
 }

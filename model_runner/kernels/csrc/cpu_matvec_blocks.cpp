@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "vec8.h"
 
 #include <algorithm>
@@ -173,6 +174,10 @@ const float* bias_ptr(const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? bias->data_ptr<float>() : nullptr;
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 // x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
 at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& m, const std::optional<at::Tensor>& bias) {
@@ -203,10 +208,11 @@ at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return y;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("q4_1_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
-        &q4_1_matvec);
-  m.def("q8_0_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor", &q8_0_matvec);
+        &pagedserve::q4_1_matvec);
+  m.def("q8_0_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
+        &pagedserve::q8_0_matvec);
 }

@@ -171,6 +171,10 @@ void check_inputs(const at::Tensor& x, const at::Tensor& row_scales, const at::T
               "int8_matvec: bias must be float32 [out]");
 }
 
+}  // namespace
+
+namespace pagedserve {
+
 // x [n, in] float32 (n up to 4, columns contiguous), row_scales [n] or [n, 1] float32,
 // weight [out, in] int8 contiguous with weight_scales [out] float32 (one grid per output
 // row, zero point 0), bias [out] float32 or None: [n, out] float32, which is
@@ -205,10 +209,9 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& row_scales, const 
   return y;
 }
 
-}  // namespace
+}  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("int8_matvec(Tensor x, Tensor row_scales, Tensor weight, Tensor weight_scales, "
-        "Tensor? bias) -> Tensor",
-        &int8_matvec);
+        "Tensor? bias) -> Tensor", &pagedserve::int8_matvec);
 }

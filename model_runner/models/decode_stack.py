@@ -1,0 +1,92 @@
+"""A Llama-style model's decoder layers in one C++ call for decode steps of a few rows.
+
+At batch 1 a step of the default model does ~10 ms of arithmetic, and its Python layers
+add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks.md, the batch-1 decode
+step). `DecodeStack` hands the layers' weights to csrc/cpu_decode_stack.cpp once, which
+then runs every layer of a decode step with the kernels the Python layers call on the
+"cpu" backend, in their order: the same hidden states to the bit (tests/runner/
+test_decode_stack.py). `LlamaForCausalLM.forward` runs it when `takes` says so, the
+Python layers otherwise (prefill chunks, verifications, larger batches, other backends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from model_runner.attention_metadata import AttentionMetadata
+from model_runner.kernels import cpu_linear
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
+from model_runner.kernels.cpu_linear import DecodeForm
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecodeStack:
+    """The native stack of a model's layers and the most rows its projections take."""
+
+    def __init__(self, native: torch.ScriptObject, max_rows: int) -> None:
+        self.native = native
+        self.max_rows = max_rows
+
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step is one it runs: decodes only, one row each, few enough rows."""
+        return (
+            meta.num_decode_seqs == meta.num_seqs == num_tokens
+            and num_tokens <= min(self.max_rows, cpu_linear.MATVEC_MAX_ROWS)
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D / 2]
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+    ) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm): [T, H]."""
+        return self.native.forward(
+            x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches],
+        )
+
+
+def build_decode_stack(layers: Sequence[nn.Module]) -> DecodeStack | None:
+    """The stack of `layers` (each a pre-norm DecoderLayer of a Llama-style Attention,
+    full RoPE and no q/k norm, and an MLP, with packed projections: the caller checks the
+    types), or None where a projection has no small-batch C++ form or the kernels are
+    missing."""
+    if not cpu_kernels_available():
+        return None
+    native = torch.classes.pagedserve.DecodeStack()
+    max_rows = cpu_linear.MATVEC_MAX_ROWS
+    empty = torch.empty(0)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        forms: list[DecodeForm] = []
+        for projection in projections:
+            form = None if projection.packed is None else projection.packed.decode_form()
+            if form is None:
+                return None
+            forms.append(form)
+        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+            return None
+        options = attn.options
+        native.add_layer(
+            layer.input_layernorm.weight.detach(),
+            layer.post_attention_layernorm.weight.detach(),
+            float(layer.input_layernorm.eps),
+            [attn.num_heads, attn.num_kv_heads, attn.head_dim, options.sliding_window or 0],
+            float(attn.scale),
+            float(options.softcap or 0.0),
+            empty if options.sinks is None else options.sinks.detach(),
+            [form.kind for form in forms],
+            [form.rotation_block for form in forms],
+            [tensor for form in forms for tensor in form.tensors],
+            [empty if form.bias is None else form.bias for form in forms],
+        )
+        max_rows = min([max_rows, *(form.max_rows for form in forms)])
+    return DecodeStack(native, max_rows)

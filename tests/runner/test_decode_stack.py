@@ -1,0 +1,152 @@
+"""The decode step's layers in one C++ call (model_runner/models/decode_stack.py,
+csrc/cpu_decode_stack.cpp): the same hidden states, to the bit, as the Python layers on
+the "cpu" backend, for every small-batch weight form (float32 rows, exact GGUF blocks,
+float16, rotated int8), with and without biases; taken only for decode steps of few
+enough rows, and only by the plain Llama layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from model_runner.config import ModelConfig
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
+from model_runner.kernels.cpu_linear import can_pack
+from model_runner.loader import load_model
+from model_runner.runner import ModelRunner
+from tests.support.model_helpers import (
+    CONFIGS,
+    FAMILY_CONFIGS,
+    WINDOWED_CONFIGS,
+    Engine,
+    greedy_seqs,
+    make_model_folder,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available() or not can_pack(torch.device("cpu"), torch.float32, "int8"),
+    reason="needs the C++ CPU kernels and a torch with oneDNN and fbgemm",
+)
+
+
+def on_q4_1_grid(folder: Path, config_name: str) -> None:
+    """A tiny model in `folder` whose projections hold a GGUF's Q4_1 values (as the
+    default model's do), so that they load as exact blocks."""
+    hf_model = make_model_folder(folder, CONFIGS[config_name]())
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("proj.weight"):
+                values = param.numpy().astype(np.float32)
+                grid = dequantize(quantize(values, GGMLQuantizationType.Q4_1),
+                                  GGMLQuantizationType.Q4_1)
+                param.copy_(torch.from_numpy(grid.copy()))
+    hf_model.save_pretrained(folder)
+
+
+class CountingStack:
+    """The model's stack, counting the steps it ran."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def takes(self, meta, num_tokens: int) -> bool:
+        return self.stack.takes(meta, num_tokens)
+
+    def __call__(self, *args) -> torch.Tensor:
+        self.calls += 1
+        return self.stack(*args)
+
+
+def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[torch.Tensor]:
+    """Every step's final hidden rows of a greedy run of prompts of `lengths`, with the
+    model's decode stack set to `stack` (None: the Python layers)."""
+    model = loaded.model
+    seen: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.clone())
+        return compute_logits(hidden)
+
+    model.decode_stack, model.compute_logits = stack, recording
+    try:
+        runner = ModelRunner(loaded, ModelConfig(block_size=4, num_kv_blocks=128))
+        Engine(runner).run(greedy_seqs(lengths, max_tokens))
+    finally:
+        del model.compute_logits
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("config_name", "weight_dtype", "grid", "kind"),
+    [
+        ("smollm2", "auto", False, 0),  # float32 rows
+        ("qwen2", "auto", False, 0),  # with q/k/v biases
+        ("smollm2", "auto", True, 1),  # exact Q4_1 blocks (the LM head stays rows)
+        ("smollm2", "float16", False, 0),
+        ("qwen2", "int8", False, 3),
+    ],
+)
+def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(
+    tmp_path: Path, config_name: str, weight_dtype: str, grid: bool, kind: int
+) -> None:
+    if grid:
+        on_q4_1_grid(tmp_path, config_name)
+    else:
+        make_model_folder(tmp_path, CONFIGS[config_name]())
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1,
+                                    weight_dtype=weight_dtype))
+    model = loaded.model
+    stack = model.decode_stack
+    assert stack is not None
+    assert {p.packed.decode_form().kind for p in model.layers[0].self_attn.modules()
+            if hasattr(p, "packed") and p.packed is not None} == {kind}
+    counting = CountingStack(stack)
+    # three prompts decode as a batch of three after their prefills
+    with_stack = hidden_states(loaded, counting, [5, 9, 3], max_tokens=6)
+    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=6)
+    assert counting.calls == 5  # the 5 decode steps; the prefill step ran in Python
+    assert len(with_stack) == len(without) == 6
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) -> None:
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1, weight_dtype="int8"))
+    model = loaded.model
+    stack = model.decode_stack
+    assert stack.max_rows == 4  # the int8 matvec's
+    counting = CountingStack(stack)
+    # five decodes are past int8's four rows: every step runs the Python layers
+    assert len(hidden_states(loaded, counting, [4, 4, 4, 4, 4], max_tokens=3)) == 3
+    assert counting.calls == 0
+    # a staggered start: the first request's decodes share steps with the second's prefill
+    counting = CountingStack(stack)
+    seqs = greedy_seqs([6, 30], max_tokens=4)
+    model.decode_stack = counting
+    runner = ModelRunner(loaded, ModelConfig(block_size=4, num_kv_blocks=128))
+    engine = Engine(runner, chunk_size=8)
+    engine.step(seqs)  # both prefill (the second in part)
+    engine.step(seqs)  # the first decodes beside the second's prefill chunk
+    assert counting.calls == 0
+    engine.run(seqs)
+    assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
+
+
+# q/k norms (qwen3), layers without RoPE (smollm3), scaled residuals (granite), Gemma's
+# norms and soft cap: each a layer the stack does not repeat
+NOT_STACKED = {"qwen3": CONFIGS["qwen3"], "smollm3": FAMILY_CONFIGS["smollm3"],
+               "granite": FAMILY_CONFIGS["granite"], "gemma2": WINDOWED_CONFIGS["gemma2"]}
+
+
+@pytest.mark.parametrize("config_name", sorted(NOT_STACKED))
+def test_layers_it_does_not_repeat_get_no_stack(tmp_path: Path, config_name: str) -> None:
+    make_model_folder(tmp_path, NOT_STACKED[config_name]())
+    model = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1)).model
+    assert model.decode_stack is None
