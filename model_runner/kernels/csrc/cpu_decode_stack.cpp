@@ -5,6 +5,7 @@
 // its ~500 op calls from Python cost ~3 ms more; here each layer costs one loop turn.
 // model_runner/models/decode_stack.py builds it from a loaded model and says when it runs.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -16,6 +17,10 @@
 
 namespace pagedserve {
 namespace {
+
+// Each kernel call shows in torch.profiler under its op's name (bench.step_profile), as
+// when Python calls it; off the profiler this costs a flag check.
+#define PROFILED(name) RECORD_FUNCTION("pagedserve::" name, c10::ArrayRef<c10::IValue>{})
 
 // How a projection's small-batch copy is held (cpu_linear.py's PackedLinear.decode_form):
 // its tensors, in this order.
@@ -34,14 +39,24 @@ struct Projection {
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case kRows:
+      case kRows: {
+        PROFILED("matvec");
         return matvec(x, weights[0], bias);
-      case kQ41:
+      }
+      case kQ41: {
+        PROFILED("q4_1_matvec");
         return q4_1_matvec(x, weights[0], weights[1], weights[2], bias);
-      case kQ80:
+      }
+      case kQ80: {
+        PROFILED("q8_0_matvec");
         return q8_0_matvec(x, weights[0], weights[1], bias);
+      }
       default: {
-        const auto [rotated, row_amax] = hadamard_rows(x, rotation_block);
+        const auto [rotated, row_amax] = [&] {
+          PROFILED("hadamard_rows");
+          return hadamard_rows(x, rotation_block);
+        }();
+        PROFILED("int8_matvec");
         return int8_matvec(rotated, row_amax, weights[0], weights[1], bias);
       }
     }
@@ -58,6 +73,11 @@ struct Layer {
 };
 
 constexpr size_t kTensorsOf[] = {1, 3, 2, 2};
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  PROFILED("rms_norm");
+  return rms_norm(x, weight, eps);
+}
 
 }  // namespace
 
@@ -109,20 +129,33 @@ struct DecodeStack : torch::CustomClassHolder {
       at::Tensor& v_cache = v_caches[i];
       const int64_t q_size = layer.num_heads * layer.head_dim;
       const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
-      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, layer.eps));
-      rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
+      at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
+      {
+        PROFILED("rope_");
+        rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
+      }
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, layer.num_heads, layer.head_dim});
       const at::Tensor k =
           qkv.narrow(1, q_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
       const at::Tensor v =
           qkv.narrow(1, q_size + kv_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
-      write_kv_cache(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache, v_cache,
-                     slot_mapping);
-      const at::Tensor attended = decode_attention(q, k_cache, v_cache, block_tables,
-                                                   context_lens, layer.scale, layer.window,
-                                                   layer.softcap, layer.sinks);
+      {
+        PROFILED("write_kv_cache");
+        write_kv_cache(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache,
+                       v_cache, slot_mapping);
+      }
+      const at::Tensor attended = [&] {
+        PROFILED("decode_attention");
+        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
+                                layer.window, layer.softcap, layer.sinks);
+      }();
       x = x + layer.o(attended.view({rows, q_size}));
-      x = x + layer.down(silu_and_mul(layer.gate_up(rms_norm(x, layer.post_norm, layer.eps))));
+      const at::Tensor gate_up = layer.gate_up(norm(x, layer.post_norm, layer.eps));
+      const at::Tensor activated = [&] {
+        PROFILED("silu_and_mul");
+        return silu_and_mul(gate_up);
+      }();
+      x = x + layer.down(activated);
     }
     return x;
   }
