@@ -1,7 +1,8 @@
 """Where one batch-1 decode step of the default model goes, component by component.
 
 `python -m bench.step_profile [--weight-dtype auto|float16|int8] [--kv-cache-dtype
-auto|float16] [--steps 48] [--threads N] [--paired-matvec | --bandwidth]`
+auto|float16] [--steps 48] [--threads N] [--paired-matvec | --paired-decode-stack |
+--bandwidth]`
 
 One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
 (`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
@@ -19,6 +20,9 @@ against the GEMM it replaces (oneDNN, or fbgemm for float16 and int8 weights) in
 process instead: steps alternate between the two, and the table gives each one's median
 step and the median ratio of neighbouring steps, which a machine shared with others
 disturbs least.
+
+`--paired-decode-stack` measures the same way a decode step in the C++ decode stack
+(model_runner/models/decode_stack.py) against the Python layers it replaces.
 
 `--bandwidth` measures, with no model, what one row reads per second: a plain read (torch's
 sum over 128 MB of float32) against each dtype's matvec and GEMM at one row, on weights of
@@ -140,16 +144,40 @@ def paired_matvec(core: EngineCore, num_pairs: int) -> None:
     from model_runner.kernels import cpu_linear
 
     default = cpu_linear.MATVEC_MAX_ROWS
+
+    def use_matvec(on: bool) -> None:
+        cpu_linear.MATVEC_MAX_ROWS = default if on else 0
+
+    paired(core, num_pairs, use_matvec, ("matvec", "GEMM"))
+
+
+def paired_decode_stack(core: EngineCore, runner: ModelRunner, num_pairs: int) -> None:
+    """Steps alternately in the C++ decode stack and in the Python layers; the medians."""
+    stack = runner.model.decode_stack
+    if stack is None:
+        raise SystemExit("this model and weight dtype have no decode stack")
+
+    def use_stack(on: bool) -> None:
+        runner.model.decode_stack = stack if on else None
+
+    paired(core, num_pairs, use_stack, ("decode stack", "Python layers"))
+
+
+def paired(core: EngineCore, num_pairs: int, switch: Callable[[bool], None],
+           names: tuple[str, str]) -> None:
+    """Steps alternately with `switch(True)` and `switch(False)`: each one's median step
+    and the median ratio of neighbouring steps, which a shared machine disturbs least."""
     on, off = [], []
     for _ in range(num_pairs):
-        for times, max_rows in ((on, default), (off, 0)):
-            cpu_linear.MATVEC_MAX_ROWS = max_rows
+        for times, state in ((on, True), (off, False)):
+            switch(state)
             start = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - start)
-    cpu_linear.MATVEC_MAX_ROWS = default
+    switch(True)
     ratio = statistics.median(b / a for a, b in zip(on, off, strict=True))
-    print("| step | matvec ms | GEMM ms | GEMM / matvec (median of pairs) |\n|---|---|---|---|")
+    print(f"| step | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} (median of pairs) |"
+          "\n|---|---|---|---|")
     print(f"| batch-1 decode | {statistics.median(on) * 1000:.2f} | "
           f"{statistics.median(off) * 1000:.2f} | {ratio:.2f} |")
 
@@ -202,6 +230,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--paired-matvec", action="store_true",
                         help="only the matvec against the GEMM, steps alternating")
+    parser.add_argument("--paired-decode-stack", action="store_true",
+                        help="only the C++ decode stack against the Python layers, alternating")
     parser.add_argument("--bandwidth", action="store_true",
                         help="only the GB/s of a plain read and of one row's projections")
     args = parser.parse_args()
@@ -216,10 +246,13 @@ def main() -> None:
                             ignore_eos=True)
     core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=prompt,
                                        sampling_params=params)]))
-    if args.paired_matvec:
+    if args.paired_matvec or args.paired_decode_stack:
         for _ in range(WARMUP_STEPS + 1):
             core.step()
-        paired_matvec(core, args.steps // 2)
+        if args.paired_matvec:
+            paired_matvec(core, args.steps // 2)
+        else:
+            paired_decode_stack(core, runner, args.steps // 2)
         return
     timers = Timers()
     instrument(core, runner, timers)
