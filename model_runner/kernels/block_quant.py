@@ -26,6 +26,11 @@ class Q41Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.pagedserve.q4_1_matvec(x, self.qs, self.d, self.m, bias)
 
+    def int8_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x's rows quantized to int8 per block of 32, times the blocks' integers
+        (csrc/cpu_matvec_blocks_int8.cpp): `--weight-dtype int8`'s small batches."""
+        return torch.ops.pagedserve.q4_1_int8_matvec(x, self.qs, self.d, self.m, bias)
+
 
 class Q80Weight:
     """Q8_0 blocks: int8 values [out, in], scales d [out, in / 32]."""
@@ -35,6 +40,10 @@ class Q80Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.pagedserve.q8_0_matvec(x, self.qs, self.d, bias)
+
+    def int8_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """As Q41Weight.int8_products."""
+        return torch.ops.pagedserve.q8_0_int8_matvec(x, self.qs, self.d, bias)
 
 
 BlockWeight = Q41Weight | Q80Weight

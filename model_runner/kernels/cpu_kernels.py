@@ -19,7 +19,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / f for f in (
     "cpu_attention.cpp", "cpu_layers.cpp", "cpu_matvec.cpp", "cpu_matvec_int8.cpp",
-    "cpu_matvec_blocks.cpp", "cpu_decode_stack.cpp",
+    "cpu_matvec_blocks.cpp", "cpu_matvec_blocks_int8.cpp", "cpu_decode_stack.cpp",
 )]
 # NOTE: -fopenmp compiles at::parallel_for's OpenMP loop (without it the kernels run on one
 # thread); the GOMP symbols resolve to the libgomp torch has already loaded, so the
@@ -36,9 +36,9 @@ def load_cpu_kernels() -> None:
     """Builds (first call on a machine) and loads the kernels once per process: paged
     attention and KV writes (cpu_attention.cpp), a float32 layer's norm, RoPE and
     SwiGLU (cpu_layers.cpp), the small-batch projections (cpu_matvec.cpp,
-    cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp), and a decode step's layers in one call
-    (cpu_decode_stack.cpp, a torch class). Raises
-    when they cannot be built (no C++ compiler, or no ninja)."""
+    cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp), and a decode
+    step's layers in one call (cpu_decode_stack.cpp, a torch class). Raises when they
+    cannot be built (no C++ compiler, or no ninja)."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()

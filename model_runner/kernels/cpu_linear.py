@@ -20,7 +20,8 @@ Up to MATVEC_MAX_ROWS rows (a small decode batch) the projections run on a row-m
 of their weight instead, through the C++ matvec: float32 and float16 in csrc/cpu_matvec.cpp,
 int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit). A float32 weight whose
 values are a GGUF's Q4_1 or Q8_0 blocks (the default model's) is read from those blocks
-instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp).
+instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp); in
+int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class DecodeForm:
     rotation_block: int = 0
 
 
-ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS = range(4)
+ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8 = range(6)
 
 
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
@@ -173,6 +174,12 @@ class Int8Linear:
     the same way once at load: x W^T = (x H)(W H)^T. Each rotated row is then scaled to a
     largest magnitude of 1, so fbgemm's one grid per call serves every token alike; the
     weight gets a grid per output row. Products sum exactly in int32.
+
+    A weight with exact GGUF blocks (the default model's, block_quant.py) already is small
+    integers with a scale per block of 32: up to MATVEC_MAX_ROWS rows it is read as such,
+    4.5 or 8.5 bits a weight instead of 8, times each row quantized to int8 per block
+    (llama.cpp's arithmetic: no rotation needed, an outsize channel widens one block's grid
+    only; csrc/cpu_matvec_blocks_int8.cpp). Larger batches keep fbgemm as above.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -191,8 +198,13 @@ class Int8Linear:
             quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.bias = None if bias is None else bias.detach()
-        # the int8 matvec's copy: fbgemm's int8 values and float32 scales, row-major
-        self.rows_weight = quantized.int_repr() if cpu_kernels_available() else None
+        # small batches: the weight's exact GGUF blocks times int8 activations where it has
+        # them (block_quant.py), else the int8 matvec's copy: fbgemm's int8 values and
+        # float32 scales, row-major
+        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
+        self.rows_weight = (
+            quantized.int_repr() if self.blocks is None and cpu_kernels_available() else None
+        )
         self.weight_scales = quantized.q_per_channel_scales().float()
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +213,8 @@ class Int8Linear:
         return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None and x.shape[0] <= MATVEC_MAX_ROWS:
+            return self.blocks.int8_products(x, self.bias)
         x, row_amax = self.rotate_and_scale(x)
         # NOTE: MATVEC_MAX_ROWS bounds it too: 0 turns every matvec off (bench.step_profile)
         max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
@@ -214,6 +228,12 @@ class Int8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
     def decode_form(self) -> DecodeForm | None:
+        if isinstance(self.blocks, Q41Weight):
+            blocks = (self.blocks.qs, self.blocks.d, self.blocks.m)
+            return DecodeForm(Q4_1_INT8, blocks, self.bias, MATVEC_MAX_ROWS)
+        if isinstance(self.blocks, Q80Weight):
+            blocks = (self.blocks.qs, self.blocks.d)
+            return DecodeForm(Q8_0_INT8, blocks, self.bias, MATVEC_MAX_ROWS)
         if self.rows_weight is None or not self.fused:
             return None
         max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)

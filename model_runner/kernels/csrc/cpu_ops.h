@@ -26,7 +26,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
 
-// cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp
+// cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias);
 at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& row_scales, const at::Tensor& weight,
@@ -35,5 +35,10 @@ at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const at::Tensor& m, const std::optional<at::Tensor>& bias);
 at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& bias);
+
+at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                            const at::Tensor& m, const std::optional<at::Tensor>& bias);
+at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                            const std::optional<at::Tensor>& bias);
 
 }  // namespace pagedserve

@@ -1,0 +1,260 @@
+// `--weight-dtype int8` on a weight with exact GGUF blocks (model_runner/kernels/
+// block_quant.py): the blocks' integers times activations quantized to int8, as torch ops
+// (torch.ops.pagedserve.q4_1_int8_matvec, q8_0_int8_matvec), for up to eight rows.
+//
+// Each row of x is quantized per block of 32 values on its own grid: d_x = max|x| / 127,
+// q_x = x / d_x rounded to nearest (even), s_x = d_x * sum(q_x) (llama.cpp's Q8_1, which
+// is also what vLLM's GGUF kernels do at small batches). A block's dot product is then
+//   Q4_1 (w = d q + m, q 0..15):   d d_x sum(q q_x) + m s_x
+//   Q8_0 (w = d q, q -127..127):   d d_x sum(q q_x)
+// with the integer sums exact: AVX2's unsigned-by-signed byte products (maddubs) sum
+// pairs of at most 2 * 15 * 127 (Q4_1) or 2 * 127 * 127 (Q8_0, its signs moved onto x)
+// into int16 without saturating. The weights stay exact (4.5 or 8.5 bits each, read
+// once); only the activations are rounded, finer than the per-call grid of the int8 GEMM.
+// A row's result depends on no other row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kGrain = 64;  // output rows a thread takes at least
+
+// x's rows quantized per block: q [rows, in], d and s [rows, in / 32].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t width, blocks;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t stride, int64_t rows, int64_t width) {
+  const int64_t blocks = width / kBlock;
+  QuantizedRows out{std::vector<int8_t>(rows * width), std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * blocks), width, blocks};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < blocks; ++k) {
+      const float* v = x + r * stride + k * kBlock;
+      float amax = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::abs(v[j]));
+      const float d = amax / 127.f;
+      const float inverse = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = out.q.data() + r * width + k * kBlock;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t value = std::clamp(static_cast<int32_t>(std::nearbyint(v[j] * inverse)),
+                                         -127, 127);
+        q[j] = static_cast<int8_t>(value);
+        sum += value;
+      }
+      out.d[r * blocks + k] = d;
+      out.s[r * blocks + k] = d * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+// The integer dot product of one block of weights (32 unsigned, or signed) with 32 int8
+// activations, as eight int32 partial sums (AVX2) or one (elsewhere).
+#if defined(__AVX2__)
+inline __m256i products(__m256i unsigned_w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, xv), _mm256_set1_epi16(1));
+}
+
+inline __m256i signed_products(__m256i w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
+      _mm256_set1_epi16(1));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+
+struct Q41 {
+  const uint8_t* qs;  // [out, in / 2]: byte j of a block, weight j (low nibble) and j + 16
+  const float* d;     // [out, in / 32]
+  const float* m;
+  int64_t blocks;
+
+  template <int R>
+  void dot(int64_t o, const QuantizedRows& x, float* out) const {
+    float mins[R] = {};
+#if defined(__AVX2__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t at = o * blocks + k;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + at * 16));
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                                         _mm_and_si128(bytes, mask));
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = r * blocks + k;
+        const __m256i sums = products(w, x.q.data() + r * x.width + k * kBlock);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d[at] * x.d[xb]),
+                                 acc[r]);
+        mins[r] += m[at] * x.s[xb];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = sum8(acc[r]) + mins[r];
+#else
+    float acc[R] = {};
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t at = o * blocks + k;
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = r * blocks + k;
+        const int8_t* xq = x.q.data() + r * x.width + k * kBlock;
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) {
+          sum += (qs[at * 16 + j] & 15) * xq[j] + (qs[at * 16 + j] >> 4) * xq[j + 16];
+        }
+        acc[r] += static_cast<float>(sum) * (d[at] * x.d[xb]);
+        mins[r] += m[at] * x.s[xb];
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r] + mins[r];
+#endif
+  }
+};
+
+struct Q80 {
+  const int8_t* qs;  // [out, in]
+  const float* d;    // [out, in / 32]
+  int64_t blocks;
+
+  template <int R>
+  void dot(int64_t o, const QuantizedRows& x, float* out) const {
+#if defined(__AVX2__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t at = o * blocks + k;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + at * kBlock));
+      for (int r = 0; r < R; ++r) {
+        const __m256i sums = signed_products(w, x.q.data() + r * x.width + k * kBlock);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                 _mm256_set1_ps(d[at] * x.d[r * blocks + k]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = sum8(acc[r]);
+#else
+    float acc[R] = {};
+    for (int64_t k = 0; k < blocks; ++k) {
+      const int64_t at = o * blocks + k;
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = x.q.data() + r * x.width + k * kBlock;
+        int32_t sum = 0;
+        for (int j = 0; j < kBlock; ++j) sum += qs[at * kBlock + j] * xq[j];
+        acc[r] += static_cast<float>(sum) * (d[at] * x.d[r * blocks + k]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = acc[r];
+#endif
+  }
+};
+
+template <int R, typename Q>
+void rows_of(const Q& q, const QuantizedRows& x, const float* bias, float* y,
+             int64_t out_features) {
+  at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[R];
+    for (int64_t o = begin; o < end; ++o) {
+      q.template dot<R>(o, x, dots);
+      const float b = bias == nullptr ? 0.f : bias[o];
+      for (int r = 0; r < R; ++r) y[r * out_features + o] = dots[r] + b;
+    }
+  });
+}
+
+template <typename Q>
+at::Tensor int8_products(const Q& q, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  const int64_t rows = x.size(0);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1));
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* out = y.data_ptr<float>();
+  switch (rows) {
+    case 1: rows_of<1>(q, xq, b, out, out_features); break;
+    case 2: rows_of<2>(q, xq, b, out, out_features); break;
+    case 3: rows_of<3>(q, xq, b, out, out_features); break;
+    case 4: rows_of<4>(q, xq, b, out, out_features); break;
+    case 5: rows_of<5>(q, xq, b, out, out_features); break;
+    case 6: rows_of<6>(q, xq, b, out, out_features); break;
+    case 7: rows_of<7>(q, xq, b, out, out_features); break;
+    default: rows_of<8>(q, xq, b, out, out_features); break;
+  }
+  return y;
+}
+
+void check_common(const at::Tensor& x, const at::Tensor& d, int64_t out_features,
+                  const std::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(0) <= kMaxRows && x.size(1) % kBlock == 0,
+              op, ": x must be float32 [n <= 8, in] (in a multiple of 32), contiguous columns");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
+                  d.size(0) == out_features && d.size(1) == x.size(1) / kBlock,
+              op, ": scales must be float32 [out, in / 32]");
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->dim() == 1 && bias->size(0) == out_features &&
+                   bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              op, ": bias must be float32 [out]");
+}
+
+}  // namespace
+
+namespace pagedserve {
+
+// x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
+at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                            const at::Tensor& m, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                  qs.size(1) * 2 == x.size(1),
+              "q4_1_int8_matvec: qs must be contiguous uint8 [out, in / 2]");
+  check_common(x, d, qs.size(0), bias, "q4_1_int8_matvec");
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              "q4_1_int8_matvec: mins must be float32 [out, in / 32]");
+  const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), d.size(1)};
+  return int8_products(q, x, bias, qs.size(0));
+}
+
+// x [n, in] float32, qs [out, in] int8 (-127..127), d [out, in / 32] float32: [n, out].
+at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous() &&
+                  qs.size(1) == x.size(1),
+              "q8_0_int8_matvec: qs must be contiguous int8 [out, in]");
+  check_common(x, d, qs.size(0), bias, "q8_0_int8_matvec");
+  const Q80 q{qs.data_ptr<int8_t>(), d.data_ptr<float>(), d.size(1)};
+  return int8_products(q, x, bias, qs.size(0));
+}
+
+}  // namespace pagedserve
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("q4_1_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
+        &pagedserve::q4_1_int8_matvec);
+  m.def("q8_0_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
+        &pagedserve::q8_0_int8_matvec);
+}
