@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -137,6 +138,42 @@ struct Q41 {
   }
 };
 
+// Two output rows (o, o + 1) against one row of x: the x side's loads are shared.
+inline void q4_1_dot_pair(const Q41& w, int64_t o, const QuantizedRows& x, float* out) {
+#if defined(__AVX2__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float mins0 = 0.f, mins1 = 0.f;
+  const __m128i mask = _mm_set1_epi8(15);
+  const int64_t blocks = w.blocks;
+  const uint8_t* q0 = w.qs + o * blocks * 16;
+  const uint8_t* q1 = q0 + blocks * 16;
+  const float *d0 = w.d + o * blocks, *d1 = d0 + blocks;
+  const float *m0 = w.m + o * blocks, *m1 = m0 + blocks;
+  const auto unpack = [&](const uint8_t* q) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                            _mm_and_si128(bytes, mask));
+  };
+  for (int64_t k = 0; k < blocks; ++k) {
+    const __m256i xv =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + k * kBlock));
+    const float dx = x.d[k], sx = x.s[k];
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(q0 + k * 16), xv), ones);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(q1 + k * 16), xv), ones);
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0[k] * dx), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1[k] * dx), acc1);
+    mins0 += m0[k] * sx;
+    mins1 += m1[k] * sx;
+  }
+  out[0] = sum8(acc0) + mins0;
+  out[1] = sum8(acc1) + mins1;
+#else
+  w.dot<1>(o, x, out);
+  w.dot<1>(o + 1, x, out + 1);
+#endif
+}
+
 struct Q80 {
   const int8_t* qs;  // [out, in]
   const float* d;    // [out, in / 32]
@@ -177,8 +214,15 @@ template <int R, typename Q>
 void rows_of(const Q& q, const QuantizedRows& x, const float* bias, float* y,
              int64_t out_features) {
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
-    float dots[R];
-    for (int64_t o = begin; o < end; ++o) {
+    float dots[2 * R];
+    int64_t o = begin;
+    if constexpr (R == 1 && std::is_same_v<Q, Q41>) {  // a batch of one: output rows in pairs
+      for (; o + 2 <= end; o += 2) {
+        q4_1_dot_pair(q, o, x, dots);
+        for (int j = 0; j < 2; ++j) y[o + j] = dots[j] + (bias == nullptr ? 0.f : bias[o + j]);
+      }
+    }
+    for (; o < end; ++o) {
       q.template dot<R>(o, x, dots);
       const float b = bias == nullptr ? 0.f : bias[o];
       for (int r = 0; r < R; ++r) y[r * out_features + o] = dots[r] + b;
