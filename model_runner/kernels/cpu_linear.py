@@ -20,8 +20,9 @@ Up to MATVEC_MAX_ROWS rows (a small decode batch) the projections run on a row-m
 of their weight instead, through the C++ matvec: float32 and float16 in csrc/cpu_matvec.cpp,
 int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit). A float32 weight whose
 values are a GGUF's Q4_1 or Q8_0 blocks (the default model's) is read from those blocks
-instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp); in
-int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
+instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp), in
+float16 too (exact, and a quarter of float16's bytes); in int8, those blocks' integers
+times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import Q41Weight, Q80Weight, find_blocks
+from model_runner.kernels.block_quant import BlockWeight, Q41Weight, find_blocks
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
 
@@ -91,6 +92,16 @@ class DecodeForm:
 ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8 = range(6)
 
 
+def blocks_form(blocks: BlockWeight, bias: torch.Tensor | None, int8: bool) -> DecodeForm:
+    """Exact GGUF blocks as the decode stack holds them: read as float32 values, or
+    (`int8`) their integers times int8 activations."""
+    if isinstance(blocks, Q41Weight):
+        kind = Q4_1_INT8 if int8 else Q4_1_BLOCKS
+        return DecodeForm(kind, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
+    kind = Q8_0_INT8 if int8 else Q8_0_BLOCKS
+    return DecodeForm(kind, (blocks.qs, blocks.d), bias, MATVEC_MAX_ROWS)
+
+
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
 # gives its small-batch copy as the C++ decode stack takes it, or None
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
@@ -134,31 +145,37 @@ class OneDNNLinear:
         ]
 
     def decode_form(self) -> DecodeForm | None:
-        if isinstance(self.blocks, Q41Weight):
-            blocks = (self.blocks.qs, self.blocks.d, self.blocks.m)
-            return DecodeForm(Q4_1_BLOCKS, blocks, self.bias, MATVEC_MAX_ROWS)
-        if isinstance(self.blocks, Q80Weight):
-            blocks = (self.blocks.qs, self.blocks.d)
-            return DecodeForm(Q8_0_BLOCKS, blocks, self.bias, MATVEC_MAX_ROWS)
+        if self.blocks is not None:
+            return blocks_form(self.blocks, self.bias, int8=False)
         if self.rows_weight is None:
             return None
         return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
 
 
 class Float16Linear:
-    """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums."""
+    """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums.
+
+    A weight with exact GGUF blocks (block_quant.py) is read from them up to
+    MATVEC_MAX_ROWS rows instead, as in float32: its exact values in a quarter of float16's
+    bytes (as vLLM keeps a GGUF's blocks whatever the dtype). Larger batches keep fbgemm."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
-        self.rows_weight = matvec_weight(weight, torch.float16)
+        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
+        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, torch.float16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MATVEC_MAX_ROWS and self.rows_weight is not None:
-            return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
+        if x.shape[0] <= MATVEC_MAX_ROWS:
+            if self.blocks is not None:
+                return self.blocks(x, self.bias)
+            if self.rows_weight is not None:
+                return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
     def decode_form(self) -> DecodeForm | None:
+        if self.blocks is not None:
+            return blocks_form(self.blocks, self.bias, int8=False)
         if self.rows_weight is None:
             return None
         return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
@@ -228,12 +245,8 @@ class Int8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
     def decode_form(self) -> DecodeForm | None:
-        if isinstance(self.blocks, Q41Weight):
-            blocks = (self.blocks.qs, self.blocks.d, self.blocks.m)
-            return DecodeForm(Q4_1_INT8, blocks, self.bias, MATVEC_MAX_ROWS)
-        if isinstance(self.blocks, Q80Weight):
-            blocks = (self.blocks.qs, self.blocks.d)
-            return DecodeForm(Q8_0_INT8, blocks, self.bias, MATVEC_MAX_ROWS)
+        if self.blocks is not None:
+            return blocks_form(self.blocks, self.bias, int8=True)
         if self.rows_weight is None or not self.fused:
             return None
         max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
