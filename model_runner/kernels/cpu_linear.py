@@ -118,31 +118,26 @@ def pack_linear(
     return OneDNNLinear(weight, bias)
 
 
-class OneDNNLinear:
-    """Exact float32 on oneDNN's blocked weight layout."""
+class FloatMatvecCopy:
+    """The small-batch copy of a float32 or float16 projection (OneDNNLinear,
+    Float16Linear): the weight's exact GGUF blocks where it has them (block_quant.py), else
+    its row-major copy in the projection's dtype, or neither without the kernels."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        # NOTE: the batch size is only a layout hint; any number of rows works.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
-        self.bias = None if bias is None else bias.detach()
-        # the small-batch matvec's copy: the weight's exact GGUF blocks where it has them
-        # (block_quant.py), else the row-major float32 weight
+    bias: torch.Tensor | None
+
+    def _copy_for_matvec(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         self.blocks = find_blocks(weight) if cpu_kernels_available() else None
-        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, torch.float32)
+        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows <= MATVEC_MAX_ROWS:
-            if self.blocks is not None:
-                return self.blocks(x, self.bias)
-            if self.rows_weight is not None:
-                return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
-            :rows
-        ]
+    def _matvec(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x's projection on the copy, or None past MATVEC_MAX_ROWS or without one."""
+        if x.shape[0] > MATVEC_MAX_ROWS:
+            return None
+        if self.blocks is not None:
+            return self.blocks(x, self.bias)
+        if self.rows_weight is not None:
+            return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
+        return None
 
     def decode_form(self) -> DecodeForm | None:
         if self.blocks is not None:
@@ -152,7 +147,29 @@ class OneDNNLinear:
         return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
 
 
-class Float16Linear:
+class OneDNNLinear(FloatMatvecCopy):
+    """Exact float32 on oneDNN's blocked weight layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        # NOTE: the batch size is only a layout hint; any number of rows works.
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
+        self.bias = None if bias is None else bias.detach()
+        self._copy_for_matvec(weight, torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matvec(x)
+        if y is not None:
+            return y
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
+            :rows
+        ]
+
+
+class Float16Linear(FloatMatvecCopy):
     """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums.
 
     A weight with exact GGUF blocks (block_quant.py) is read from them up to
@@ -162,23 +179,11 @@ class Float16Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
-        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
-        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, torch.float16)
+        self._copy_for_matvec(weight, torch.float16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MATVEC_MAX_ROWS:
-            if self.blocks is not None:
-                return self.blocks(x, self.bias)
-            if self.rows_weight is not None:
-                return torch.ops.pagedserve.matvec(x, self.rows_weight, self.bias)
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-
-    def decode_form(self) -> DecodeForm | None:
-        if self.blocks is not None:
-            return blocks_form(self.blocks, self.bias, int8=False)
-        if self.rows_weight is None:
-            return None
-        return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
+        y = self._matvec(x)
+        return y if y is not None else torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
 class Int8Linear:
