@@ -156,8 +156,19 @@ void matvec_rows(const Q& q, const float* x, int64_t x_stride, int64_t num_rows,
   });
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& d, int64_t out_features,
-                  const std::optional<at::Tensor>& bias, const char* op) {
+const float* bias_ptr(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+namespace pagedserve {
+
+// The arguments of a Q4_1 or Q8_0 op (this file's, cpu_matvec_blocks_int8.cpp's): x
+// [n <= 8, in] float32 with contiguous columns, in a multiple of 32; qs, d (and m) in the
+// layouts above; bias [out] float32 or None. `op` names the op in the error.
+void check_block_args(const at::Tensor& x, const at::Tensor& d, int64_t out_features,
+                      const std::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
                   x.size(0) <= kMaxRows && x.size(1) % kBlock == 0,
               op, ": x must be float32 [n <= 8, in] (in a multiple of 32), contiguous columns");
@@ -170,23 +181,29 @@ void check_common(const at::Tensor& x, const at::Tensor& d, int64_t out_features
               op, ": bias must be float32 [out]");
 }
 
-const float* bias_ptr(const std::optional<at::Tensor>& bias) {
-  return bias.has_value() ? bias->data_ptr<float>() : nullptr;
+void check_q4_1_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const at::Tensor& m, const std::optional<at::Tensor>& bias,
+                     const char* op) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                  qs.size(1) * 2 == x.size(1),
+              op, ": qs must be contiguous uint8 [out, in / 2]");
+  check_block_args(x, d, qs.size(0), bias, op);
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
+              op, ": mins must be float32 [out, in / 32]");
 }
 
-}  // namespace
-
-namespace pagedserve {
+void check_q8_0_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                     const std::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous() &&
+                  qs.size(1) == x.size(1),
+              op, ": qs must be contiguous int8 [out, in]");
+  check_block_args(x, d, qs.size(0), bias, op);
+}
 
 // x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
 at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
-                  qs.size(1) * 2 == x.size(1),
-              "q4_1_matvec: qs must be contiguous uint8 [out, in / 2]");
-  check_common(x, d, qs.size(0), bias, "q4_1_matvec");
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
-              "q4_1_matvec: mins must be float32 [out, in / 32]");
+  check_q4_1_args(x, qs, d, m, bias, "q4_1_matvec");
   at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
   const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), d.size(1)};
   matvec_rows(q, x.data_ptr<float>(), x.stride(0), x.size(0), bias_ptr(bias),
@@ -197,10 +214,7 @@ at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // x [n, in] float32, qs [out, in] int8, d [out, in / 32] float32: [n, out].
 at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous() &&
-                  qs.size(1) == x.size(1),
-              "q8_0_matvec: qs must be contiguous int8 [out, in]");
-  check_common(x, d, qs.size(0), bias, "q8_0_matvec");
+  check_q8_0_args(x, qs, d, bias, "q8_0_matvec");
   at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
   const Q80 q{qs.data_ptr<int8_t>(), d.data_ptr<float>(), d.size(1)};
   matvec_rows(q, x.data_ptr<float>(), x.stride(0), x.size(0), bias_ptr(bias),

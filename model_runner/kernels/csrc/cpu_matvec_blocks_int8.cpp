@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -33,7 +32,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrain = 64;  // output rows a thread takes at least
 
 // x's rows quantized per block: q [rows, in], d and s [rows, in / 32].
@@ -294,20 +292,6 @@ at::Tensor int8_products(const Q& q, const at::Tensor& x, const std::optional<at
   return y;
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& d, int64_t out_features,
-                  const std::optional<at::Tensor>& bias, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(0) <= kMaxRows && x.size(1) % kBlock == 0,
-              op, ": x must be float32 [n <= 8, in] (in a multiple of 32), contiguous columns");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 &&
-                  d.size(0) == out_features && d.size(1) == x.size(1) / kBlock,
-              op, ": scales must be float32 [out, in / 32]");
-  TORCH_CHECK(!bias.has_value() ||
-                  (bias->dim() == 1 && bias->size(0) == out_features &&
-                   bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              op, ": bias must be float32 [out]");
-}
-
 }  // namespace
 
 namespace pagedserve {
@@ -315,12 +299,7 @@ namespace pagedserve {
 // x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
-                  qs.size(1) * 2 == x.size(1),
-              "q4_1_int8_matvec: qs must be contiguous uint8 [out, in / 2]");
-  check_common(x, d, qs.size(0), bias, "q4_1_int8_matvec");
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kFloat && m.is_contiguous(),
-              "q4_1_int8_matvec: mins must be float32 [out, in / 32]");
+  check_q4_1_args(x, qs, d, m, bias, "q4_1_int8_matvec");
   const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), d.size(1)};
   return int8_products(q, x, bias, qs.size(0));
 }
@@ -328,10 +307,7 @@ at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
 // x [n, in] float32, qs [out, in] int8 (-127..127), d [out, in / 32] float32: [n, out].
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous() &&
-                  qs.size(1) == x.size(1),
-              "q8_0_int8_matvec: qs must be contiguous int8 [out, in]");
-  check_common(x, d, qs.size(0), bias, "q8_0_int8_matvec");
+  check_q8_0_args(x, qs, d, bias, "q8_0_int8_matvec");
   const Q80 q{qs.data_ptr<int8_t>(), d.data_ptr<float>(), d.size(1)};
   return int8_products(q, x, bias, qs.size(0));
 }
