@@ -33,7 +33,8 @@ from model_runner.attention.backend import AttentionBackend
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
-from model_runner.models.llama import KVCaches, LlamaForCausalLM
+from model_runner.kv_cache import KVCaches
+from model_runner.models.llama import LlamaForCausalLM
 from scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)

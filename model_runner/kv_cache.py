@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
+
 
 @dataclass
 class KVCache:
     """Per-layer (k_cache, v_cache) pairs, all of one shape."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: KVCaches
     num_blocks: int
     block_size: int
 

@@ -20,8 +20,7 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels import cpu_linear
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import DecodeForm
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+from model_runner.kv_cache import KVCaches
 
 
 class DecodeStack:
@@ -30,6 +29,8 @@ class DecodeStack:
     def __init__(self, native: torch.ScriptObject, max_rows: int) -> None:
         self.native = native
         self.max_rows = max_rows
+        # the caches split into the k and v lists the native stack takes, once per cache
+        self._split: tuple[KVCaches, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step is one it runs: decodes only, one row each, few enough rows."""
@@ -47,9 +48,12 @@ class DecodeStack:
         kv_caches: KVCaches,
     ) -> torch.Tensor:
         """The residual stream after the last layer (before the final norm): [T, H]."""
+        if self._split is None or self._split[0] is not kv_caches:
+            self._split = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        _, k_caches, v_caches = self._split
         return self.native.forward(
             x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            k_caches, v_caches,
         )
 
 

@@ -25,8 +25,9 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, AttentionOptions, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kv_cache import KVCaches
 from model_runner.models.layers import MLP, Attention, RMSNorm
-from model_runner.models.llama import KVCaches, LlamaForCausalLM
+from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.rope import rope_inv_freq
 
 _DEFAULT_ROPE = "default"  # the rope-cache key of a model with one RoPE for all layers

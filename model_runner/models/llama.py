@@ -25,13 +25,12 @@ from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.kv_cache import KVCaches
 from model_runner.models.decode_stack import DecodeStack, build_decode_stack
 from model_runner.models.layers import MLP, Attention, Linear, RMSNorm, dropped, is_first
 from model_runner.models.rope import rope_cache, rotary_dim
 from model_runner.models.sliding_windows import layer_windows
 from model_runner.models.weights import WeightSource, read
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
 
 
 class DecoderLayer(nn.Module):
