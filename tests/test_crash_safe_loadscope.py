@@ -31,8 +31,14 @@ def run_suite(folder: Path, modules: dict[str, str], *flags: str,
          "--no-loadscope-reorder", "-o", f"cache_dir={folder / '.cache'}", "-o", "timeout=0",
          *flags, str(folder)],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, **(env or {})},
+        env={**inherited_env(), **(env or {})},
     )
+
+
+def inherited_env() -> dict[str, str]:
+    """This process's environment without make test's CRASHED_TESTS_FILE: a throwaway suite
+    must not list its deliberate crash in the real suite's retry list."""
+    return {k: v for k, v in os.environ.items() if k != "CRASHED_TESTS_FILE"}
 
 
 def test_a_crashed_worker_fails_its_test_and_the_run_still_ends(tmp_path) -> None:
