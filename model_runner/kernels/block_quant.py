@@ -7,7 +7,8 @@ d * q + m, q in 0..15, d and m float16 values) and its embedding, the tied LM he
 keeps them only if they give back every weight to the bit; the small-batch float32
 matvec then reads 4.5 or 8.5 bits a weight instead of 32 (csrc/cpu_matvec_blocks.cpp),
 with the float32 matvec's result to the bit. Weights off such a grid (a model saved in
-float32 or bfloat16) get None and keep the float32 matvec.
+float32 or bfloat16) get None and keep the float32 matvec. `int8_groups` lays the same
+blocks out for `--weight-dtype int8` (csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
@@ -26,11 +27,6 @@ class Q41Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.pagedserve.q4_1_matvec(x, self.qs, self.d, self.m, bias)
 
-    def int8_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x's rows quantized to int8 per block of 32, times the blocks' integers
-        (csrc/cpu_matvec_blocks_int8.cpp): `--weight-dtype int8`'s small batches."""
-        return torch.ops.pagedserve.q4_1_int8_matvec(x, self.qs, self.d, self.m, bias)
-
 
 class Q80Weight:
     """Q8_0 blocks: int8 values [out, in], scales d [out, in / 32]."""
@@ -41,12 +37,62 @@ class Q80Weight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.pagedserve.q8_0_matvec(x, self.qs, self.d, bias)
 
-    def int8_products(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """As Q41Weight.int8_products."""
+
+BlockWeight = Q41Weight | Q80Weight
+
+GROUP = 8  # output rows whose blocks `--weight-dtype int8` reads side by side
+# a Q4_1 group's eight integer sums end in this order of its rows; its d and m are so stored
+Q41_GROUP_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+class Q41Groups:
+    """Q4_1 blocks as `--weight-dtype int8` reads them: nibbles [out / 8, in / 32, 8, 16]
+    uint8 (eight output rows' blocks at one input position side by side), d and m
+    [out / 8, in / 32, 8] float16 in Q41_GROUP_ORDER: a GGUF's 20 bytes a block."""
+
+    def __init__(self, blocks: Q41Weight) -> None:
+        out, num_blocks = blocks.d.shape
+        self.qs = _grouped(blocks.qs.view(out, num_blocks, 16))
+        order = list(Q41_GROUP_ORDER)
+        self.d = _grouped(blocks.d.half())[..., order].contiguous()
+        self.m = _grouped(blocks.m.half())[..., order].contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x's rows quantized to int8 per block of 32, times the blocks' integers
+        (csrc/cpu_matvec_blocks_int8.cpp): `--weight-dtype int8`'s small batches."""
+        return torch.ops.pagedserve.q4_1_int8_matvec(x, self.qs, self.d, self.m, bias)
+
+
+class Q80Groups:
+    """Q8_0 blocks as `--weight-dtype int8` reads them: int8 values [out / 8, in / 32, 8,
+    32], d [out / 8, in / 32, 8] float16: a GGUF's 34 bytes a block."""
+
+    def __init__(self, blocks: Q80Weight) -> None:
+        out, num_blocks = blocks.d.shape
+        self.qs = _grouped(blocks.qs.view(out, num_blocks, BLOCK))
+        self.d = _grouped(blocks.d.half())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """As Q41Groups'."""
         return torch.ops.pagedserve.q8_0_int8_matvec(x, self.qs, self.d, bias)
 
 
-BlockWeight = Q41Weight | Q80Weight
+BlockGroups = Q41Groups | Q80Groups
+
+
+def int8_groups(blocks: BlockWeight | None) -> BlockGroups | None:
+    """`blocks` laid out for `--weight-dtype int8`'s small batches, or None when there are
+    none or their output rows do not come in eights."""
+    if blocks is None or blocks.d.shape[0] % GROUP:
+        return None
+    return Q41Groups(blocks) if isinstance(blocks, Q41Weight) else Q80Groups(blocks)
+
+
+def _grouped(per_row: torch.Tensor) -> torch.Tensor:
+    """[out, blocks, ...] -> [out / 8, blocks, 8, ...], contiguous."""
+    out, num_blocks = per_row.shape[:2]
+    return (per_row.reshape(out // GROUP, GROUP, num_blocks, *per_row.shape[2:])
+            .transpose(1, 2).contiguous())
 
 
 @torch.no_grad()

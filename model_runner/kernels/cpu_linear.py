@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import BlockWeight, Q41Weight, find_blocks
+from model_runner.kernels.block_quant import (
+    BlockGroups,
+    BlockWeight,
+    Q41Groups,
+    Q41Weight,
+    find_blocks,
+    int8_groups,
+)
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
 
@@ -92,13 +99,14 @@ class DecodeForm:
 ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8 = range(6)
 
 
-def blocks_form(blocks: BlockWeight, bias: torch.Tensor | None, int8: bool) -> DecodeForm:
-    """Exact GGUF blocks as the decode stack holds them: read as float32 values, or
-    (`int8`) their integers times int8 activations."""
+def blocks_form(blocks: BlockWeight | BlockGroups, bias: torch.Tensor | None) -> DecodeForm:
+    """Exact GGUF blocks as the decode stack holds them: read as float32 values, or (in
+    groups) their integers times int8 activations."""
     if isinstance(blocks, Q41Weight):
-        kind = Q4_1_INT8 if int8 else Q4_1_BLOCKS
-        return DecodeForm(kind, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
-    kind = Q8_0_INT8 if int8 else Q8_0_BLOCKS
+        return DecodeForm(Q4_1_BLOCKS, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
+    if isinstance(blocks, Q41Groups):
+        return DecodeForm(Q4_1_INT8, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
+    kind = Q8_0_BLOCKS if isinstance(blocks, BlockWeight) else Q8_0_INT8
     return DecodeForm(kind, (blocks.qs, blocks.d), bias, MATVEC_MAX_ROWS)
 
 
@@ -141,7 +149,7 @@ class FloatMatvecCopy:
 
     def decode_form(self) -> DecodeForm | None:
         if self.blocks is not None:
-            return blocks_form(self.blocks, self.bias, int8=False)
+            return blocks_form(self.blocks, self.bias)
         if self.rows_weight is None:
             return None
         return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
@@ -198,10 +206,11 @@ class Int8Linear:
     weight gets a grid per output row. Products sum exactly in int32.
 
     A weight with exact GGUF blocks (the default model's, block_quant.py) already is small
-    integers with a scale per block of 32: up to MATVEC_MAX_ROWS rows it is read as such,
-    4.5 or 8.5 bits a weight instead of 8, times each row quantized to int8 per block
-    (llama.cpp's arithmetic: no rotation needed, an outsize channel widens one block's grid
-    only; csrc/cpu_matvec_blocks_int8.cpp). Larger batches keep fbgemm as above.
+    integers with a scale per block of 32: up to MATVEC_MAX_ROWS rows it is read as such
+    (its output rows in groups of eight, block_quant.int8_groups), 5 or 8.5 bits a weight
+    instead of 8, times each row quantized to int8 per block (llama.cpp's arithmetic: no
+    rotation needed, an outsize channel widens one block's grid only;
+    csrc/cpu_matvec_blocks_int8.cpp). Larger batches keep fbgemm as above.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -223,7 +232,7 @@ class Int8Linear:
         # small batches: the weight's exact GGUF blocks times int8 activations where it has
         # them (block_quant.py), else the int8 matvec's copy: fbgemm's int8 values and
         # float32 scales, row-major
-        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
+        self.blocks = int8_groups(find_blocks(weight)) if cpu_kernels_available() else None
         self.rows_weight = (
             quantized.int_repr() if self.blocks is None and cpu_kernels_available() else None
         )
@@ -236,7 +245,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and x.shape[0] <= MATVEC_MAX_ROWS:
-            return self.blocks.int8_products(x, self.bias)
+            return self.blocks(x, self.bias)
         x, row_amax = self.rotate_and_scale(x)
         # NOTE: MATVEC_MAX_ROWS bounds it too: 0 turns every matvec off (bench.step_profile)
         max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
@@ -251,7 +260,7 @@ class Int8Linear:
 
     def decode_form(self) -> DecodeForm | None:
         if self.blocks is not None:
-            return blocks_form(self.blocks, self.bias, int8=True)
+            return blocks_form(self.blocks, self.bias)
         if self.rows_weight is None or not self.fused:
             return None
         max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)

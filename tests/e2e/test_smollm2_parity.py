@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from model_runner.config import ModelConfig
 from model_runner.kernels import cpu_linear
-from model_runner.kernels.block_quant import Q41Weight, Q80Weight
+from model_runner.kernels.block_quant import Q41Groups, Q41Weight, Q80Groups, Q80Weight
 from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
@@ -124,11 +124,12 @@ def test_float16_small_batches_read_the_exact_blocks(prompts, expected):
 
 def assert_reads_its_blocks(loaded: LoadedModel, packed_type: type) -> None:
     """Every projection is `packed_type` on the GGUF's Q4_1 blocks with no row copy, the
-    tied LM head on its Q8_0 ones."""
+    tied LM head on its Q8_0 ones (int8: the same blocks in groups of eight rows)."""
+    q41, q80 = (Q41Groups, Q80Groups) if packed_type is Int8Linear else (Q41Weight, Q80Weight)
     linears = [m.packed for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, packed_type) for p in linears)
-    assert all(isinstance(p.blocks, Q41Weight) and p.rows_weight is None for p in linears)
-    assert isinstance(loaded.model.packed_lm_head.blocks, Q80Weight)
+    assert all(isinstance(p.blocks, q41) and p.rows_weight is None for p in linears)
+    assert isinstance(loaded.model.packed_lm_head.blocks, q80)
 
 
 def test_int8_weights_stay_close_on_english_text(loaded):
@@ -149,8 +150,10 @@ def test_int8_small_batches_on_the_blocks_stay_closer_still(loaded, monkeypatch)
     """--weight-dtype int8 at up to MATVEC_MAX_ROWS rows: the GGUF's exact blocks times
     activations quantized per block of 32 (csrc/cpu_matvec_blocks_int8.cpp). Teacher-forced
     on the text's first 512 tokens with every projection and the LM head called eight rows
-    at a time: top-1 agreement with float32 >= 96% (measured 97.5%) and the loss within
-    0.5% (measured -0.0%; over all 1,024 tokens 98.0% and -0.0%, the GEMM's 94.2%, +0.3%)."""
+    at a time: top-1 agreement with float32 >= 96% (measured 96.7%) and the loss within
+    0.5% (measured +0.2%; over all 1,024 tokens 97.1% and +0.2%, the GEMM's 94.2%, +0.3%).
+    A tiny change of the float sums (their order) moves these by about a point: it turns
+    some activations' int8 rounding (docs/benchmarks.md)."""
     int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))
     assert_reads_its_blocks(int8, Int8Linear)
     rows = cpu_linear.MATVEC_MAX_ROWS

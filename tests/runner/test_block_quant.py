@@ -16,9 +16,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from model_runner.config import ModelConfig
-from model_runner.kernels.block_quant import Q41Weight, Q80Weight, find_blocks
+from model_runner.kernels.block_quant import (
+    Q41Groups,
+    Q41Weight,
+    Q80Groups,
+    Q80Weight,
+    find_blocks,
+    int8_groups,
+)
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, OneDNNLinear, can_pack
+from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, Int8Linear, OneDNNLinear, can_pack
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 
@@ -103,16 +110,29 @@ def test_int8_products_on_blocks_match_their_arithmetic_and_stay_near_float32(
     kind: str, in_features: int
 ) -> None:
     weight = on_grid(kind, 200, in_features, seed=in_features + 7)
-    blocks = find_blocks(weight)
+    blocks = int8_groups(find_blocks(weight))
+    assert isinstance(blocks, Q41Groups if kind == "q4_1" else Q80Groups)
     torch.manual_seed(1)
     x = torch.randn(MATVEC_MAX_ROWS, 2 * in_features)[:, :in_features]  # strided rows
     x[0, :32] = 0.0  # a block of zeros: scale 0
     x[1, 5] = 40.0  # an outsize channel widens its own block's grid only
     bias = torch.randn(200)
-    got = blocks.int8_products(x, bias)
+    got = blocks(x, bias)
     want = int8_products_reference(x, weight, kind) + bias
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     exact = torch.ops.pagedserve.matvec(x, weight, bias)
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
     for rows in range(1, MATVEC_MAX_ROWS):  # a row's result depends on no other row
-        assert torch.equal(blocks.int8_products(x[:rows], bias), got[:rows])
+        assert torch.equal(blocks(x[:rows], bias), got[:rows])
+    assert torch.equal(blocks(x, None) + bias, got)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_int8_keeps_its_rotated_rows_where_output_rows_do_not_come_in_eights(kind: str) -> None:
+    weight = on_grid(kind, 60, 64, seed=3)
+    assert find_blocks(weight) is not None and int8_groups(find_blocks(weight)) is None
+    linear = Int8Linear(weight, None)
+    assert linear.blocks is None and linear.rows_weight is not None
+    x = torch.randn(1, 64)
+    exact = torch.ops.pagedserve.matvec(x, weight, None)
+    assert (linear(x) - exact).abs().max() < 0.02 * exact.abs().max()

@@ -160,11 +160,6 @@ const float* bias_ptr(const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? bias->data_ptr<float>() : nullptr;
 }
 
-}  // namespace
-
-namespace pagedserve {
-
-// The arguments of a Q4_1 or Q8_0 op (this file's, cpu_matvec_blocks_int8.cpp's): x
 // [n <= 8, in] float32 with contiguous columns, in a multiple of 32; qs, d (and m) in the
 // layouts above; bias [out] float32 or None. `op` names the op in the error.
 void check_block_args(const at::Tensor& x, const at::Tensor& d, int64_t out_features,
@@ -199,6 +194,10 @@ void check_q8_0_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               op, ": qs must be contiguous int8 [out, in]");
   check_block_args(x, d, qs.size(0), bias, op);
 }
+
+}  // namespace
+
+namespace pagedserve {
 
 // x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
 at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,

@@ -7,11 +7,18 @@
 // is also what vLLM's GGUF kernels do at small batches). A block's dot product is then
 //   Q4_1 (w = d q + m, q 0..15):   d d_x sum(q q_x) + m s_x
 //   Q8_0 (w = d q, q -127..127):   d d_x sum(q q_x)
-// with the integer sums exact: AVX2's unsigned-by-signed byte products (maddubs) sum
-// pairs of at most 2 * 15 * 127 (Q4_1) or 2 * 127 * 127 (Q8_0, its signs moved onto x)
-// into int16 without saturating. The weights stay exact (4.5 or 8.5 bits each, read
-// once); only the activations are rounded, finer than the per-call grid of the int8 GEMM.
-// A row's result depends on no other row.
+// with sum(q q_x) an exact integer, and each output row sums its blocks' terms in block
+// order (the d d_x terms and the m s_x terms apart, added at the end), whatever the
+// batch: a row's result depends on no other row.
+//
+// The weights come in groups of eight output rows (block_quant.py's Q41Groups, Q80Groups),
+// a group's blocks at one input position side by side, and d and m as float16 (a GGUF's
+// own bytes: 20 or 34 a block), so that one pass over the group reads its weights in
+// order and its eight rows' integer sums end in one vector: one conversion to float, one
+// multiply-add for the eight. AVX2's unsigned-by-signed byte products (maddubs) sum pairs
+// of at most 2 * 15 * 127 (Q4_1) or 2 * 127 * 127 (Q8_0, its signs moved onto x) into
+// int16 without saturating; a Q4_1 group's sums stay within int16 through two pairwise
+// additions more (at most 8 * 3810), then int32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,7 +29,6 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -32,7 +38,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kGrain = 64;  // output rows a thread takes at least
+constexpr int64_t kGrain = 8;  // groups of eight output rows a thread takes at least
+constexpr int64_t kMaxRows = 8;
 
 // x's rows quantized per block: q [rows, in], d and s [rows, in / 32].
 struct QuantizedRows {
@@ -108,208 +115,229 @@ QuantizedRows quantize_rows(const float* x, int64_t stride, int64_t rows, int64_
   return out;
 }
 
-// The integer dot product of one block of weights (32 unsigned, or signed) with 32 int8
-// activations, as eight int32 partial sums (AVX2) or one (elsewhere).
 #if defined(__AVX2__)
-inline __m256i products(__m256i unsigned_w, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, xv), _mm256_set1_epi16(1));
+inline __m256i broadcast16(const int8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m256i signed_products(__m256i w, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm256_madd_epi16(
-      _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
-      _mm256_set1_epi16(1));
-}
-
-inline float sum8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+inline __m256 load_halves(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
-struct Q41 {
-  const uint8_t* qs;  // [out, in / 2]: byte j of a block, weight j (low nibble) and j + 16
-  const float* d;     // [out, in / 32]
-  const float* m;
+// Q4_1 groups: qs [groups, blocks, 8, 16] uint8 (byte j of a block: weight j in the low
+// nibble, j + 16 in the high, as in a GGUF), d and m [groups, blocks, 8] float16 with a
+// group's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (kQ41RowOf).
+struct Q41Groups {
+  const uint8_t* qs;
+  const at::Half* d;
+  const at::Half* m;
   int64_t blocks;
 
+  // rows [first, first + R) of x against group g: out[r * stride + j] for its rows j
   template <int R>
-  void dot(int64_t o, const QuantizedRows& x, float* out) const {
-    float mins[R] = {};
+  void dot(int64_t g, const QuantizedRows& x, int64_t first, float* out, int64_t stride) const {
+    const uint8_t* q = qs + g * blocks * 128;
+    const at::Half* dg = d + g * blocks * 8;
+    const at::Half* mg = m + g * blocks * 8;
 #if defined(__AVX2__)
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(15);
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t k = 0; k < blocks; ++k) {
-      const int64_t at = o * blocks + k;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + at * 16));
-      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
-                                         _mm_and_si128(bytes, mask));
-      for (int r = 0; r < R; ++r) {
-        const int64_t xb = r * blocks + k;
-        const __m256i sums = products(w, x.q.data() + r * x.width + k * kBlock);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d[at] * x.d[xb]),
-                                 acc[r]);
-        mins[r] += m[at] * x.s[xb];
+      // rows 2i and 2i + 1 of the group: low nibbles (weights 0..15 of each, one row a
+      // 128-bit lane) and high nibbles (weights 16..31)
+      __m256i low[4], high[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 128 + 32 * i));
+        low[i] = _mm256_and_si256(v, mask);
+        high[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       }
-    }
-    for (int r = 0; r < R; ++r) out[r] = sum8(acc[r]) + mins[r];
-#else
-    float acc[R] = {};
-    for (int64_t k = 0; k < blocks; ++k) {
-      const int64_t at = o * blocks + k;
+      const __m256 dv = load_halves(dg + k * 8), mv = load_halves(mg + k * 8);
       for (int r = 0; r < R; ++r) {
-        const int64_t xb = r * blocks + k;
-        const int8_t* xq = x.q.data() + r * x.width + k * kBlock;
-        int32_t sum = 0;
-        for (int j = 0; j < 16; ++j) {
-          sum += (qs[at * 16 + j] & 15) * xq[j] + (qs[at * 16 + j] >> 4) * xq[j + 16];
+        const int64_t row = first + r, xb = row * x.blocks + k;
+        const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
+        const __m256i x_low = broadcast16(xq), x_high = broadcast16(xq + 16);
+        __m256i pairs[4];
+        for (int i = 0; i < 4; ++i) {
+          pairs[i] = _mm256_add_epi16(_mm256_maddubs_epi16(low[i], x_low),
+                                      _mm256_maddubs_epi16(high[i], x_high));
         }
-        acc[r] += static_cast<float>(sum) * (d[at] * x.d[xb]);
-        mins[r] += m[at] * x.s[xb];
+        // [rows 0 2 4 6 | 1 3 5 7], each row's sixteen int16 summed
+        const __m256i sums = _mm256_madd_epi16(
+            _mm256_hadd_epi16(_mm256_hadd_epi16(pairs[0], pairs[1]),
+                              _mm256_hadd_epi16(pairs[2], pairs[3])),
+            ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                 _mm256_mul_ps(dv, _mm256_set1_ps(x.d[xb])), acc[r]);
+        mins[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s[xb]), mins[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = acc[r] + mins[r];
+    const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * stride,
+                       _mm256_permutevar8x32_ps(_mm256_add_ps(acc[r], mins[r]), natural));
+    }
+#else
+    constexpr int kQ41RowOf[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = first + r;
+      for (int p = 0; p < 8; ++p) {
+        const int j = kQ41RowOf[p];
+        float acc = 0.f, mins = 0.f;
+        for (int64_t k = 0; k < blocks; ++k) {
+          const uint8_t* w = q + k * 128 + j * 16;
+          const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
+          int32_t sum = 0;
+          for (int i = 0; i < 16; ++i) sum += (w[i] & 15) * xq[i] + (w[i] >> 4) * xq[i + 16];
+          const int64_t xb = row * x.blocks + k;
+          acc = std::fma(static_cast<float>(sum),
+                         static_cast<float>(dg[k * 8 + p]) * x.d[xb], acc);
+          mins = std::fma(static_cast<float>(mg[k * 8 + p]), x.s[xb], mins);
+        }
+        out[r * stride + j] = acc + mins;
+      }
+    }
 #endif
   }
 };
 
-// Two output rows (o, o + 1) against one row of x: the x side's loads are shared.
-inline void q4_1_dot_pair(const Q41& w, int64_t o, const QuantizedRows& x, float* out) {
-#if defined(__AVX2__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float mins0 = 0.f, mins1 = 0.f;
-  const __m128i mask = _mm_set1_epi8(15);
-  const int64_t blocks = w.blocks;
-  const uint8_t* q0 = w.qs + o * blocks * 16;
-  const uint8_t* q1 = q0 + blocks * 16;
-  const float *d0 = w.d + o * blocks, *d1 = d0 + blocks;
-  const float *m0 = w.m + o * blocks, *m1 = m0 + blocks;
-  const auto unpack = [&](const uint8_t* q) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
-                            _mm_and_si128(bytes, mask));
-  };
-  for (int64_t k = 0; k < blocks; ++k) {
-    const __m256i xv =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + k * kBlock));
-    const float dx = x.d[k], sx = x.s[k];
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(q0 + k * 16), xv), ones);
-    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(q1 + k * 16), xv), ones);
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0[k] * dx), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1[k] * dx), acc1);
-    mins0 += m0[k] * sx;
-    mins1 += m1[k] * sx;
-  }
-  out[0] = sum8(acc0) + mins0;
-  out[1] = sum8(acc1) + mins1;
-#else
-  w.dot<1>(o, x, out);
-  w.dot<1>(o + 1, x, out + 1);
-#endif
-}
-
-struct Q80 {
-  const int8_t* qs;  // [out, in]
-  const float* d;    // [out, in / 32]
+// Q8_0 groups: qs [groups, blocks, 8, 32] int8, d [groups, blocks, 8] float16.
+struct Q80Groups {
+  const int8_t* qs;
+  const at::Half* d;
   int64_t blocks;
 
   template <int R>
-  void dot(int64_t o, const QuantizedRows& x, float* out) const {
+  void dot(int64_t g, const QuantizedRows& x, int64_t first, float* out, int64_t stride) const {
+    const int8_t* q = qs + g * blocks * 256;
+    const at::Half* dg = d + g * blocks * 8;
 #if defined(__AVX2__)
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t k = 0; k < blocks; ++k) {
-      const int64_t at = o * blocks + k;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + at * kBlock));
+      const __m256 dv = load_halves(dg + k * 8);
       for (int r = 0; r < R; ++r) {
-        const __m256i sums = signed_products(w, x.q.data() + r * x.width + k * kBlock);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                 _mm256_set1_ps(d[at] * x.d[r * blocks + k]), acc[r]);
+        const int64_t row = first + r;
+        const __m256i xv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(x.q.data() + row * x.width + k * kBlock));
+        __m256i sums[8];  // row j's eight int32 partial sums
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 256 + 32 * j));
+          sums[j] = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
+        }
+        // [rows 0..3 of the low 128-bit lanes | 0..3 of the high], and so for rows 4..7
+        const __m256i first4 = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]),
+                                                 _mm256_hadd_epi32(sums[2], sums[3]));
+        const __m256i last4 = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]),
+                                                _mm256_hadd_epi32(sums[6], sums[7]));
+        const __m256i total =
+            _mm256_add_epi32(_mm256_permute2x128_si256(first4, last4, 0x20),
+                             _mm256_permute2x128_si256(first4, last4, 0x31));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total),
+                                 _mm256_mul_ps(dv, _mm256_set1_ps(x.d[row * x.blocks + k])),
+                                 acc[r]);
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = sum8(acc[r]);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * stride, acc[r]);
 #else
-    float acc[R] = {};
-    for (int64_t k = 0; k < blocks; ++k) {
-      const int64_t at = o * blocks + k;
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xq = x.q.data() + r * x.width + k * kBlock;
-        int32_t sum = 0;
-        for (int j = 0; j < kBlock; ++j) sum += qs[at * kBlock + j] * xq[j];
-        acc[r] += static_cast<float>(sum) * (d[at] * x.d[r * blocks + k]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = first + r;
+      for (int j = 0; j < 8; ++j) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < blocks; ++k) {
+          const int8_t* w = q + k * 256 + j * 32;
+          const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
+          int32_t sum = 0;
+          for (int i = 0; i < kBlock; ++i) sum += w[i] * xq[i];
+          acc = std::fma(static_cast<float>(sum),
+                         static_cast<float>(dg[k * 8 + j]) * x.d[row * x.blocks + k], acc);
+        }
+        out[r * stride + j] = acc;
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = acc[r];
 #endif
   }
 };
 
-template <int R, typename Q>
-void rows_of(const Q& q, const QuantizedRows& x, const float* bias, float* y,
-             int64_t out_features) {
-  at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
-    float dots[2 * R];
-    int64_t o = begin;
-    // a batch of one: Q4_1's output rows in pairs (Q8_0's measured slower so)
-    if constexpr (R == 1 && std::is_same_v<Q, Q41>) {
-      for (; o + 2 <= end; o += 2) {
-        q4_1_dot_pair(q, o, x, dots);
-        for (int j = 0; j < 2; ++j) y[o + j] = dots[j] + (bias == nullptr ? 0.f : bias[o + j]);
-      }
+// A group's rows four at a time (its weights stay in L1 between the passes).
+template <typename Q>
+void group_rows(const Q& q, int64_t g, const QuantizedRows& x, int64_t rows, float* out,
+                int64_t stride) {
+  for (int64_t first = 0; first < rows; first += 4) {
+    float* at = out + first * stride + g * 8;
+    switch (std::min<int64_t>(rows - first, 4)) {
+      case 1: q.template dot<1>(g, x, first, at, stride); break;
+      case 2: q.template dot<2>(g, x, first, at, stride); break;
+      case 3: q.template dot<3>(g, x, first, at, stride); break;
+      default: q.template dot<4>(g, x, first, at, stride); break;
     }
-    for (; o < end; ++o) {
-      q.template dot<R>(o, x, dots);
-      const float b = bias == nullptr ? 0.f : bias[o];
-      for (int r = 0; r < R; ++r) y[r * out_features + o] = dots[r] + b;
-    }
-  });
+  }
 }
 
 template <typename Q>
-at::Tensor int8_products(const Q& q, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  const int64_t rows = x.size(0);
+at::Tensor int8_products(const Q& q, int64_t groups, const at::Tensor& x,
+                         const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), out_features = groups * 8;
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1));
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  switch (rows) {
-    case 1: rows_of<1>(q, xq, b, out, out_features); break;
-    case 2: rows_of<2>(q, xq, b, out, out_features); break;
-    case 3: rows_of<3>(q, xq, b, out, out_features); break;
-    case 4: rows_of<4>(q, xq, b, out, out_features); break;
-    case 5: rows_of<5>(q, xq, b, out, out_features); break;
-    case 6: rows_of<6>(q, xq, b, out, out_features); break;
-    case 7: rows_of<7>(q, xq, b, out, out_features); break;
-    default: rows_of<8>(q, xq, b, out, out_features); break;
-  }
+  at::parallel_for(0, groups, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) group_rows(q, g, xq, rows, out, out_features);
+  });
+  if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+// x [n <= 8, in] float32 with contiguous columns (in a multiple of 32); qs [groups, in /
+// 32, 8, bytes] of `qs_type`, d (and m) [groups, in / 32, 8] float16; bias [groups * 8]
+// float32 or None. `op` names the op in the error.
+void check_group_args(const at::Tensor& x, const at::Tensor& qs, at::ScalarType qs_type,
+                      int64_t bytes, const at::Tensor& d, const std::optional<at::Tensor>& bias,
+                      const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(0) <= kMaxRows && x.size(1) % kBlock == 0,
+              op, ": x must be float32 [n <= 8, in] (in a multiple of 32), contiguous columns");
+  TORCH_CHECK(qs.dim() == 4 && qs.scalar_type() == qs_type && qs.is_contiguous() &&
+                  qs.size(1) * kBlock == x.size(1) && qs.size(2) == 8 && qs.size(3) == bytes,
+              op, ": qs must be contiguous ", qs_type, " [groups, in / 32, 8, ", bytes, "]");
+  TORCH_CHECK(d.dim() == 3 && d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.size(0) == qs.size(0) && d.size(1) == qs.size(1) && d.size(2) == 8,
+              op, ": scales must be contiguous float16 [groups, in / 32, 8]");
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->dim() == 1 && bias->size(0) == qs.size(0) * 8 &&
+                   bias->scalar_type() == at::kFloat),
+              op, ": bias must be float32 [groups * 8]");
 }
 
 }  // namespace
 
 namespace pagedserve {
 
-// x [n, in] float32, qs [out, in / 2] uint8, d and m [out, in / 32] float32: [n, out].
+// x [n, in] float32, qs [groups, in / 32, 8, 16] uint8, d and m [groups, in / 32, 8]
+// float16 (Q41Groups): [n, groups * 8].
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  check_q4_1_args(x, qs, d, m, bias, "q4_1_int8_matvec");
-  const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), d.size(1)};
-  return int8_products(q, x, bias, qs.size(0));
+  check_group_args(x, qs, at::kByte, 16, d, bias, "q4_1_int8_matvec");
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(),
+              "q4_1_int8_matvec: mins must be contiguous float16 [groups, in / 32, 8]");
+  const Q41Groups q{qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
+                    qs.size(1)};
+  return int8_products(q, qs.size(0), x, bias);
 }
 
-// x [n, in] float32, qs [out, in] int8 (-127..127), d [out, in / 32] float32: [n, out].
+// x [n, in] float32, qs [groups, in / 32, 8, 32] int8 (-127..127), d [groups, in / 32, 8]
+// float16 (Q80Groups): [n, groups * 8].
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias) {
-  check_q8_0_args(x, qs, d, bias, "q8_0_int8_matvec");
-  const Q80 q{qs.data_ptr<int8_t>(), d.data_ptr<float>(), d.size(1)};
-  return int8_products(q, x, bias, qs.size(0));
+  check_group_args(x, qs, at::kChar, 32, d, bias, "q8_0_int8_matvec");
+  const Q80Groups q{qs.data_ptr<int8_t>(), d.data_ptr<at::Half>(), qs.size(1)};
+  return int8_products(q, qs.size(0), x, bias);
 }
 
 }  // namespace pagedserve

@@ -36,11 +36,6 @@ at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& bias);
 
-// the arguments of the Q4_1 and Q8_0 ops (cpu_matvec_blocks.cpp), checked for both files
-void check_q4_1_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                     const at::Tensor& m, const std::optional<at::Tensor>& bias, const char* op);
-void check_q8_0_args(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                     const std::optional<at::Tensor>& bias, const char* op);
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias);
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
