@@ -8,7 +8,8 @@ keeps them only if they give back every weight to the bit; the small-batch float
 matvec then reads 4.5 or 8.5 bits a weight instead of 32 (csrc/cpu_matvec_blocks.cpp),
 with the float32 matvec's result to the bit. Weights off such a grid (a model saved in
 float32 or bfloat16) get None and keep the float32 matvec. `int8_groups` lays the same
-blocks out for `--weight-dtype int8` (csrc/cpu_matvec_blocks_int8.cpp).
+blocks out for `--weight-dtype int8`, `split_groups` for `--weight-dtype float16`
+(csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ class Q41Groups:
         return torch.ops.pagedserve.q4_1_int8_matvec(x, self.qs, self.d, self.m, bias)
 
 
+class Q41SplitGroups(Q41Groups):
+    """The same groups times float32 activations split per block into three int8 planes
+    (x ~ d (q0 + q1 / 254 + q2 / 254^2), to 2^-24 of the block's largest |x|;
+    csrc/cpu_matvec_blocks_int8.cpp): float32's precision of the products at near int8's
+    cost, where float32 multiply-adds on each weight made float are bound by their
+    arithmetic: `--weight-dtype float16`'s small batches."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.pagedserve.q4_1_planes_matvec(x, self.qs, self.d, self.m, bias)
+
+
 class Q80Groups:
     """Q8_0 blocks as `--weight-dtype int8` reads them: int8 values [out / 8, in / 32, 8,
     32], d [out / 8, in / 32, 8] float16: a GGUF's 34 bytes a block."""
@@ -86,6 +98,14 @@ def int8_groups(blocks: BlockWeight | None) -> BlockGroups | None:
     if blocks is None or blocks.d.shape[0] % GROUP:
         return None
     return Q41Groups(blocks) if isinstance(blocks, Q41Weight) else Q80Groups(blocks)
+
+
+def split_groups(blocks: BlockWeight | None) -> BlockWeight | Q41SplitGroups | None:
+    """Q4_1 `blocks` whose output rows come in eights as Q41SplitGroups, other blocks as
+    they are (the float matvec reads them)."""
+    if isinstance(blocks, Q41Weight) and blocks.d.shape[0] % GROUP == 0:
+        return Q41SplitGroups(blocks)
+    return blocks
 
 
 def _grouped(per_row: torch.Tensor) -> torch.Tensor:

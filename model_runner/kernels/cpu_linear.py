@@ -38,9 +38,11 @@ from model_runner.kernels.block_quant import (
     BlockGroups,
     BlockWeight,
     Q41Groups,
+    Q41SplitGroups,
     Q41Weight,
     find_blocks,
     int8_groups,
+    split_groups,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
@@ -96,16 +98,17 @@ class DecodeForm:
     rotation_block: int = 0
 
 
-ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8 = range(6)
+ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8, Q4_1_SPLIT = range(7)
 
 
 def blocks_form(blocks: BlockWeight | BlockGroups, bias: torch.Tensor | None) -> DecodeForm:
     """Exact GGUF blocks as the decode stack holds them: read as float32 values, or (in
-    groups) their integers times int8 activations."""
+    groups) their integers times int8 activations or float32 ones split in int8 planes."""
     if isinstance(blocks, Q41Weight):
         return DecodeForm(Q4_1_BLOCKS, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
     if isinstance(blocks, Q41Groups):
-        return DecodeForm(Q4_1_INT8, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
+        kind = Q4_1_SPLIT if isinstance(blocks, Q41SplitGroups) else Q4_1_INT8
+        return DecodeForm(kind, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
     kind = Q8_0_BLOCKS if isinstance(blocks, BlockWeight) else Q8_0_INT8
     return DecodeForm(kind, (blocks.qs, blocks.d), bias, MATVEC_MAX_ROWS)
 
@@ -134,7 +137,9 @@ class FloatMatvecCopy:
     bias: torch.Tensor | None
 
     def _copy_for_matvec(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.blocks = find_blocks(weight) if cpu_kernels_available() else None
+        blocks = find_blocks(weight) if cpu_kernels_available() else None
+        # float16 (float32 sums promised, not float32's bits) reads Q4_1 blocks in groups
+        self.blocks = split_groups(blocks) if dtype == torch.float16 else blocks
         self.rows_weight = None if self.blocks is not None else matvec_weight(weight, dtype)
 
     def _matvec(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -181,8 +186,10 @@ class Float16Linear(FloatMatvecCopy):
     """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums.
 
     A weight with exact GGUF blocks (block_quant.py) is read from them up to
-    MATVEC_MAX_ROWS rows instead, as in float32: its exact values in a quarter of float16's
-    bytes (as vLLM keeps a GGUF's blocks whatever the dtype). Larger batches keep fbgemm."""
+    MATVEC_MAX_ROWS rows instead: its exact values in a quarter of float16's bytes (as vLLM
+    keeps a GGUF's blocks whatever the dtype); Q4_1 blocks times the activations split in
+    three int8 planes (block_quant.Q41SplitGroups: float32's precision, not its bits), Q8_0
+    ones as in float32. Larger batches keep fbgemm."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach()

@@ -13,7 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from model_runner.config import ModelConfig
 from model_runner.kernels import cpu_linear
-from model_runner.kernels.block_quant import Q41Groups, Q41Weight, Q80Groups, Q80Weight
+from model_runner.kernels.block_quant import (
+    Q41Groups,
+    Q41SplitGroups,
+    Q41Weight,
+    Q80Groups,
+    Q80Weight,
+)
 from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
@@ -124,8 +130,9 @@ def test_float16_small_batches_read_the_exact_blocks(prompts, expected):
 
 def assert_reads_its_blocks(loaded: LoadedModel, packed_type: type) -> None:
     """Every projection is `packed_type` on the GGUF's Q4_1 blocks with no row copy, the
-    tied LM head on its Q8_0 ones (int8: the same blocks in groups of eight rows)."""
-    q41, q80 = (Q41Groups, Q80Groups) if packed_type is Int8Linear else (Q41Weight, Q80Weight)
+    tied LM head on its Q8_0 ones (int8 and float16: Q4_1 in groups of eight rows)."""
+    q41, q80 = {Int8Linear: (Q41Groups, Q80Groups), Float16Linear: (Q41SplitGroups, Q80Weight)
+                }.get(packed_type, (Q41Weight, Q80Weight))
     linears = [m.packed for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, packed_type) for p in linears)
     assert all(isinstance(p.blocks, q41) and p.rows_weight is None for p in linears)

@@ -18,14 +18,22 @@ from gguf.quants import dequantize, quantize
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import (
     Q41Groups,
+    Q41SplitGroups,
     Q41Weight,
     Q80Groups,
     Q80Weight,
     find_blocks,
     int8_groups,
+    split_groups,
 )
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import MATVEC_MAX_ROWS, Int8Linear, OneDNNLinear, can_pack
+from model_runner.kernels.cpu_linear import (
+    MATVEC_MAX_ROWS,
+    Float16Linear,
+    Int8Linear,
+    OneDNNLinear,
+    can_pack,
+)
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 
@@ -136,3 +144,36 @@ def test_int8_keeps_its_rotated_rows_where_output_rows_do_not_come_in_eights(kin
     x = torch.randn(1, 64)
     exact = torch.ops.pagedserve.matvec(x, weight, None)
     assert (linear(x) - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("in_features", [32, 576, 1536])
+def test_split_activations_on_q4_1_groups_keep_float32s_precision(in_features: int) -> None:
+    # --weight-dtype float16's small batches: x split per block in three int8 planes, each
+    # product exact, so the error is float32's order (measured within 2x of the float32
+    # matvec's own), not int8's
+    weight = on_grid("q4_1", 200, in_features, seed=in_features + 11)
+    groups = split_groups(find_blocks(weight))
+    assert isinstance(groups, Q41SplitGroups)
+    torch.manual_seed(2)
+    x = torch.randn(MATVEC_MAX_ROWS, 2 * in_features)[:, :in_features]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros
+    x[1, 5] = 40.0  # an outsize channel
+    x[2, 7] = 1e-30  # a tiny one beside ordinary ones
+    bias = torch.randn(200)
+    got = groups(x, bias)
+    want = x.double() @ weight.double().T + bias.double()
+    exact = torch.ops.pagedserve.matvec(x, weight, bias)
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max() < 1e-6 * scale
+    assert (got.double() - want).abs().max() < 4 * (exact.double() - want).abs().max() + 1e-7
+    for rows in range(1, MATVEC_MAX_ROWS):  # a row's result depends on no other row
+        assert torch.equal(groups(x[:rows], bias), got[:rows])
+
+
+def test_float16_keeps_the_float_blocks_where_output_rows_do_not_come_in_eights() -> None:
+    weight = on_grid("q4_1", 60, 64, seed=4)
+    assert isinstance(Float16Linear(weight, None).blocks, Q41Weight)
+    assert isinstance(Float16Linear(on_grid("q4_1", 64, 64, seed=4), None).blocks,
+                      Q41SplitGroups)
+    q8 = on_grid("q8_0", 64, 64, seed=4)
+    assert isinstance(Float16Linear(q8, None).blocks, Q80Weight)  # Q8_0: the float matvec

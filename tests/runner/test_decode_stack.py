@@ -89,7 +89,7 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
         ("qwen2", "auto", False, 0),  # with q/k/v biases
         ("smollm2", "auto", True, 1),  # exact Q4_1 blocks (the LM head stays rows)
         ("smollm2", "float16", False, 0),
-        ("smollm2", "float16", True, 1),  # exact blocks in float16 too
+        ("smollm2", "float16", True, 6),  # Q4_1 blocks times activations split in int8 planes
         ("qwen2", "int8", False, 3),
         ("smollm2", "int8", True, 4),  # Q4_1 blocks times int8 activations
     ],

@@ -31,6 +31,7 @@ enum ProjectionKind : int64_t {
   kInt8 = 3,  // [weight, weight_scales]: rotated int8 rows (cpu_matvec_int8.cpp)
   kQ41Int8 = 4,  // [qs, d, m]: Q4_1 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
   kQ80Int8 = 5,  // [qs, d]: Q8_0 blocks times int8 activations
+  kQ41Split = 6,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
 };
 
 struct Projection {
@@ -57,6 +58,10 @@ struct Projection {
         PROFILED("q4_1_int8_matvec");
         return q4_1_int8_matvec(x, weights[0], weights[1], weights[2], bias);
       }
+      case kQ41Split: {
+        PROFILED("q4_1_planes_matvec");
+        return q4_1_planes_matvec(x, weights[0], weights[1], weights[2], bias);
+      }
       case kQ80Int8: {
         PROFILED("q8_0_int8_matvec");
         return q8_0_int8_matvec(x, weights[0], weights[1], bias);
@@ -82,7 +87,7 @@ struct Layer {
   std::optional<at::Tensor> sinks;
 };
 
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2};
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3};
 
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   PROFILED("rms_norm");
@@ -108,7 +113,7 @@ struct DecodeStack : torch::CustomClassHolder {
     Projection projections[4];
     size_t next = 0;
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= kRows && kinds[i] <= kQ80Int8, "unknown projection kind ", kinds[i]);
+      TORCH_CHECK(kinds[i] >= kRows && kinds[i] <= kQ41Split, "unknown projection kind ", kinds[i]);
       Projection& p = projections[i];
       p.kind = kinds[i];
       p.rotation_block = rotation_blocks[i];

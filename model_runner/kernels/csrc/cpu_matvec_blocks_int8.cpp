@@ -41,11 +41,18 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kGrain = 8;  // groups of eight output rows a thread takes at least
 constexpr int64_t kMaxRows = 8;
 
-// x's rows quantized per block: q [rows, in], d and s [rows, in / 32].
+// x's rows as int8 planes per block: q [planes, rows, in], d and s [rows, in / 32]. One
+// plane (int8 activations): x ~ d * q, s = d * sum(q). Three (float activations, Q4_1
+// only): x ~ (d * 254) * (q0 + q1 / 254 + q2 / 254^2), within 2^-24 of the block's largest
+// |x|, and s = sum(x).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  int64_t width, blocks;
+  int64_t rows, width, blocks;
+
+  const int8_t* plane(int p, int64_t row, int64_t k) const {
+    return q.data() + (p * rows + row) * width + k * kBlock;
+  }
 };
 
 // One block of 32 values quantized: q, and d_x and d_x * sum(q) returned.
@@ -105,11 +112,44 @@ inline void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out
 QuantizedRows quantize_rows(const float* x, int64_t stride, int64_t rows, int64_t width) {
   const int64_t blocks = width / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * width), std::vector<float>(rows * blocks),
-                    std::vector<float>(rows * blocks), width, blocks};
+                    std::vector<float>(rows * blocks), rows, width, blocks};
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t k = 0; k < blocks; ++k) {
       quantize_block(x + r * stride + k * kBlock, out.q.data() + r * width + k * kBlock,
                      &out.d[r * blocks + k], &out.s[r * blocks + k]);
+    }
+  }
+  return out;
+}
+
+constexpr float kPlaneStep = 254.f;  // each plane 1/254 of the one before
+
+// x's rows split into three int8 planes per block (see QuantizedRows), in double: each
+// plane rounds what the ones before left, at most half a step, so 127 * 254^2 steps cover
+// the block's largest |x| to 2^-24 of it.
+QuantizedRows split_rows(const float* x, int64_t stride, int64_t rows, int64_t width) {
+  const int64_t blocks = width / kBlock;
+  QuantizedRows out{std::vector<int8_t>(3 * rows * width), std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * blocks), rows, width, blocks};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < blocks; ++k) {
+      const float* v = x + r * stride + k * kBlock;
+      double amax = 0.0, sum = 0.0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        amax = std::max(amax, std::abs(static_cast<double>(v[j])));
+        sum += v[j];
+      }
+      const double step = amax / 127.0, inverse = step > 0.0 ? 1.0 / step : 0.0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        double left = v[j] * inverse;
+        for (int p = 0; p < 3; ++p) {
+          const double q = std::clamp(std::nearbyint(left), -127.0, 127.0);
+          out.q[(p * rows + r) * width + k * kBlock + j] = static_cast<int8_t>(q);
+          left = (left - q) * kPlaneStep;
+        }
+      }
+      out.d[r * blocks + k] = static_cast<float>(step / kPlaneStep);
+      out.s[r * blocks + k] = static_cast<float>(sum);
     }
   }
   return out;
@@ -134,9 +174,12 @@ struct Q41Groups {
   const at::Half* m;
   int64_t blocks;
 
-  // rows [first, first + R) of x against group g: out[r * stride + j] for its rows j
-  template <int R>
+  // rows [first, first + R) of x (in P planes) against group g: out[r * stride + j] for
+  // its rows j. Three planes' integer sums S0..S2 make (S0 * 254 + S1) + S2 / 254, exact
+  // but for the last step's rounding: int32 holds S0 * 254 + S1 (at most 60960 * 255).
+  template <int R, int P>
   void dot(int64_t g, const QuantizedRows& x, int64_t first, float* out, int64_t stride) const {
+    static_assert(P == 1 || P == 3);
     const uint8_t* q = qs + g * blocks * 128;
     const at::Half* dg = d + g * blocks * 8;
     const at::Half* mg = m + g * blocks * 8;
@@ -157,20 +200,29 @@ struct Q41Groups {
       const __m256 dv = load_halves(dg + k * 8), mv = load_halves(mg + k * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t row = first + r, xb = row * x.blocks + k;
-        const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
-        const __m256i x_low = broadcast16(xq), x_high = broadcast16(xq + 16);
-        __m256i pairs[4];
-        for (int i = 0; i < 4; ++i) {
-          pairs[i] = _mm256_add_epi16(_mm256_maddubs_epi16(low[i], x_low),
-                                      _mm256_maddubs_epi16(high[i], x_high));
+        __m256i sums[P];
+        for (int p = 0; p < P; ++p) {
+          const int8_t* xq = x.plane(p, row, k);
+          const __m256i x_low = broadcast16(xq), x_high = broadcast16(xq + 16);
+          __m256i pairs[4];
+          for (int i = 0; i < 4; ++i) {
+            pairs[i] = _mm256_add_epi16(_mm256_maddubs_epi16(low[i], x_low),
+                                        _mm256_maddubs_epi16(high[i], x_high));
+          }
+          // [rows 0 2 4 6 | 1 3 5 7], each row's sixteen int16 summed
+          sums[p] = _mm256_madd_epi16(
+              _mm256_hadd_epi16(_mm256_hadd_epi16(pairs[0], pairs[1]),
+                                _mm256_hadd_epi16(pairs[2], pairs[3])),
+              ones);
         }
-        // [rows 0 2 4 6 | 1 3 5 7], each row's sixteen int16 summed
-        const __m256i sums = _mm256_madd_epi16(
-            _mm256_hadd_epi16(_mm256_hadd_epi16(pairs[0], pairs[1]),
-                              _mm256_hadd_epi16(pairs[2], pairs[3])),
-            ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                 _mm256_mul_ps(dv, _mm256_set1_ps(x.d[xb])), acc[r]);
+        __m256 total = _mm256_cvtepi32_ps(sums[0]);
+        if constexpr (P == 3) {
+          const __m256i upper = _mm256_add_epi32(
+              _mm256_mullo_epi32(sums[0], _mm256_set1_epi32(254)), sums[1]);
+          total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2]), _mm256_set1_ps(1.f / kPlaneStep),
+                                  _mm256_cvtepi32_ps(upper));
+        }
+        acc[r] = _mm256_fmadd_ps(total, _mm256_mul_ps(dv, _mm256_set1_ps(x.d[xb])), acc[r]);
         mins[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x.s[xb]), mins[r]);
       }
     }
@@ -188,12 +240,21 @@ struct Q41Groups {
         float acc = 0.f, mins = 0.f;
         for (int64_t k = 0; k < blocks; ++k) {
           const uint8_t* w = q + k * 128 + j * 16;
-          const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
-          int32_t sum = 0;
-          for (int i = 0; i < 16; ++i) sum += (w[i] & 15) * xq[i] + (w[i] >> 4) * xq[i + 16];
+          int32_t sums[P];
+          for (int plane = 0; plane < P; ++plane) {
+            const int8_t* xq = x.plane(plane, row, k);
+            sums[plane] = 0;
+            for (int i = 0; i < 16; ++i) {
+              sums[plane] += (w[i] & 15) * xq[i] + (w[i] >> 4) * xq[i + 16];
+            }
+          }
+          float total = static_cast<float>(sums[0]);
+          if constexpr (P == 3) {
+            total = std::fma(static_cast<float>(sums[2]), 1.f / kPlaneStep,
+                             static_cast<float>(sums[0] * 254 + sums[1]));
+          }
           const int64_t xb = row * x.blocks + k;
-          acc = std::fma(static_cast<float>(sum),
-                         static_cast<float>(dg[k * 8 + p]) * x.d[xb], acc);
+          acc = std::fma(total, static_cast<float>(dg[k * 8 + p]) * x.d[xb], acc);
           mins = std::fma(static_cast<float>(mg[k * 8 + p]), x.s[xb], mins);
         }
         out[r * stride + j] = acc + mins;
@@ -209,8 +270,9 @@ struct Q80Groups {
   const at::Half* d;
   int64_t blocks;
 
-  template <int R>
+  template <int R, int P>
   void dot(int64_t g, const QuantizedRows& x, int64_t first, float* out, int64_t stride) const {
+    static_assert(P == 1, "Q8_0 takes int8 activations only");
     const int8_t* q = qs + g * blocks * 256;
     const at::Half* dg = d + g * blocks * 8;
 #if defined(__AVX2__)
@@ -222,7 +284,7 @@ struct Q80Groups {
       for (int r = 0; r < R; ++r) {
         const int64_t row = first + r;
         const __m256i xv = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(x.q.data() + row * x.width + k * kBlock));
+            reinterpret_cast<const __m256i*>(x.plane(0, row, k)));
         __m256i sums[8];  // row j's eight int32 partial sums
         for (int j = 0; j < 8; ++j) {
           const __m256i w =
@@ -251,7 +313,7 @@ struct Q80Groups {
         float acc = 0.f;
         for (int64_t k = 0; k < blocks; ++k) {
           const int8_t* w = q + k * 256 + j * 32;
-          const int8_t* xq = x.q.data() + row * x.width + k * kBlock;
+          const int8_t* xq = x.plane(0, row, k);
           int32_t sum = 0;
           for (int i = 0; i < kBlock; ++i) sum += w[i] * xq[i];
           acc = std::fma(static_cast<float>(sum),
@@ -265,30 +327,33 @@ struct Q80Groups {
 };
 
 // A group's rows four at a time (its weights stay in L1 between the passes).
-template <typename Q>
+template <int P, typename Q>
 void group_rows(const Q& q, int64_t g, const QuantizedRows& x, int64_t rows, float* out,
                 int64_t stride) {
   for (int64_t first = 0; first < rows; first += 4) {
     float* at = out + first * stride + g * 8;
     switch (std::min<int64_t>(rows - first, 4)) {
-      case 1: q.template dot<1>(g, x, first, at, stride); break;
-      case 2: q.template dot<2>(g, x, first, at, stride); break;
-      case 3: q.template dot<3>(g, x, first, at, stride); break;
-      default: q.template dot<4>(g, x, first, at, stride); break;
+      case 1: q.template dot<1, P>(g, x, first, at, stride); break;
+      case 2: q.template dot<2, P>(g, x, first, at, stride); break;
+      case 3: q.template dot<3, P>(g, x, first, at, stride); break;
+      default: q.template dot<4, P>(g, x, first, at, stride); break;
     }
   }
 }
 
-template <typename Q>
+// x's rows in P planes (1: quantized to int8, 3: split) times the groups' integers.
+template <int P, typename Q>
 at::Tensor int8_products(const Q& q, int64_t groups, const at::Tensor& x,
                          const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), out_features = groups * 8;
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1));
+  const QuantizedRows xq = P == 1
+      ? quantize_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1))
+      : split_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1));
   float* out = y.data_ptr<float>();
   at::parallel_for(0, groups, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) group_rows(q, g, xq, rows, out, out_features);
+    for (int64_t g = begin; g < end; ++g) group_rows<P>(q, g, xq, rows, out, out_features);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
@@ -315,6 +380,15 @@ void check_group_args(const at::Tensor& x, const at::Tensor& qs, at::ScalarType 
               op, ": bias must be float32 [groups * 8]");
 }
 
+Q41Groups q4_1_groups(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                      const at::Tensor& m, const std::optional<at::Tensor>& bias,
+                      const char* op) {
+  check_group_args(x, qs, at::kByte, 16, d, bias, op);
+  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(),
+              op, ": mins must be contiguous float16 [groups, in / 32, 8]");
+  return {qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), qs.size(1)};
+}
+
 }  // namespace
 
 namespace pagedserve {
@@ -323,12 +397,15 @@ namespace pagedserve {
 // float16 (Q41Groups): [n, groups * 8].
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  check_group_args(x, qs, at::kByte, 16, d, bias, "q4_1_int8_matvec");
-  TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == at::kHalf && m.is_contiguous(),
-              "q4_1_int8_matvec: mins must be contiguous float16 [groups, in / 32, 8]");
-  const Q41Groups q{qs.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
-                    qs.size(1)};
-  return int8_products(q, qs.size(0), x, bias);
+  return int8_products<1>(q4_1_groups(x, qs, d, m, bias, "q4_1_int8_matvec"), qs.size(0), x,
+                          bias);
+}
+
+// As q4_1_int8_matvec, x split into three int8 planes: float32's precision of x's blocks.
+at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                              const at::Tensor& m, const std::optional<at::Tensor>& bias) {
+  return int8_products<3>(q4_1_groups(x, qs, d, m, bias, "q4_1_planes_matvec"), qs.size(0), x,
+                          bias);
 }
 
 // x [n, in] float32, qs [groups, in / 32, 8, 32] int8 (-127..127), d [groups, in / 32, 8]
@@ -337,7 +414,7 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
                             const std::optional<at::Tensor>& bias) {
   check_group_args(x, qs, at::kChar, 32, d, bias, "q8_0_int8_matvec");
   const Q80Groups q{qs.data_ptr<int8_t>(), d.data_ptr<at::Half>(), qs.size(1)};
-  return int8_products(q, qs.size(0), x, bias);
+  return int8_products<1>(q, qs.size(0), x, bias);
 }
 
 }  // namespace pagedserve
@@ -347,4 +424,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
         &pagedserve::q4_1_int8_matvec);
   m.def("q8_0_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
         &pagedserve::q8_0_int8_matvec);
+  m.def("q4_1_planes_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
+        &pagedserve::q4_1_planes_matvec);
 }

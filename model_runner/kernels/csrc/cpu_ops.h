@@ -38,6 +38,8 @@ at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias);
+at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                              const at::Tensor& m, const std::optional<at::Tensor>& bias);
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias);
 
