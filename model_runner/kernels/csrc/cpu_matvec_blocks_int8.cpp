@@ -1,6 +1,8 @@
 // `--weight-dtype int8` on a weight with exact GGUF blocks (model_runner/kernels/
 // block_quant.py): the blocks' integers times activations quantized to int8, as torch ops
-// (torch.ops.pagedserve.q4_1_int8_matvec, q8_0_int8_matvec), for up to eight rows.
+// (torch.ops.pagedserve.q4_1_int8_matvec, q8_0_int8_matvec), for up to eight rows; and
+// `--weight-dtype float16`'s Q4_1 (q4_1_planes_matvec): the same integers times float32
+// activations split per block into three int8 planes, float32's precision (split_rows).
 //
 // Each row of x is quantized per block of 32 values on its own grid: d_x = max|x| / 127,
 // q_x = x / d_x rounded to nearest (even), s_x = d_x * sum(q_x) (llama.cpp's Q8_1, which
