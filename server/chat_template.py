@@ -8,7 +8,9 @@ a 400 naming why.
 
 from __future__ import annotations
 
+import gc
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -66,6 +68,35 @@ class DeadlineExceeded(BaseException):
     swallows it."""
 
 
+class _Collection(threading.local):
+    """Whether the garbage collector is running on this thread (its finalizers and
+    weakref callbacks, which may be any thread's objects')."""
+
+    running = False
+
+
+_collection = _Collection()
+
+
+def _note_collection(phase: str, info: dict[str, Any]) -> None:
+    _collection.running = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether `frame` runs for the garbage collector (this module's note of it included)
+    or inside a `__del__`."""
+    if _collection.running or frame.f_code is _note_collection.__code__:
+        return True
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def call_with_deadline(
     fn: Callable[[], _T], timeout_s: float, clock: Callable[[], float] = time.monotonic
 ) -> _T:
@@ -74,11 +105,14 @@ def call_with_deadline(
     NOTE: a trace hook on this thread that looks only at "call" events (it returns None,
     so no line is traced): jinja templates compile to Python, whose loops call (range,
     filters, the output generator), so a template cannot run long without one. A loop of
-    C code alone (a huge string's characters) is not stopped before it ends."""
+    C code alone (a huge string's characters) is not stopped before it ends. Finalizers
+    that run meanwhile (the collector's, or a `__del__`) are never stopped: they may be
+    another thread's objects' (an HTTP stream's), and an exception there is swallowed
+    with their cleanup half done."""
     deadline = clock() + timeout_s
 
     def trace(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and clock() > deadline:
+        if event == "call" and clock() > deadline and not _in_finalizer(frame):
             raise DeadlineExceeded
         return None
 

@@ -7,6 +7,7 @@ by --chat-template-timeout-s and frees the tokenizer thread at once."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import sys
 from collections.abc import Callable
@@ -304,6 +305,35 @@ def test_call_with_deadline_stops_at_the_first_call_past_it() -> None:
     with pytest.raises(DeadlineExceeded):
         call_with_deadline(forever, 0.5, clock)
     assert sys.gettrace() is before  # whatever was tracing this thread traces it again
+
+
+def test_a_call_past_its_deadline_leaves_finalizers_to_finish() -> None:
+    # the collector may finalize any thread's objects inside the call (a server's stream):
+    # an exception there would be swallowed with its cleanup half done
+    now = [0.0]
+    closed: list[str] = []
+
+    class Resource:
+        me: object = None
+
+        def __del__(self) -> None:
+            closed.append(self.close())
+
+        def close(self) -> str:
+            return "closed"
+
+    def work() -> None:
+        now[0] = 10.0  # past the deadline from here on
+        plain, cyclic = Resource(), Resource()
+        cyclic.me = cyclic
+        del cyclic
+        gc.collect()  # a C call: the cycle's __del__ runs inside the collection
+        del plain  # its __del__ runs at once
+        (lambda: None)()  # the next call of the work itself is stopped
+
+    with pytest.raises(DeadlineExceeded):
+        call_with_deadline(work, 1.0, lambda: now[0])
+    assert closed == ["closed", "closed"]
 
 
 def test_the_readme_lists_every_limit_with_its_default() -> None:
