@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "vec8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -38,6 +39,8 @@
 #endif
 
 namespace {
+
+using pagedserve::load8;  // eight float16 scales as float32
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGrain = 8;  // groups of eight output rows a thread takes at least
@@ -161,10 +164,6 @@ QuantizedRows split_rows(const float* x, int64_t stride, int64_t rows, int64_t w
 inline __m256i broadcast16(const int8_t* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-
-inline __m256 load_halves(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 #endif
 
 // Q4_1 groups: qs [groups, blocks, 8, 16] uint8 (byte j of a block: weight j in the low
@@ -199,7 +198,7 @@ struct Q41Groups {
         low[i] = _mm256_and_si256(v, mask);
         high[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       }
-      const __m256 dv = load_halves(dg + k * 8), mv = load_halves(mg + k * 8);
+      const __m256 dv = load8(dg + k * 8), mv = load8(mg + k * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t row = first + r, xb = row * x.blocks + k;
         __m256i sums[P];
@@ -282,7 +281,7 @@ struct Q80Groups {
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t k = 0; k < blocks; ++k) {
-      const __m256 dv = load_halves(dg + k * 8);
+      const __m256 dv = load8(dg + k * 8);
       for (int r = 0; r < R; ++r) {
         const int64_t row = first + r;
         const __m256i xv = _mm256_loadu_si256(
@@ -345,7 +344,7 @@ void group_rows(const Q& q, int64_t g, const QuantizedRows& x, int64_t rows, flo
 
 // x's rows in P planes (1: quantized to int8, 3: split) times the groups' integers.
 template <int P, typename Q>
-at::Tensor int8_products(const Q& q, int64_t groups, const at::Tensor& x,
+at::Tensor grouped_products(const Q& q, int64_t groups, const at::Tensor& x,
                          const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), out_features = groups * 8;
   at::Tensor y = at::empty({rows, out_features}, x.options());
@@ -399,14 +398,14 @@ namespace pagedserve {
 // float16 (Q41Groups): [n, groups * 8].
 at::Tensor q4_1_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  return int8_products<1>(q4_1_groups(x, qs, d, m, bias, "q4_1_int8_matvec"), qs.size(0), x,
+  return grouped_products<1>(q4_1_groups(x, qs, d, m, bias, "q4_1_int8_matvec"), qs.size(0), x,
                           bias);
 }
 
 // As q4_1_int8_matvec, x split into three int8 planes: float32's precision of x's blocks.
 at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                               const at::Tensor& m, const std::optional<at::Tensor>& bias) {
-  return int8_products<3>(q4_1_groups(x, qs, d, m, bias, "q4_1_planes_matvec"), qs.size(0), x,
+  return grouped_products<3>(q4_1_groups(x, qs, d, m, bias, "q4_1_planes_matvec"), qs.size(0), x,
                           bias);
 }
 
@@ -416,7 +415,7 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
                             const std::optional<at::Tensor>& bias) {
   check_group_args(x, qs, at::kChar, 32, d, bias, "q8_0_int8_matvec");
   const Q80Groups q{qs.data_ptr<int8_t>(), d.data_ptr<at::Half>(), qs.size(1)};
-  return int8_products<1>(q, qs.size(0), x, bias);
+  return grouped_products<1>(q, qs.size(0), x, bias);
 }
 
 }  // namespace pagedserve
