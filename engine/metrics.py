@@ -33,7 +33,7 @@ MAX_PRIORITY_LABELS = 16
 OTHER_PRIORITY = "other"
 
 # NOTE: no `*_created` series: the exposed names are exactly the SPEC's.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                  1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

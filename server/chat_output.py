@@ -73,7 +73,7 @@ class ChatOutputParser:
         reasoning, answer = "", text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.split(text)
-        content, calls = answer, []
+        content, calls = answer, list[ParsedToolCall]()
         if self.tools is not None:
             content, calls = self.tools.parse(answer)
             if not self.parallel_tool_calls:

@@ -11,7 +11,7 @@ from typing import Any
 import pydantic
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from server.limits import RequestLimits
 from server.responses import ChatCompletionChunk, CompletionStreamResponse, ErrorResponse
@@ -103,7 +103,7 @@ def install_openapi(
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            models = [
+            models: list[tuple[type[pydantic.BaseModel], JsonSchemaMode]] = [
                 *((m, "validation") for m in request_models),
                 (CompletionStreamResponse, "serialization"),
                 (ChatCompletionChunk, "serialization"),

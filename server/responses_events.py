@@ -231,7 +231,7 @@ class ResponseEvents:
         texts.append(text)
         delta_type = ("response.reasoning_text.delta" if kind == "reasoning"
                       else "response.output_text.delta")
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, list[object]] = {} if kind == "reasoning" else {"logprobs": []}
         out.append(self._event(delta_type, **self._where(item), delta=text, **extra))
         return b"".join(out)
 
@@ -247,7 +247,7 @@ class ResponseEvents:
         item["status"] = status if item is self.output[-1] else "completed"
         done_type = ("response.reasoning_text.done" if kind == "reasoning"
                      else "response.output_text.done")
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, list[object]] = {} if kind == "reasoning" else {"logprobs": []}
         return (self._event(done_type, **self._where(item), text=text, **extra)
                 + self._event("response.content_part.done", **self._where(item), part=part)
                 + self._event("response.output_item.done",

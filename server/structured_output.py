@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from server.limits import RequestLimits, over_limit
 from server.requests import ResponseFormat, SamplingRequest, StructuredOutputsParams
@@ -27,6 +27,8 @@ from structured.grammars import (
     lark_grammar,
     regex_grammar,
 )
+
+_T = TypeVar("_T")
 
 
 class GrammarError(ValueError):
@@ -69,7 +71,7 @@ def request_grammar(
     return None
 
 
-def _built(param: str, limits: RequestLimits, build: Callable[[], str | None]) -> str | None:
+def _built(param: str, limits: RequestLimits, build: Callable[[], _T]) -> _T:
     """`build()`; a RecursionError (nesting our own checks missed) is a GrammarError."""
     try:
         return build()
@@ -194,7 +196,7 @@ def _literal_end(text: str, start: int) -> int:
 
 def _schema_grammar(param: str, schema: dict[str, object] | bool) -> str:
     try:
-        return json_schema_grammar(schema)  # type: ignore[arg-type]
+        return json_schema_grammar(schema)
     except RecursionError:
         raise
     except Exception as exc:  # NOTE: whatever llguidance raises on odd input is a 400

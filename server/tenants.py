@@ -36,7 +36,7 @@ import threading
 import time
 import tomllib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -323,7 +323,7 @@ class TenantRegistry:
         Counters carry over by name, so in-flight requests release the right seats."""
         self._install(load_tenants_file(path), os.environ if environ is None else environ)
 
-    def _install(self, specs: list[TenantSpec], environ: dict[str, str]) -> None:
+    def _install(self, specs: list[TenantSpec], environ: Mapping[str, str]) -> None:
         by_key: dict[bytes, Tenant] = {}
         by_name: dict[str, Tenant] = {}
         for spec in specs:
@@ -339,7 +339,7 @@ class TenantRegistry:
         self._by_key, self._by_name = by_key, by_name
 
 
-def _key_digests(spec: TenantSpec, environ: dict[str, str]) -> list[bytes]:
+def _key_digests(spec: TenantSpec, environ: Mapping[str, str]) -> list[bytes]:
     digests = [bytes.fromhex(d) for d in spec.api_key_sha256]
     for variable in spec.api_key_env:
         key = environ.get(variable)

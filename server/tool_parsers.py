@@ -124,15 +124,16 @@ def call_so_far(stream: JsonStream, arguments_keys: tuple[str, ...]) -> ParsedTo
     member = members[key]
     value = output[member.start : member.end]
     if value.startswith("{"):
-        arguments: str | None = value
+        arguments = value
     elif not value.startswith('"'):
         return None  # no object (or a number or literal not yet read)
     elif member.end is None:
         arguments = ""  # NOTE: arguments written as JSON text go out whole, once read
     else:
-        arguments = canonical_json(json.loads(value))
-        if arguments is None or not arguments.startswith("{"):
+        decoded = canonical_json(json.loads(value))
+        if decoded is None or not decoded.startswith("{"):
             return None
+        arguments = decoded
     return ParsedToolCall(json.loads(output[name.start : name.end]), arguments)
 
 

@@ -11,13 +11,16 @@ Both run under `PARSER_LIMITS`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher, LLParserLimits
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a stub-only TypedDict
+
 # NOTE: compact JSON (no free whitespace): a small model allowed to write whitespace can
 # spend its whole max_tokens on newlines inside an object.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 # NOTE: llguidance's defaults let the first mask of `(a{1000}){1000}` take 2 s (1M of
 # initial lexer fuel) and a grammar hold 250k lexer states (1-2 kB each); these bound a
