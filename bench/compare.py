@@ -3,7 +3,7 @@
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
     python -m bench.compare --workloads WE,W1,WV,WEP --systems pagedserve,pagedserve-spec
 
-Systems (loadgen/systems.py): `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype
+Systems (bench/systems.py): `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype
 float16 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV),
 `pagedserve-int8` (`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see
 cpu_linear.py), `pagedserve-spec` (float32 with n-gram speculation, k = 4),
@@ -35,8 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loadgen.client import BenchConfig, run_items
-from loadgen.systems import (
+from bench.systems import (
     BASELINE_TREE,
     LLAMA_SERVERS,
     SERVERS,
@@ -44,6 +43,7 @@ from loadgen.systems import (
     pagedserve_flags,
     parse_systems,
 )
+from loadgen.client import BenchConfig, run_items
 from loadgen.workloads import WORKLOADS, BenchItem, Workload
 from tests.support.server_process import ServerProcess, free_port, pagedserve_command
 

@@ -7,7 +7,7 @@ Measures, on the same load (every request in flight at once, `ignore_eos`; the l
 generator's raw HTTP client, in this process):
 - the load generator's ceiling against bench/null_server.py (a server that does nothing),
   streaming as fast as it can and paced like the engine (one chunk per stream per step);
-- `pagedserve bench --engine-loop`: the step loop with no HTTP (this process);
+- `python -m bench.engine_loop`: the step loop with no HTTP (this process);
 - `pagedserve serve --simulate-step-ms` over HTTP, once per --stream-intervals value, and
   the server of --baseline-tree (another checkout, e.g. the thread design before the
   engine core had its own process, run with its own PYTHONPATH) when given;
@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import uvloop
 
-from engine.loop_bench import run_engine_loop
+from bench.engine_loop import run_engine_loop
 from loadgen.client import BenchConfig, run_bench
 from tests.support.server_process import REPO_ROOT, ServerProcess, cpu_seconds, free_port
 

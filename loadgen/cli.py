@@ -1,15 +1,15 @@
 """`pagedserve bench`: the load generator's flags, the BenchConfig they make, and the run.
 
 server/cli.py adds these flags as its `bench` subcommand and hands the parsed flags to
-`run`, with the engine's in-process step loop for `--engine-loop` (the load generator
-imports nothing of ours, so it is given that mode rather than importing it).
+`run`. The flags that draw the requests (`add_load_arguments`) are also the workshop's
+in-process engine loop's (bench/engine_loop.py), so that both run the same requests.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from typing import Any
 
 from loadgen import client
 from loadgen.client import BenchConfig
@@ -17,9 +17,6 @@ from loadgen.client import BenchConfig
 # NOTE: the server's --api-key reads the same variable, so a shell that set it for
 # `pagedserve serve` can load-test it as it is.
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-
-# --engine-loop: (config, simulated step ms, overlapped steps) -> exit status, printed
-EngineLoop = Callable[[BenchConfig, float, bool], int]
 
 
 def parse_length_range(text: str) -> tuple[int, int]:
@@ -42,25 +39,12 @@ def parse_priority_mix(text: str) -> tuple[tuple[int, float], ...]:
         raise argparse.ArgumentTypeError(f"not a priority mix: {text!r}") from None
 
 
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pagedserve bench`."""
-    parser.add_argument("--url", default=None,
-                        help="server base URL, e.g. http://host:8000 (needed but with "
-                        "--engine-loop)")
-    parser.add_argument("--engine-loop", action="store_true",
-                        help="no server: run the requests through the in-process engine step "
-                        "loop on the simulated runner (needs --simulate-step-ms)")
-    parser.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
-                        help="with --engine-loop: the simulated runner's step time")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="with --engine-loop: overlapped steps (as `serve` takes it)")
-    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that draw the requests (`client.make_items`): how many, how many in
+    flight, their prompts and lengths, sampling, and the output's form."""
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=None,
                         help="requests in flight at most (default 8 without --request-rate)")
-    parser.add_argument("--request-rate", type=float, default=None,
-                        help="Poisson arrivals per second (default: as fast as --concurrency)")
     parser.add_argument("--input-len", type=parse_length_range, default=(128, 128),
                         help="prompt tokens (or words): N or LOW:HIGH (default 128)")
     parser.add_argument("--output-len", type=parse_length_range, default=(64, 64),
@@ -69,14 +53,41 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         default=True, help="send token-id prompts (else random words)")
     parser.add_argument("--token-id-range", type=parse_length_range, default=(1000, 20000),
                         help="LOW:HIGH of the random prompt token ids")
-    parser.add_argument("--priority-mix", type=parse_priority_mix, default=None,
-                        help='priority:weight pairs, e.g. "10:0.9,-10:0.1"')
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate exactly max_tokens (server extension)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def load_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """BenchConfig's fields from `add_load_arguments`' parsed flags."""
+    return dict(
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prompt_token_ids=args.prompt_token_ids,
+        token_id_range=args.token_id_range,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+        json=args.json,
+    )
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pagedserve bench`."""
+    parser.add_argument("--url", default=None,
+                        help="server base URL, e.g. http://host:8000 (required)")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None)
+    add_load_arguments(parser)
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="Poisson arrivals per second (default: as fast as --concurrency)")
+    parser.add_argument("--priority-mix", type=parse_priority_mix, default=None,
+                        help='priority:weight pairs, e.g. "10:0.9,-10:0.1"')
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
                         help="raw: plain asyncio connections, a fraction of httpx's CPU per "
                         "streamed line (http:// only)")
@@ -93,44 +104,28 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_bench_config(args: argparse.Namespace) -> BenchConfig:
     """The bench config from parsed `bench` flags; ValueError on invalid values."""
-    if args.engine_loop:
-        if args.simulate_step_ms is None or args.simulate_step_ms < 0:
-            raise ValueError("--engine-loop needs --simulate-step-ms MS (MS >= 0)")
-    elif args.url is None:
-        raise ValueError("--url is required (or --engine-loop)")
+    if args.url is None:
+        raise ValueError("--url is required")
     return BenchConfig(
-        url=args.url or "",
+        url=args.url,
         model=args.model,
         api_key=args.api_key,
-        num_requests=args.num_requests,
-        concurrency=args.concurrency,
         request_rate=args.request_rate,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        prompt_token_ids=args.prompt_token_ids,
-        token_id_range=args.token_id_range,
         priority_mix=args.priority_mix,
-        ignore_eos=args.ignore_eos,
-        temperature=args.temperature,
-        seed=args.seed,
         timeout_s=args.timeout,
-        json=args.json,
         workload=args.workload,
         scale=args.scale,
         http_client=args.http_client,
         logprobs=args.logprobs,
+        **load_fields(args),
     )
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser,
-        engine_loop: EngineLoop) -> int:
-    """Run `pagedserve bench` from its parsed flags: the load against --url, or the
-    requests through `engine_loop` with --engine-loop; 1 if any request failed. Invalid
-    flags end in `parser.error` (exit 2)."""
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run `pagedserve bench` from its parsed flags: the load against --url; 1 if any
+    request failed. Invalid flags end in `parser.error` (exit 2)."""
     try:
         config = build_bench_config(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.engine_loop:
-        return engine_loop(config, args.simulate_step_ms, args.async_scheduling)
     return client.run(config)

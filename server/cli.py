@@ -1,10 +1,9 @@
-"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`
-(or `pagedserve bench --engine-loop --simulate-step-ms MS ...`, no server).
+"""The `pagedserve` command: `pagedserve serve [flags]` and `pagedserve bench --url U ...`.
 
 This module parses the server's flags; it turns them into the frozen configs of each
 layer (ServerConfig, ModelConfig, SchedulerConfig; the CacheConfig follows from the KV
 cache the runner allocates) and runs uvicorn. `bench` is the load generator's CLI
-(loadgen/cli.py), given the engine's step loop for --engine-loop. Flag names follow vLLM's.
+(loadgen/cli.py). Flag names follow vLLM's.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from types import FrameType
 
 from loadgen import cli as bench_cli
 from loadgen.cli import API_KEY_ENV
-from loadgen.client import BenchConfig
 from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelConfig
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from server.config import ServerConfig
@@ -425,17 +423,6 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     return 0
 
 
-def _bench_engine_loop(config: BenchConfig, step_ms: float, async_scheduling: bool) -> int:
-    """`pagedserve bench --engine-loop`: the load generator's EngineLoop, the engine's."""
-    import json
-
-    from engine.loop_bench import format_engine_loop, run_engine_loop
-
-    summary = run_engine_loop(config, step_ms, async_scheduling)
-    print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))
-    return 0
-
-
 def _log_stop_signal(signum: int, frame: FrameType | None) -> None:
     logger.info("stopped by %s", signal.Signals(signum).name)
 
@@ -453,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench_cli.run(args, parser, engine_loop=_bench_engine_loop)
+        return bench_cli.run(args, parser)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

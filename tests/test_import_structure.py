@@ -5,7 +5,8 @@ module, module-level and lazy alike:
     server reads of the layers below only their configs and the scheduler's contract;
     model_runner reads only the scheduler's contract (scheduler/output.py,
     scheduler/sampling_params.py); scheduler and kvcache import no torch;
-    the engine imports nothing of server/ and no HTTP; no import loop among our modules.
+    the engine imports nothing of server/ and no HTTP; no import loop among our modules;
+    no shipped module imports the workshop (bench/) or the tests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ ALLOWED = {
     "model_runner": {"scheduler"},
     "loadgen": set(),
     "structured": {"scheduler"},
-    "engine": {"scheduler", "kvcache", "model_runner", "structured", "loadgen"},
+    "engine": {"scheduler", "kvcache", "model_runner", "structured"},
     "server": {"engine", "scheduler", "kvcache", "model_runner", "loadgen", "structured"},
 }
 SCHEDULER_CONTRACT = {"scheduler.output", "scheduler.sampling_params"}
@@ -101,6 +102,14 @@ def test_the_engine_knows_no_http(name: str) -> None:
     assert not roots & HTTP_MODULES, f"{name} imports {roots & HTTP_MODULES}"
 
 
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_the_product_imports_no_workshop_and_no_tests(name: str) -> None:
+    """bench/ and tests/ are not installed: a shipped module that imported them would
+    fail outside a checkout."""
+    found = {m for m in IMPORTS[name] if m.split(".")[0] in ("bench", "tests")}
+    assert not found, f"{name} imports {sorted(found)}"
+
+
 def test_no_import_loops() -> None:
     graph = {name: _ours(imported) - {name} for name, imported in IMPORTS.items()}
     # A package's __init__ is imported with any of its modules: not an edge back.
@@ -153,7 +162,8 @@ def test_every_import_of_ours_resolves() -> None:
 
 def test_the_tests_import_no_bench() -> None:
     """The workshop may use the tests' helpers (tests/support), never the other way: a test
-    runs without bench/."""
+    runs without bench/. Only the workshop's own tests (tests/bench/) import it."""
     found = [f"{_module_name(p)} imports {m}" for p in (ROOT / "tests").rglob("*.py")
+             if not p.is_relative_to(ROOT / "tests" / "bench")
              for m in _imports(p, _module_name(p)) if m.split(".")[0] == "bench"]
     assert not found, found

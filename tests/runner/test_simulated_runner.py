@@ -72,18 +72,6 @@ def test_kv_pool_sized_like_the_model(spec) -> None:
         SimulatedRunner(spec, ModelConfig(), -1)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "overlapped"])
-def test_engine_loop_bench_generates_every_requested_token(async_scheduling: bool) -> None:
-    from engine.loop_bench import run_engine_loop
-    from loadgen.client import BenchConfig, make_items
-
-    config = BenchConfig(url="", num_requests=12, concurrency=4, input_len=(8, 8),
-                         output_len=(5, 9), ignore_eos=True)
-    summary = run_engine_loop(config, step_ms=0, async_scheduling=async_scheduling)
-    assert summary["output_tokens"] == sum(item.max_tokens for item in make_items(config))
-    assert summary["num_requests"] == 12 and summary["num_steps"] >= 9
-
-
 def test_prompt_logprobs_have_the_right_shape_across_chunks(spec) -> None:
     runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=64), step_ms=0)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=2048),

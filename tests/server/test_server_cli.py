@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from engine.metrics import OTHER_PRIORITY, PriorityLabels
-from loadgen.systems import PAGEDSERVE_VARIANTS, pagedserve_flags
 from scheduler.config import SpeculativeConfig
 from server.cli import build_configs, build_parser, parse_size
 from server.config import ServerConfig
@@ -234,12 +233,3 @@ def test_speculative_model_is_a_draft_model_in_the_speculative_config() -> None:
 def test_a_bad_speculative_config_says_why(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         configs("--speculative-config", text)
-
-
-@pytest.mark.parametrize("system", sorted(PAGEDSERVE_VARIANTS))
-def test_the_benchmarks_pagedserve_systems_are_flags_serve_takes(system: str) -> None:
-    """`bench.compare`'s servers (the speculating one included) start with flags that
-    `pagedserve serve` parses."""
-    config = configs(*pagedserve_flags(system, "float32", 64))
-    assert (config.scheduler.speculative is not None) == ("--speculative-config" in
-                                                          PAGEDSERVE_VARIANTS[system])

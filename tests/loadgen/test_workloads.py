@@ -1,23 +1,14 @@
-"""The input-copying workloads (loadgen/edits.py, WE and WEP) and the systems the benchmark
-compares (loadgen/systems.py): deterministic prompts within their token bounds, and each
-system's command line."""
+"""The input-copying workloads (loadgen/edits.py, WE and WEP): deterministic prompts within
+their token bounds."""
 
 from __future__ import annotations
 
 import difflib
-import json
 import random
-from pathlib import Path
 
 import pytest
 
 from loadgen.edits import MAX_TOKENS, MIN_TOKENS, edit_prompts, load_blocks
-from loadgen.systems import (
-    NGRAM_SPECULATION,
-    llama_server_command,
-    pagedserve_flags,
-    parse_systems,
-)
 from loadgen.workloads import we, wep
 
 
@@ -72,32 +63,3 @@ def test_we_is_one_stream_and_wep_mixes_urgent_edits_into_a_saturating_low_load(
     assert len(low) > mix.concurrency and all(r.send_at_s is None for r in low)
     times = [r.send_at_s for r in urgent]
     assert urgent and all(t is not None for t in times) and times == sorted(times)
-
-
-def test_the_speculating_systems_build_their_command_lines(tmp_path: Path) -> None:
-    flags = pagedserve_flags("pagedserve-spec", "float32", None, ["--max-num-seqs", "8"])
-    config = json.loads(flags[flags.index("--speculative-config") + 1])
-    assert config == NGRAM_SPECULATION == {"method": "ngram", "num_speculative_tokens": 4,
-                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    assert flags[-2:] == ["--max-num-seqs", "8"] and "--speculative-config" not in \
-        pagedserve_flags("pagedserve", "float32", 64, [])
-    plain = llama_server_command("llama-server", "/bin/ls", tmp_path / "m.gguf", 9, 2, we())
-    spec = llama_server_command("llama-server-spec", "/bin/ls", tmp_path / "m.gguf", 9, 2, we())
-    assert spec[:len(plain)] == plain and "--spec-type" not in plain
-    assert spec[spec.index("--spec-type") + 1] == "ngram-simple"
-    assert plain[plain.index("-np") + 1] == "1"
-
-
-def test_systems_parse_and_name_what_they_need(tmp_path: Path) -> None:
-    binary = tmp_path / "llama-server"
-    binary.write_text("")
-    assert parse_systems("pagedserve,pagedserve-spec,llama-server-spec", str(binary), None) \
-        == ["pagedserve", "pagedserve-spec", "llama-server-spec"]
-    assert "llama-server" in parse_systems(None, str(binary), None)
-    assert "llama-server" not in parse_systems(None, "", None)
-    with pytest.raises(ValueError, match="llama-server-spec needs --llama-server"):
-        parse_systems("pagedserve,llama-server-spec", "", None)
-    with pytest.raises(ValueError, match="unknown systems: pagedserve-specx"):
-        parse_systems("pagedserve-specx", "", None)
-    with pytest.raises(ValueError, match="--baseline-tree"):
-        parse_systems("baseline-tree", "", None)

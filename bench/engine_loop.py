@@ -1,22 +1,29 @@
-"""`pagedserve bench --engine-loop`: the in-process engine step loop, no HTTP.
+"""The in-process engine step loop on the simulated runner, no HTTP.
 
 Builds the engine core as `pagedserve serve --simulate-step-ms MS` does (the default
 model's tokenizer, a SimulatedRunner) and steps it in this process (schedule, launch,
 update, and the per-step message the core would send) with the same requests as the
-HTTP load generator, at most `concurrency` in flight, so that the HTTP figure of one run
-has the in-process ceiling beside it.
+HTTP load generator (`pagedserve bench`'s request flags), at most `--concurrency` in
+flight, so that the HTTP figure of one run has the in-process ceiling beside it.
 
-    pagedserve bench --engine-loop --simulate-step-ms 10 --num-requests 256 \\
-        --concurrency 256 --input-len 128 --output-len 256
+    python -m bench.engine_loop --simulate-step-ms 10 --num-requests 256 \\
+        --concurrency 256 --input-len 128 --output-len 256 --ignore-eos [--async-scheduling]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
+from engine.core import EngineCore
+from engine.core_setup import build_core_parts
 from engine.messages import AddRequests, NewRequest
+from loadgen.cli import add_load_arguments, load_fields
 from loadgen.client import BenchConfig, make_items
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model_spec
@@ -33,9 +40,6 @@ def run_engine_loop(
 ) -> dict[str, Any]:
     """Steps until every request of `config` finished (overlapped steps with
     `async_scheduling`); tokens, steps and wall time."""
-    from engine.core import EngineCore
-    from engine.core_setup import build_core_parts
-
     concurrency = config.concurrency or 8
     model_config = ModelConfig(
         num_kv_blocks=_NUM_KV_BLOCKS, max_num_seqs=concurrency,
@@ -97,3 +101,34 @@ def format_engine_loop(summary: dict[str, Any]) -> str:
         f"{summary['steps_per_s']:.1f} steps/s, "
         f"{summary['cpu_s_per_1k_tokens']:.3f} CPU s per 1k tokens"
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine_loop",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--simulate-step-ms", type=float, required=True, metavar="MS",
+                        help="the simulated runner's step time")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlapped steps (as `pagedserve serve` takes it)")
+    add_load_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the requests of the flags through the loop and print the summary; invalid
+    flags end in `parser.error` (exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.simulate_step_ms < 0:
+        parser.error("--simulate-step-ms must be >= 0")
+    try:
+        config = BenchConfig(url="", **load_fields(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+    summary = run_engine_loop(config, args.simulate_step_ms, args.async_scheduling)
+    print(json.dumps(summary, indent=2) if config.json else format_engine_loop(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
