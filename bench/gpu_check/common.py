@@ -1,6 +1,6 @@
 """What the GPU check's parts share: the result record, the budget, the device sync and
-the Qwen3-0.6B-shaped random model. The random-weight models and the engine step without
-HTTP are tests/support/gpu_models.py's, shared with the GPU tests."""
+release, and the Qwen3-0.6B-shaped random model. The random-weight models and the engine
+step without HTTP are tests/support/gpu_models.py's, shared with the GPU tests."""
 
 from __future__ import annotations
 
@@ -63,6 +63,17 @@ def sync(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_device_memory() -> None:
+    """What the last part held on the device, given back before the next one."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 _qwen3_cache: dict[bool, tuple[Path, object]] = {}

@@ -7,10 +7,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from bench.gpu_check.common import PartResult
+from bench.gpu_check.common import PartResult, free_device_memory
 from tests.support.gpu_models import (
     device_for,
-    free_device_memory,
     make_runner,
     overlap_requests,
     random_model_folder,

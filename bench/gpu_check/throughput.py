@@ -6,11 +6,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from bench.gpu_check.common import PartResult, qwen3_model, sync, time_left
+from bench.gpu_check.common import (
+    PartResult,
+    free_device_memory,
+    qwen3_model,
+    sync,
+    time_left,
+)
 from tests.support.gpu_models import (
     LoopStats,
     device_for,
-    free_device_memory,
     make_runner,
     scheduler_loop,
 )

@@ -65,16 +65,6 @@ def device_for(dry_run: bool):
     return torch.device("cpu" if dry_run else "cuda")
 
 
-def free_device_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def save_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level tokenizer "t<id>" for every id (the loader needs one; nothing here
     decodes text)."""
