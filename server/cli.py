@@ -224,7 +224,25 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     max_num_batched_tokens = args.max_num_batched_tokens or (
         _CUDA_MAX_NUM_BATCHED_TOKENS if cuda else _CPU_MAX_NUM_BATCHED_TOKENS
     )
-    model = ModelConfig(
+    model = _model_config(args, max_num_seqs, max_num_batched_tokens)
+    scheduler = _scheduler_config(args, cuda, max_num_seqs, max_num_batched_tokens)
+    server = _server_config(args)
+    if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
+        raise ValueError("--simulate-step-ms must be >= 0")
+    if args.simulate_step_ms is not None and args.tensor_parallel_size > 1:
+        raise ValueError("--simulate-step-ms runs no model to shard: drop --tensor-parallel-size")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
+    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
+                        args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
+
+
+def _model_config(
+    args: argparse.Namespace, max_num_seqs: int, max_num_batched_tokens: int
+) -> ModelConfig:
+    return ModelConfig(
         model=args.model,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
@@ -242,6 +260,11 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def _scheduler_config(
+    args: argparse.Namespace, cuda: bool, max_num_seqs: int, max_num_batched_tokens: int
+) -> SchedulerConfig:
     scheduler = SchedulerConfig(
         policy=args.scheduling_policy,
         max_num_seqs=max_num_seqs,
@@ -273,8 +296,12 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
                          "--tensor-parallel-size > 1: use method ngram")
     if scheduler.async_scheduling and args.tensor_parallel_size > 1:
         raise ValueError("--async-scheduling does not run with --tensor-parallel-size > 1")
+    return scheduler
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
     names = args.served_model_name or [None]
-    server = ServerConfig(
+    return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=names[0],
@@ -293,16 +320,6 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         log_level=args.log_level,
         limits=RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
     )
-    if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
-        raise ValueError("--simulate-step-ms must be >= 0")
-    if args.simulate_step_ms is not None and args.tensor_parallel_size > 1:
-        raise ValueError("--simulate-step-ms runs no model to shard: drop --tensor-parallel-size")
-    if args.data_parallel_size < 1:
-        raise ValueError("--data-parallel-size must be >= 1")
-    if args.stream_interval < 1:
-        raise ValueError("--stream-interval must be >= 1")
-    return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
-                        args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
 
 
 def _read_chat_template(path: str | None) -> str | None:
