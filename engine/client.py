@@ -1,15 +1,15 @@
 """The engine in the API process: requests in, text out, over an engine core.
 
-HTTP handlers never touch the scheduler. `Engine.add_request` takes one `EngineRequest`
-(engine/request.py), registers its choices with the output processor and sends them to
-the core as scheduler requests; the core answers with one `StepOutputs` message per
-step, which the output processor (engine/output_processor.py) turns into text, metrics
-and outputs on the handlers' streams (engine/outputs.py), on the event loop.
+HTTP handlers never touch the scheduler. `EngineClient.add_request` takes one
+`EngineRequest` (engine/request.py), registers its choices with the output processor and
+sends them to the core as scheduler requests; the core answers with one `StepOutputs`
+message per step, which the output processor (engine/output_processor.py) turns into
+text, metrics and outputs on the handlers' streams (engine/outputs.py), on the event loop.
 
 The core runs in its own process (`create_engine`, or `start_engine` and
 `EngineStart.wait`: engine/core_client.py) or, for the unit tests, on a thread of this
-one (`Engine.in_process`: engine/in_process.py). If the core dies, every pending request
-fails at once and `is_alive` turns False with the reason.
+one (`EngineClient.in_process`: engine/in_process.py). If the core dies, every pending
+request fails at once and `is_alive` turns False with the reason.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class CoreClient(Protocol):
     def shutdown(self, timeout_s: float = 10.0) -> None: ...
 
 
-class Engine:
+class EngineClient:
     """Streams outputs of an engine core to HTTP handlers.
 
     Requests are added, aborted and snapshots taken on the event loop that serves the
@@ -121,7 +121,7 @@ class Engine:
         step_timeout_s: float | None = None,
         stream_interval: int = 1,
         structured: StructuredOutputs | None = None,
-    ) -> Engine:
+    ) -> EngineClient:
         """An engine whose core runs on a thread of this process (not started); the
         core's grammar tokenizer is this process's too, its KV pool the scheduler's."""
         info = replace(info, cache_config=scheduler.cache_config)
@@ -263,7 +263,7 @@ class EngineStart:
 
     def wait(
         self, metrics_factory: Callable[[str], ServerMetrics] = ServerMetrics
-    ) -> Engine:
+    ) -> EngineClient:
         """The engine, started, once the core is ready (`metrics_factory`: the metrics
         for the served model's name). Raises what `create_engine` raises."""
         core_info = self._client.wait_ready(self._ready_timeout_s)
@@ -282,9 +282,9 @@ class EngineStart:
             grammar_tokenizer=grammar_tokenizer,
             cache_config=core_info.cache_config,
         )
-        engine = Engine(self._client, info, step_timeout_s=self._step_timeout_s,
-                        stream_interval=self._stream_interval,
-                        metrics=metrics_factory(info.model_name))
+        engine = EngineClient(self._client, info, step_timeout_s=self._step_timeout_s,
+                              stream_interval=self._stream_interval,
+                              metrics=metrics_factory(info.model_name))
         engine.start()
         return engine
 
@@ -328,7 +328,7 @@ def start_engine(
 
 
 def create_engine(model_config: ModelConfig, scheduler_config: SchedulerConfig,
-                  **options: Any) -> Engine:
+                  **options: Any) -> EngineClient:
     """`start_engine(model_config, scheduler_config, **options)`, then wait for it: the
     engine, started, once the core is ready. Loading errors are raised here:
     FileNotFoundError and ValueError as an in-process load raises them, EngineStartError

@@ -13,12 +13,13 @@ Metrics carry an `engine` label (vLLM's); `sum without (engine)` adds them up.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.client import Engine, EngineStart
+from engine.client import EngineClient, EngineStart
 from engine.metrics import ServerMetrics
 from engine.outputs import EngineDeadError, RequestStream
 from engine.request import EngineRequest
@@ -65,9 +66,9 @@ class PrefixAffinity:
 
 
 class DataParallelEngine:
-    """The engines of N cores behind the `Engine` interface the HTTP app uses."""
+    """The engines of N cores behind the `EngineClient` interface the HTTP app uses."""
 
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    def __init__(self, engines: Sequence[EngineClient]) -> None:
         if not engines:
             raise ValueError("data parallelism needs at least one engine")
         self.engines = list(engines)
@@ -126,7 +127,7 @@ class DataParallelEngine:
     def add_request(
         self, request: EngineRequest, on_done: Callable[[], None] | None = None
     ) -> RequestStream:
-        """`Engine.add_request` on the core `pick` chooses: all of a request's choices on
+        """`EngineClient.add_request` on the core `pick` chooses: all of a request's choices on
         one core, so that n > 1 shares its prompt."""
         request_id = request.request_id
         core = self.pick(request.prompts[0], request.priority)
@@ -198,7 +199,7 @@ def create_data_parallel_engine(
         raise ValueError(f"--data-parallel-size {data_parallel_size} x --tensor-parallel-size "
                          f"{per_core} needs as many GPUs; {len(gpus)} visible")
     starts: list[EngineStart] = []
-    engines: list[Engine] = []
+    engines: list[EngineClient] = []
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for i in range(data_parallel_size):
@@ -209,8 +210,7 @@ def create_data_parallel_engine(
         for i, starting in enumerate(starts):
             shared = engines[0].metrics if engines else None
             engines.append(starting.wait(
-                metrics_factory=lambda name, i=i, shared=shared: ServerMetrics(
-                    name, engine=str(i), shared=shared),
+                metrics_factory=functools.partial(ServerMetrics, engine=str(i), shared=shared),
             ))
     except BaseException:
         for engine in engines:

@@ -1,5 +1,5 @@
 """The unit tests' engine core: an `EngineCore` stepped by a thread of this process
-(`Engine.in_process`), behind the same client interface as the core process
+(`EngineClient.in_process`), behind the same client interface as the core process
 (engine/core_client.py)."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Admission of waiting requests and preemption of running ones, for the Scheduler.
 
-`Admission` holds the Scheduler's methods that admit a waiting request (into a seat and
-blocks, parking it when it does not fit) and preempt running requests (for a decode's
-growth, or under priority for a more urgent admission); the Scheduler (scheduler.py)
-holds the state they read, declared here. `Step` is one schedule() call's bookkeeping: its
-budget (scheduler/budget.py) and where admission stands.
+`AdmissionAndPreemption` holds the Scheduler's methods that admit a waiting request (into
+a seat and blocks, parking it when it does not fit) and preempt running requests (for a
+decode's growth, or under priority for a more urgent admission); the Scheduler
+(scheduler.py) holds the state they read, declared here. `Step` is one schedule() call's
+bookkeeping: its budget (scheduler/budget.py) and where admission stands.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def pick_latest_admitted(running: Sequence[Request]) -> Request:
     return running[-1]
 
 
-class Admission:
+class AdmissionAndPreemption:
     """Admission and preemption; mixed into the Scheduler, which sets the state below."""
 
     config: SchedulerConfig

@@ -51,7 +51,7 @@ from typing import Any
 from kvcache.config import CacheConfig
 from kvcache.kv_cache_manager import KVCacheManager
 from scheduler import introspection
-from scheduler.admission import Admission, Step
+from scheduler.admission import AdmissionAndPreemption, Step
 from scheduler.budget import prefill_cap
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
@@ -68,13 +68,14 @@ from scheduler.request_queue import SchedulingPolicy, create_request_queue
 from scheduler.speculation import Speculation
 
 
-class Scheduler(Admission):
+class Scheduler(AdmissionAndPreemption):
     """FCFS or priority continuous batching over a paged KV cache, with preemption.
 
     `running` is in admission order under fcfs and in priority order under priority.
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
-    Admission and preemption are the `Admission` methods (scheduler/admission.py); the
-    step's budget and prefill cost model are scheduler/budget.py.
+    Admission and preemption are the `AdmissionAndPreemption` methods
+    (scheduler/admission.py); the step's budget and prefill cost model are
+    scheduler/budget.py.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
     waiter gets ahead of newer, more urgent requests, down to priority_aging_floor or its

@@ -28,7 +28,7 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
 from server.config import ServerConfig
 from server.errors import APIError, server_error, validation_error
@@ -60,7 +60,7 @@ class Admission:
     """The checks of a request before its work and its tenant's placement, over one
     engine (server/serving.py's `Serving` goes on from here to the work)."""
 
-    def __init__(self, engine: Engine | DataParallelEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient | DataParallelEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.model_names = (engine.info.model_name, *config.model_aliases)

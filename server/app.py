@@ -1,4 +1,4 @@
-"""The HTTP front end: OpenAI-compatible routes over an Engine.
+"""The HTTP front end: OpenAI-compatible routes over an EngineClient.
 
 Routes: POST /v1/completions (server/completions.py), POST /v1/chat/completions
 (server/chat.py), JSON or SSE streams ending in `data: [DONE]` (server/streaming.py);
@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
 from engine.outputs import EngineDeadError
 from server.chat import ChatCompletions
@@ -56,7 +56,7 @@ from server.serving import Serving
 from server.tenants import TenantRegistry
 from server.utility_routes import RequestIdMiddleware, install_utility_routes
 
-AnyEngine = Engine | DataParallelEngine
+AnyEngine = EngineClient | DataParallelEngine
 
 # After the grace period the engine aborts what is left; handlers then need a moment to
 # send their last chunk before uvicorn cuts the connections.
@@ -163,7 +163,8 @@ class GracefulServer(uvicorn.Server):
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_FLUSH_S,
+            # NOTE: uvicorn's hint says int; it waits with asyncio, which takes a float
+            timeout_graceful_shutdown=config.shutdown_grace_s + _ABORT_FLUSH_S,  # type: ignore[arg-type]
             limit_concurrency=config.limit_concurrency,
         ))
         self._engine = engine

@@ -391,7 +391,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantRegistry) -> int:
     """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
     # NOTE: imported here so that `pagedserve bench` and --help need no torch.
-    from engine.client import Engine, create_engine, start_engine
+    from engine.client import EngineClient, create_engine, start_engine
     from engine.core_client import EngineStartError
     from engine.core_process import freeze_startup_objects
     from engine.data_parallel import DataParallelEngine, create_data_parallel_engine
@@ -408,7 +408,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
         log_level=configs.server.log_level,
         grammar_step_timeout_s=configs.server.limits.grammar_step_timeout_s,
     )
-    engine: Engine | DataParallelEngine
+    engine: EngineClient | DataParallelEngine
     try:
         if configs.data_parallel_size > 1:
             engine = create_data_parallel_engine(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
 from engine.outputs import EngineDeadError, EngineStepError, RequestStream
 from engine.request import EngineRequest
@@ -44,7 +44,7 @@ _RENDER_THREADS = 2  # responses with logprobs written at once, off the event lo
 class Serving(Admission):
     """Admission, tokenization and engine access of the generation routes (one per app)."""
 
-    def __init__(self, engine: Engine | DataParallelEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient | DataParallelEngine, config: ServerConfig) -> None:
         super().__init__(engine, config)
         self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
         # NOTE: tokenizing and chat templates run off the event loop, so that a huge prompt

@@ -27,7 +27,7 @@ import pydantic
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
 from engine.outputs import EngineStepError, RequestOutput, RequestStream
 from server.rendering import Choice, response_json
@@ -108,7 +108,7 @@ def _error_event(error: EngineStepError) -> Event:
 
 
 def event_stream(
-    engine: Engine | DataParallelEngine,
+    engine: EngineClient | DataParallelEngine,
     stream: RequestStream,
     prelude: Iterable[Event],
     deltas: AsyncIterator[Event],

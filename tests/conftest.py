@@ -11,7 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from engine.client import Engine, EngineInfo
+from engine.client import EngineClient, EngineInfo
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import (
@@ -155,14 +155,14 @@ def scripted_prompt_logprobs(first: int, num: int, num_top: int) -> PromptLogpro
     return PromptLogprobs(first, [-i / 10 for i in indices], [2] * num, top)
 
 
-MakeEngine = Callable[..., Engine]
+MakeEngine = Callable[..., EngineClient]
 
 
 @pytest.fixture
 def make_fake_engine() -> Iterator[MakeEngine]:
     """Factory of started engines over the real Scheduler, a ScriptedRunner and a
     ByteTokenizer; each is shut down after the test."""
-    engines: list[Engine] = []
+    engines: list[EngineClient] = []
 
     def make(
         *,
@@ -178,7 +178,7 @@ def make_fake_engine() -> Iterator[MakeEngine]:
         fair_share: bool = False,
         structured: object | None = None,
         async_scheduling: bool = False,
-    ) -> Engine:
+    ) -> EngineClient:
         scheduler = Scheduler(
             SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=64, max_model_len=max_model_len,
@@ -194,9 +194,9 @@ def make_fake_engine() -> Iterator[MakeEngine]:
             eos_token_ids=frozenset({BYTE_EOS}),
             structured_outputs=structured is not None,
         )
-        engine = Engine.in_process(scheduler, runner or ScriptedRunner(script), info,
-                                   stream_interval=stream_interval,
-                                   structured=structured)  # type: ignore[arg-type]
+        engine = EngineClient.in_process(scheduler, runner or ScriptedRunner(script), info,
+                                         stream_interval=stream_interval,
+                                         structured=structured)  # type: ignore[arg-type]
         if start:
             engine.start()
         engines.append(engine)
@@ -213,7 +213,7 @@ def open_client() -> Iterator[Callable[..., TestClient]]:
     lifespan has run; closed after the test."""
     clients: list[TestClient] = []
 
-    def open_(engine: Engine, config: ServerConfig) -> TestClient:
+    def open_(engine: EngineClient, config: ServerConfig) -> TestClient:
         client = TestClient(build_app(engine, config))
         client.__enter__()
         clients.append(client)
@@ -230,7 +230,7 @@ def live_servers() -> Iterator[Callable[..., LiveServer]]:
     running is stopped after the test."""
     servers: list[LiveServer] = []
 
-    def start(engine: Engine, tenants: object = None, **config: object) -> LiveServer:
+    def start(engine: EngineClient, tenants: object = None, **config: object) -> LiveServer:
         server = LiveServer(engine, tenants, **config)
         servers.append(server)
         return server

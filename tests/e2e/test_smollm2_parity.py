@@ -24,7 +24,7 @@ from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner
-from tests.support.model_helpers import Engine, Seq
+from tests.support.model_helpers import RunnerLoop, Seq
 from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 pytestmark = pytest.mark.e2e
@@ -76,7 +76,7 @@ def expected(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
 def run(loaded: LoadedModel, prompts: list[list[int]], chunk_size: int | None) -> list[list[int]]:
     config = ModelConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=64)
     seqs = [Seq(f"r{i}", p, NUM_NEW_TOKENS) for i, p in enumerate(prompts)]
-    return Engine(ModelRunner(loaded, config), chunk_size=chunk_size).run(seqs)
+    return RunnerLoop(ModelRunner(loaded, config), chunk_size=chunk_size).run(seqs)
 
 
 def test_default_model_loads(loaded: LoadedModel):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from engine.client import Engine, EngineInfo
+from engine.client import EngineClient, EngineInfo
 from engine.data_parallel import DataParallelEngine, PrefixAffinity
 from engine.metrics import ServerMetrics
 from engine.outputs import EngineStepError
@@ -56,7 +56,7 @@ def make_dp(num: int = 2, step_s: float = 0.0, max_num_seqs: int = 4) -> DataPar
                           ByteTokenizer(), frozenset({BYTE_EOS}))
         metrics = ServerMetrics("fake-model", engine=str(i), shared=shared)
         shared = shared or metrics
-        engines.append(Engine.in_process(scheduler, SlowRunner(step_s), info, metrics))
+        engines.append(EngineClient.in_process(scheduler, SlowRunner(step_s), info, metrics))
     return DataParallelEngine(engines)
 
 
@@ -220,10 +220,10 @@ class FakeStart:
 
     def __init__(self, events: list[str], name: str, fails: bool) -> None:
         self.events, self.name, self.fails = events, name, fails
-        self.engine: Engine | None = None
+        self.engine: EngineClient | None = None
         events.append(f"start {name}")
 
-    def wait(self, metrics_factory) -> Engine:
+    def wait(self, metrics_factory) -> EngineClient:
         self.events.append(f"wait {self.name}")
         if self.fails:
             raise ValueError(f"{self.name} failed to load")
@@ -231,7 +231,7 @@ class FakeStart:
                               CacheConfig(num_blocks=16, block_size=4))
         info = EngineInfo("fake-model", scheduler.max_request_len, 257, "priority",
                           ByteTokenizer(), frozenset({BYTE_EOS}))
-        self.engine = Engine.in_process(scheduler, ScriptedRunner(), info,
+        self.engine = EngineClient.in_process(scheduler, ScriptedRunner(), info,
                                         metrics_factory("fake-model"))
         return self.engine
 

@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import LlamaConfig
 
-from engine.client import Engine, EngineInfo
+from engine.client import EngineClient, EngineInfo
 from engine.core import EngineCore
 from engine.core_setup import build_core_parts
 from engine.messages import AddRequests, FinishRequests, NewRequest
@@ -159,7 +159,7 @@ def test_over_http_the_text_is_the_one_without_speculation(loaded) -> None:
     info = EngineInfo(model_name="tiny", max_model_len=core.scheduler.max_request_len,
                       vocab_size=int(target.hf_config.vocab_size), policy="priority",
                       tokenizer=target.tokenizer, eos_token_ids=target.eos_token_ids)
-    engine = Engine.in_process(core.scheduler, core.runner, info)
+    engine = EngineClient.in_process(core.scheduler, core.runner, info)
     body = {"model": "tiny", "prompt": requests(False)[3].prompt_token_ids, "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(engine, ServerConfig())) as client:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.client import Engine, EngineInfo
+from engine.client import EngineClient, EngineInfo
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
@@ -35,7 +35,7 @@ def server() -> Iterator[LiveServer]:
     )
     info = EngineInfo("fake-model", scheduler.max_request_len, 257, "priority",
                       ByteTokenizer(), frozenset({BYTE_EOS}))
-    live = LiveServer(Engine.in_process(scheduler, ScriptedRunner(), info))
+    live = LiveServer(EngineClient.in_process(scheduler, ScriptedRunner(), info))
     yield live
     live.stop()
 

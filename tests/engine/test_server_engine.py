@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine import client as engine_module
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import EngineDeadError, EngineStepError, RequestOutput
 from engine.request import EngineRequest
@@ -27,7 +27,7 @@ SCRIPT = "Hello, wörld! Bye."
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-async def collect(engine: Engine, request_id: str = "r", prompt: str = "hi", **kw):
+async def collect(engine: EngineClient, request_id: str = "r", prompt: str = "hi", **kw):
     params = kw.pop("params", GREEDY)
     stream = engine.add_request(EngineRequest(request_id, [list(prompt.encode())], params, **kw))
     return [out async for out in stream]

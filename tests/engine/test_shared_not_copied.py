@@ -211,7 +211,8 @@ WITH_PROMPT_LOGPROBS = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logp
 
 
 def choices_of(prompts: list[list[int]], n: int, params: SamplingParams) -> AddRequests:
-    """What Engine.add_request sends for `n` choices per prompt (EngineRequest.new_requests)."""
+    """What EngineClient.add_request sends for `n` choices per prompt
+    (EngineRequest.new_requests)."""
     return AddRequests([
         NewRequest(request_id=f"q-{p * n + i}", prompt_token_ids=prompt, sampling_params=params,
                    prompt_leader_id=f"q-{p * n}" if i else None)

@@ -27,7 +27,7 @@ from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 from tests.support.model_helpers import (
     CONFIGS,
-    Engine,
+    RunnerLoop,
     TinyModel,
     greedy_seqs,
     make_model_folder,
@@ -97,7 +97,7 @@ def test_float16_weights_generate_what_hf_generates_from_rounded_weights(tmp_pat
             param.copy_(param.half().float())
     tiny = TinyModel(hf_model, loaded)
     seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
-    outputs = Engine(tiny.runner(block_size=4)).run(seqs)
+    outputs = RunnerLoop(tiny.runner(block_size=4)).run(seqs)
     assert outputs == [tiny.generate(s.prompt, 12) for s in seqs]
 
 
@@ -200,7 +200,7 @@ def test_int8_model_serves_whole_requests(tmp_path) -> None:
     hf_model = make_model_folder(tmp_path, CONFIGS["qwen2"]())  # with a qkv bias
     loaded = load_model(ModelConfig(model=str(tmp_path), weight_dtype="int8"))
     seqs = greedy_seqs([5, 19, 33], max_tokens=12, seed=4)
-    outputs = Engine(TinyModel(hf_model, loaded).runner(block_size=4)).run(seqs)
+    outputs = RunnerLoop(TinyModel(hf_model, loaded).runner(block_size=4)).run(seqs)
     assert [len(out) for out in outputs] == [12, 12, 12]
 
 

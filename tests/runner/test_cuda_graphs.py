@@ -26,7 +26,7 @@ from tests.support.model_helpers import (
     CONFIGS,
     FAMILY_CONFIGS,
     GREEDY,
-    Engine,
+    RunnerLoop,
     Seq,
     TinyModel,
     greedy_seqs,
@@ -137,7 +137,7 @@ def test_every_family_decodes_on_the_static_buffers(tmp_path, family: str):
     runner = tiny.runner(block_size=4)
     graphs = attach_graphs(runner)
     seqs = greedy_seqs([5, 12, 3], max_tokens=6, seed=7)
-    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 6) for s in seqs]
+    assert RunnerLoop(runner).run(seqs) == [tiny.generate(s.prompt, 6) for s in seqs]
     assert graphs.buckets == [4] * 5  # every decode step, none of the prefill
 
 
@@ -150,10 +150,10 @@ def test_tokens_and_logits_match_eager(llama: TinyModel, record_logits, num_seqs
     lengths = [3 + (7 * i) % 29 for i in range(num_seqs)]
     eager_seqs = greedy_seqs(lengths, max_tokens=5, seed=num_seqs)
     graph_seqs = greedy_seqs(lengths, max_tokens=5, seed=num_seqs)
-    eager = Engine(llama.runner(block_size=4))
+    eager = RunnerLoop(llama.runner(block_size=4))
     graphed_runner = llama.runner(block_size=4)
     graphs = attach_graphs(graphed_runner)
-    graphed = Engine(graphed_runner)
+    graphed = RunnerLoop(graphed_runner)
     for _ in range(5):
         eager.step(eager_seqs)
         (eager_logits,) = record_logits[-1:]
@@ -171,7 +171,7 @@ def test_tokens_and_logits_match_eager(llama: TinyModel, record_logits, num_seqs
 def test_mixed_and_oversized_steps_run_eagerly(llama: TinyModel):
     runner = llama.runner(block_size=4)
     graphs = attach_graphs(runner, max_num_seqs=4)
-    engine = Engine(runner)
+    engine = RunnerLoop(runner)
     seqs = greedy_seqs([5, 9, 4, 7, 12], max_tokens=4, seed=3)
     late = greedy_seqs([6], max_tokens=3, seed=4)[0]
     late.request_id = "late"
@@ -183,7 +183,7 @@ def test_mixed_and_oversized_steps_run_eagerly(llama: TinyModel):
     engine.run(seqs[3:])  # prefill, then decodes of 2
     assert graphs.buckets == [4, 4, 1, 2, 2, 2]
     big = greedy_seqs([3] * 5, max_tokens=3, seed=5)
-    Engine(runner).run(big)  # 5 decodes > max_num_seqs 4: eager
+    RunnerLoop(runner).run(big)  # 5 decodes > max_num_seqs 4: eager
     assert graphs.buckets == [4, 4, 1, 2, 2, 2]
     for s in [*seqs, late, *big]:
         assert s.output == llama.generate(s.prompt, s.max_tokens)
@@ -194,7 +194,7 @@ def test_sampling_subset_of_rows(llama: TinyModel):
     runner = llama.runner(block_size=4)
     graphs = attach_graphs(runner)
     a, b = greedy_seqs([6, 3], max_tokens=3, seed=6)
-    engine = Engine(runner, chunk_size=1)
+    engine = RunnerLoop(runner, chunk_size=1)
     engine.run([a, b])
     assert graphs.buckets == [2] * 5 + [1] * 3  # all decode-shaped; b samples alone at 3
     assert [a.output, b.output] == [llama.generate(s.prompt, 3) for s in (a, b)]
@@ -212,7 +212,7 @@ def test_padding_rows_never_write_the_kv_cache(llama: TinyModel, num_seqs):
     for k_cache, v_cache in runner.kv_cache.layers:
         k_cache.fill_(SENTINEL)
         v_cache.fill_(SENTINEL)
-    engine = Engine(runner)
+    engine = RunnerLoop(runner)
     engine.next_block = itertools.count(1)  # block 0 belongs to nobody: the padding rows'
     seqs = greedy_seqs([5 + 3 * i for i in range(num_seqs)], max_tokens=4, seed=7)
     engine.run(seqs)
@@ -285,10 +285,10 @@ def test_triton_kernels_with_fixed_splits_on_padded_batches(llama: TinyModel, re
     )
     eager_seqs = greedy_seqs([4, 21, 9], max_tokens=3, seed=8)
     graph_seqs = greedy_seqs([4, 21, 9], max_tokens=3, seed=8)
-    eager = Engine(llama.runner(block_size=4))
+    eager = RunnerLoop(llama.runner(block_size=4))
     graphed_runner = llama.runner(block_size=4)
     graphs = attach_graphs(graphed_runner, attn=backend)
-    graphed = Engine(graphed_runner)
+    graphed = RunnerLoop(graphed_runner)
     for _ in range(3):
         eager.step(eager_seqs)
         graphed.step(graph_seqs)
@@ -359,8 +359,8 @@ def test_graph_replay_matches_eager_decode(cuda_llama: TinyModel, monkeypatch, n
     lengths = [2 + (11 * i) % 37 for i in range(num_seqs)]
     eager_seqs = greedy_seqs(lengths, max_tokens=6, seed=num_seqs)
     graph_seqs = greedy_seqs(lengths, max_tokens=6, seed=num_seqs)
-    eager = Engine(cuda_runner(cuda_llama, enforce_eager=True))
-    graphed = Engine(cuda_runner(cuda_llama, enforce_eager=False))
+    eager = RunnerLoop(cuda_runner(cuda_llama, enforce_eager=True))
+    graphed = RunnerLoop(cuda_runner(cuda_llama, enforce_eager=False))
     for _ in range(6):
         eager.step(eager_seqs)
         graphed.step(graph_seqs)
@@ -380,7 +380,7 @@ def test_graph_replay_padding_rows_write_nothing(cuda_llama: TinyModel):
     for k_cache, v_cache in runner.kv_cache.layers:
         k_cache.fill_(SENTINEL)
         v_cache.fill_(SENTINEL)
-    engine = Engine(runner)
+    engine = RunnerLoop(runner)
     engine.next_block = itertools.count(1)
     seqs = [Seq(f"s{i}", [3 + i] * (5 + i), 4) for i in range(5)]  # bucket 8
     engine.run(seqs)

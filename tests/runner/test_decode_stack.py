@@ -23,7 +23,7 @@ from tests.support.model_helpers import (
     CONFIGS,
     FAMILY_CONFIGS,
     WINDOWED_CONFIGS,
-    Engine,
+    RunnerLoop,
     greedy_seqs,
     make_model_folder,
 )
@@ -76,7 +76,7 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
     model.decode_stack, model.compute_logits = stack, recording
     try:
         runner = ModelRunner(loaded, ModelConfig(block_size=4, num_kv_blocks=128))
-        Engine(runner).run(greedy_seqs(lengths, max_tokens))
+        RunnerLoop(runner).run(greedy_seqs(lengths, max_tokens))
     finally:
         del model.compute_logits
     return seen
@@ -133,7 +133,7 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     seqs = greedy_seqs([6, 30], max_tokens=4)
     model.decode_stack = counting
     runner = ModelRunner(loaded, ModelConfig(block_size=4, num_kv_blocks=128))
-    engine = Engine(runner, chunk_size=8)
+    engine = RunnerLoop(runner, chunk_size=8)
     engine.step(seqs)  # both prefill (the second in part)
     engine.step(seqs)  # the first decodes beside the second's prefill chunk
     assert counting.calls == 0

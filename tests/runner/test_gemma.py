@@ -20,7 +20,7 @@ from model_runner.models.gemma import GemmaForCausalLM
 from tests.support.model_helpers import (
     WINDOW,
     WINDOWED_CONFIGS,
-    Engine,
+    RunnerLoop,
     Seq,
     TinyModel,
     assert_chunked_logits_match_hf,
@@ -74,7 +74,7 @@ def test_logits_match_hf_forward(tiny: TinyModel) -> None:
 def test_one_at_a_time(tiny: TinyModel, expected) -> None:
     runner = tiny.runner(block_size=4)
     for seq in sorted(seqs_of(expected), key=lambda s: len(s.prompt))[-2:]:  # past the window
-        assert Engine(runner).run([seq]) == [expected[tuple(seq.prompt)]]
+        assert RunnerLoop(runner).run([seq]) == [expected[tuple(seq.prompt)]]
 
 
 @pytest.mark.parametrize(
@@ -83,14 +83,14 @@ def test_one_at_a_time(tiny: TinyModel, expected) -> None:
 def test_batched_and_chunked(tiny: TinyModel, expected, backend, block_size, chunk_size) -> None:
     seqs = seqs_of(expected)
     runner = tiny.runner(block_size=block_size, attention_backend=backend)
-    outputs = Engine(runner, chunk_size=chunk_size).run(seqs)
+    outputs = RunnerLoop(runner, chunk_size=chunk_size).run(seqs)
     assert outputs == [expected[tuple(s.prompt)] for s in seqs]
 
 
 def test_prefix_blocks_reused(tiny: TinyModel, expected) -> None:
     """Later requests start from the first one's full blocks (a prefix-cache hit) longer
     than the window."""
-    engine = Engine(tiny.runner(block_size=4))
+    engine = RunnerLoop(tiny.runner(block_size=4))
     shared = max(expected, key=len)
     first = Seq("first", list(shared), MAX_TOKENS)
     engine.run([first])
@@ -104,7 +104,7 @@ def test_prefix_blocks_reused(tiny: TinyModel, expected) -> None:
 
 
 def test_recompute_after_preemption(tiny: TinyModel, expected) -> None:
-    engine = Engine(tiny.runner(block_size=4), chunk_size=6)
+    engine = RunnerLoop(tiny.runner(block_size=4), chunk_size=6)
     victim, *others = seqs_of(expected)[:3]
     for _ in range(6):
         engine.step([victim, *others])

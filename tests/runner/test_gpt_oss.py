@@ -29,7 +29,7 @@ from tests.support.model_helpers import (
     MIN_MARGIN,
     TINY,
     WINDOWED_CONFIGS,
-    Engine,
+    RunnerLoop,
     Seq,
     TinyModel,
     assert_chunked_logits_match_hf,
@@ -164,7 +164,7 @@ def test_two_ranks_match_hf(tiny: TinyModel) -> None:
             found = clear_margin_generations(tiny.hf, candidates, 8, MIN_MARGIN)
             assert len(found) >= 3, "too few prompts with a clear greedy margin"
             seqs = [Seq(f"tp{i}", list(p), 8) for i, p in enumerate(found)]
-            assert Engine(tp, chunk_size=7).run(seqs) == list(found.values())
+            assert RunnerLoop(tp, chunk_size=7).run(seqs) == list(found.values())
             tp.workers.close()  # EOF on its socket: the worker exits by itself
             assert [p.returncode for p in tp.workers.processes] == [0]
         finally:

@@ -2,7 +2,7 @@
 
 Each model is saved to a temporary folder (safetensors and the default model's tokenizer), loaded
 through the loader, and driven by the minimal engine loop of tests/support/model_helpers.py
-(`Engine`): no scheduler, blocks handed out by a counter.
+(`RunnerLoop`): no scheduler, blocks handed out by a counter.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.support.model_helpers import (
     CONFIGS,
     GREEDY,
     VOCAB,
-    Engine,
+    RunnerLoop,
     Seq,
     TinyModel,
     default_tokenizer,
@@ -84,12 +84,12 @@ def test_logits_match_hf_forward(tiny: TinyModel):
 
 def test_single_request_matches_generate(tiny: TinyModel):
     seqs = greedy_seqs([11], max_tokens=12)
-    assert Engine(tiny.runner()).run(seqs) == [tiny.generate(seqs[0].prompt, 12)]
+    assert RunnerLoop(tiny.runner()).run(seqs) == [tiny.generate(seqs[0].prompt, 12)]
 
 
 def test_batched_requests_of_different_lengths(tiny: TinyModel):
     seqs = greedy_seqs([3, 17, 8, 30], max_tokens=10, seed=1)
-    outputs = Engine(tiny.runner(block_size=8)).run(seqs)
+    outputs = RunnerLoop(tiny.runner(block_size=8)).run(seqs)
     assert outputs == [tiny.generate(s.prompt, 10) for s in seqs]
 
 
@@ -102,26 +102,26 @@ def test_attention_backends_match_generate(tiny: TinyModel, backend: str):
     # "cpu" runs the norms, RoPE and SwiGLU as C++ kernels too; "torch" is all reference
     ops = runner.model.layer_ops(runner.attn, torch.float32)
     assert (ops is not None) == (backend == "cpu")
-    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 10) for s in seqs]
+    assert RunnerLoop(runner).run(seqs) == [tiny.generate(s.prompt, 10) for s in seqs]
 
 
 @pytest.mark.parametrize("block_size,chunk_size", [(4, 5), (16, 7), (1, 3)])
 def test_chunked_prefill_matches_generate(llama: TinyModel, block_size, chunk_size):
     seqs = greedy_seqs([23, 9, 31], max_tokens=8, seed=2)
-    outputs = Engine(llama.runner(block_size=block_size), chunk_size=chunk_size).run(seqs)
+    outputs = RunnerLoop(llama.runner(block_size=block_size), chunk_size=chunk_size).run(seqs)
     assert outputs == [llama.generate(s.prompt, 8) for s in seqs]
 
 
 def test_chunked_prefill_all_architectures(tiny: TinyModel):
     seqs = greedy_seqs([19, 26], max_tokens=6, seed=3)
-    outputs = Engine(tiny.runner(block_size=4), chunk_size=6).run(seqs)
+    outputs = RunnerLoop(tiny.runner(block_size=4), chunk_size=6).run(seqs)
     assert outputs == [tiny.generate(s.prompt, 6) for s in seqs]
 
 
 def test_staggered_arrivals_mix_decodes_and_prefills(llama: TinyModel):
     """A request arriving while others decode: the step mixes decodes and a prefill, in
     the scheduler's order (prefill first here); the runner reorders them."""
-    engine = Engine(llama.runner(block_size=4))
+    engine = RunnerLoop(llama.runner(block_size=4))
     late = greedy_seqs([14], max_tokens=6, seed=4)[0]
     late.request_id = "late"
     seqs = greedy_seqs([5, 12], max_tokens=10, seed=5)
@@ -135,7 +135,7 @@ def test_staggered_arrivals_mix_decodes_and_prefills(llama: TinyModel):
 
 def test_prefix_blocks_reused_from_the_cache(tiny: TinyModel):
     block_size = 4
-    engine = Engine(tiny.runner(block_size=block_size))
+    engine = RunnerLoop(tiny.runner(block_size=block_size))
     (shared,) = prompts([3 * block_size], seed=6)
     first = Seq("first", shared + [7, 8], max_tokens=4)
     engine.run([first])
@@ -151,7 +151,7 @@ def test_prefix_blocks_reused_from_the_cache(tiny: TinyModel):
 
 
 def test_recompute_after_preemption(tiny: TinyModel):
-    engine = Engine(tiny.runner(block_size=4), chunk_size=6)
+    engine = RunnerLoop(tiny.runner(block_size=4), chunk_size=6)
     victim, other = greedy_seqs([10, 15], max_tokens=12, seed=8)
     for _ in range(6):
         engine.step([victim, other])
@@ -182,7 +182,7 @@ def test_seeded_sampling_ignores_batch_mates(llama: TinyModel):
                 Seq("mate1", prompts([20], seed=10)[0], 12, SamplingParams(temperature=1.0)),
                 Seq("mate2", prompts([4], seed=11)[0], 12, SamplingParams(seed=99, top_p=0.8)),
             ]
-        Engine(llama.runner(block_size=4, seed=5 if with_mates else 0), chunk_size=7).run(seqs)
+        RunnerLoop(llama.runner(block_size=4, seed=5 if with_mates else 0), chunk_size=7).run(seqs)
         return seqs[0].output
 
     alone = sample(with_mates=False)
@@ -193,7 +193,7 @@ def test_seeded_sampling_ignores_batch_mates(llama: TinyModel):
 def test_generators_dropped_for_finished_requests(llama: TinyModel):
     runner = llama.runner()
     seq = Seq("s", prompts([5])[0], 2, SamplingParams(seed=3))
-    Engine(runner).run([seq])
+    RunnerLoop(runner).run([seq])
     assert "s" in runner._generators
     runner.execute(SchedulerOutput(finished_ids=["s"]))
     assert "s" not in runner._generators
@@ -354,7 +354,7 @@ def test_two_byte_kv_cache(llama: TinyModel, kv_dtype: str):
     }
     assert narrow["cpu"].num_kv_blocks == 2 * wide.num_kv_blocks
     assert narrow["cpu"].kv_cache.layers[0][0].dtype == getattr(torch, kv_dtype)
-    outputs = [Engine(runner).run(greedy_seqs([5, 21, 9], max_tokens=8, seed=3))
+    outputs = [RunnerLoop(runner).run(greedy_seqs([5, 21, 9], max_tokens=8, seed=3))
                for runner in narrow.values()]
     assert outputs[0] == outputs[1]
     assert [len(o) for o in outputs[0]] == [8, 8, 8]

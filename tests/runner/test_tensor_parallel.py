@@ -32,7 +32,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from tests.support.model_helpers import TINY, VOCAB, Engine, Seq, make_model_folder
+from tests.support.model_helpers import TINY, VOCAB, RunnerLoop, Seq, make_model_folder
 
 TP_CONFIGS = {
     # tied, odd vocabulary (one past the tokenizer's), 1 KV head for 2 ranks, o_proj and
@@ -188,14 +188,14 @@ def test_rank_0_holds_its_share(models: Models):
 
 def test_batched_greedy_matches_one_rank_and_generate(models: Models):
     prompts = random_prompts([3, 17, 8, 30], seed=1)
-    outputs = Engine(models.tp).run(seqs(prompts, 10, "batched"))
-    assert outputs == Engine(models.single).run(seqs(prompts, 10, "batched"))
+    outputs = RunnerLoop(models.tp).run(seqs(prompts, 10, "batched"))
+    assert outputs == RunnerLoop(models.single).run(seqs(prompts, 10, "batched"))
     assert outputs == [models.generate(p, 10) for p in prompts]
 
 
 def test_chunked_greedy_matches_generate(models: Models):
     prompts = random_prompts([23, 9], seed=2)
-    outputs = Engine(models.tp, chunk_size=5).run(seqs(prompts, 8, "chunked"))
+    outputs = RunnerLoop(models.tp, chunk_size=5).run(seqs(prompts, 8, "chunked"))
     assert outputs == [models.generate(p, 8) for p in prompts]
 
 

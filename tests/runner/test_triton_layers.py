@@ -30,7 +30,7 @@ from model_runner.models.layers import RMSNorm  # noqa: E402
 from model_runner.models.rope import apply_rope  # noqa: E402
 from tests.support.model_helpers import (  # noqa: E402
     CONFIGS,
-    Engine,
+    RunnerLoop,
     TinyModel,
     greedy_seqs,
     make_model_folder,
@@ -158,4 +158,4 @@ def test_models_on_the_triton_layers_match_generate(tmp_path, arch: str) -> None
                                    tl_ops.TRITON_LAYER_OPS)
     assert runner.model.layer_ops(runner.attn, torch.float32) is tl_ops.TRITON_LAYER_OPS
     seqs = greedy_seqs([5, 12, 3], max_tokens=5, seed=7)
-    assert Engine(runner).run(seqs) == [tiny.generate(s.prompt, 5) for s in seqs]
+    assert RunnerLoop(runner).run(seqs) == [tiny.generate(s.prompt, 5) for s in seqs]

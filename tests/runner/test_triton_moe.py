@@ -27,7 +27,7 @@ from model_runner.models import moe  # noqa: E402
 from model_runner.models.moe import experts_torch  # noqa: E402
 from tests.support.model_helpers import (  # noqa: E402
     CONFIGS,
-    Engine,
+    RunnerLoop,
     TinyModel,
     greedy_seqs,
     make_model_folder,
@@ -146,5 +146,5 @@ def test_a_moe_model_on_the_fused_kernel_matches_generate(tmp_path, monkeypatch)
     loaded = load_model(ModelConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=1))
     tiny = TinyModel(hf, loaded)
     seqs = greedy_seqs([5, 12, 3], max_tokens=5, seed=7)
-    outputs = Engine(tiny.runner(block_size=4)).run(seqs)
+    outputs = RunnerLoop(tiny.runner(block_size=4)).run(seqs)
     assert outputs == [tiny.generate(s.prompt, 5) for s in seqs]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from engine.client import Engine, EngineInfo
+from engine.client import EngineClient, EngineInfo
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
 from model_runner.loader import load_model
@@ -50,7 +50,7 @@ def client(tiny: TinyModel) -> Iterator[TestClient]:
     info = EngineInfo(model_name="tiny", max_model_len=scheduler.max_request_len,
                       vocab_size=int(loaded.hf_config.vocab_size), policy="fcfs",
                       tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
-    engine = Engine.in_process(scheduler, tiny.runner(block_size=4, num_kv_blocks=num_blocks),
+    engine = EngineClient.in_process(scheduler, tiny.runner(block_size=4, num_kv_blocks=num_blocks),
                                info)
     limits = RequestLimits(max_prompt_logprobs_entries=200)
     with TestClient(build_app(engine, ServerConfig(limits=limits))) as test_client:

@@ -1,13 +1,13 @@
-"""Reaching past the unit tests' in-process engine (`Engine.in_process`) to its core."""
+"""Reaching past the unit tests' in-process engine (`EngineClient.in_process`) to its core."""
 
 from __future__ import annotations
 
-from engine.client import Engine
+from engine.client import EngineClient
 from engine.core import EngineCore
 from engine.in_process import InProcessCoreClient
 
 
-def core_of(engine: Engine) -> EngineCore:
+def core_of(engine: EngineClient) -> EngineCore:
     """The EngineCore an in-process engine steps: its scheduler, and its `fault_hook`
     (called with each step's plan before the runner: a test injects faults and delays)."""
     client = engine._client

@@ -3,7 +3,7 @@ tokenizer, prompts (token ids or texts) whose greedy tokens Hugging Face picks b
 margin, and a minimal engine loop over ModelRunner.
 
 Shared by the runner's unit tests, the CUDA-graph tests and the SmolLM2 parity test: the
-loop (`Engine`) drives `ModelRunner.execute` with hand-built `SchedulerOutput`s, blocks
+loop (`RunnerLoop`) drives `ModelRunner.execute` with hand-built `SchedulerOutput`s, blocks
 handed out by a counter, no scheduler.
 """
 
@@ -399,7 +399,7 @@ class Seq:
         return len(self.output) >= self.max_tokens
 
 
-class Engine:
+class RunnerLoop:
     """A minimal engine loop: every unfinished sequence gets up to `chunk_size` tokens a
     step; blocks come from a counter and are never freed."""
 
