@@ -50,7 +50,7 @@ e2e: install
 	$(PY) -m pytest -q tests/e2e
 
 # BENCH_ARGS e.g. "--workloads W1 --scale 0.5"; set LLAMA_SERVER=/path/to/llama-server to
-# include llama.cpp (see docs/benchmarks.md for how it was built).
+# include llama.cpp (docs/development.md says how it was built).
 bench: install
 	$(PY) -m bench.compare $(BENCH_ARGS)
 

@@ -3,9 +3,10 @@ it. Each is checked before the work it bounds, and a request over one gets a 400
 the body) whose message names the limit and its flag (`over_limit`).
 
 The fields and their flags are listed once, in `LIMIT_FLAGS`: server/cli.py adds a flag
-per entry (the "request limits" group of `pagedserve serve --help`), and the README's
-table lists the same. `check_budgets` checks a parsed request's fields against them (both
-generation routes, before any work); `check_prompt_logprobs` what only its tokens tell.
+per entry (the "request limits" group of `pagedserve serve --help`), and the table of
+docs/operations.md lists the same. `check_budgets` checks a parsed request's fields
+against them (both generation routes, before any work); `check_prompt_logprobs` what only
+its tokens tell.
 """
 
 from __future__ import annotations
