@@ -8,9 +8,7 @@ Models and the engine loop come from test_model_runner.py.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
-import os
 
 import pytest
 import torch
@@ -32,13 +30,12 @@ from tests.support.model_helpers import (
     greedy_seqs,
     make_model_folder,
 )
+from tests.support.triton_interpreter import interpreted, use_interpreter
 
 MAX_NUM_SEQS = 32
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-if not CUDA:
-    # NOTE: before triton is first imported (as in test_triton_attention.py)
-    os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter()  # before triton is first imported
 
 
 class CountingGraphRunner(DecodeGraphRunner):
@@ -266,9 +263,7 @@ def triton_attention_module():
 
         if not isinstance(tl.cdiv, InterpretedFunction):
             pytest.skip("triton was imported before TRITON_INTERPRET was set")
-        if not isinstance(triton_attention_kernels.decode_kernel, InterpretedFunction):
-            # imported earlier without the interpreter (`ta` reads them at each call)
-            importlib.reload(triton_attention_kernels)
+    interpreted(triton_attention_kernels, "decode_kernel")  # `ta` reads them at each call
     return ta
 
 

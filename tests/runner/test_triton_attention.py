@@ -1,8 +1,8 @@
 """The Triton paged-attention kernels against a dense torch reference.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before
-triton is imported), which executes every program in numpy: shapes stay small. On CUDA
-the same tests run compiled kernels (`python -m bench.gpu_check` does that on the GPU machine).
+Without CUDA the kernels run in Triton's interpreter, which executes every program in
+numpy: shapes stay small (tests/support/triton_interpreter.py). On CUDA the same tests run
+compiled kernels (`python -m bench.gpu_check` does that on the GPU machine).
 
 Every cache starts filled with NaN and only the slots a sequence owns get real values,
 so a kernel that reads a key outside its sequence, a padded block-table entry or a
@@ -12,17 +12,13 @@ position past the context turns its output into NaN and fails the comparison.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 
 import pytest
 import torch
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.support.triton_interpreter import DEVICE, ON_CUDA, import_triton, interpreted
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import_triton()
 
 from model_runner.attention.backend import AttentionOptions  # noqa: E402
 from model_runner.kernels import triton_attention as ta  # noqa: E402
@@ -35,15 +31,9 @@ from tests.support.attention_helpers import (  # noqa: E402
     poison_outside_windows,
 )
 
-if not ON_CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
+# the launchers of `ta` read the kernels from their module at each call
+interpreted(triton_attention_kernels, "prefill_kernel")
 
-    if not isinstance(triton_attention_kernels.prefill_kernel, InterpretedFunction):
-        # Imported earlier in this process without the interpreter: redecorate (the
-        # launchers of `ta` read the kernels from their module at each call).
-        importlib.reload(triton_attention_kernels)
-
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 SMALL_TILES = ta.TileConfig(prefill_block_m=16, prefill_block_n=16, decode_block_n=16,
                             num_splits=1)
 # NOTE: Triton 3.x's interpreter stores bfloat16 as uint16 and its tl.dot multiplies those

@@ -1,24 +1,19 @@
 """The Triton layer kernels (norms, RoPE with Qwen3's q/k norm, SwiGLU) against the
 model's torch code, and whole models on them against Hugging Face.
 
-Without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported); on CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
+Without CUDA they run in Triton's interpreter (tests/support/triton_interpreter.py); on
+CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
 """
 
 from __future__ import annotations
-
-import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.support.triton_interpreter import DEVICE, import_triton, interpreted
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import_triton()
 
 from model_runner.attention.backend import AttentionBackend  # noqa: E402
 from model_runner.config import ModelConfig  # noqa: E402
@@ -36,15 +31,8 @@ from tests.support.model_helpers import (  # noqa: E402
     make_model_folder,
 )
 
-if not ON_CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl_ops._rope_kernel, InterpretedFunction):
-        # Imported earlier in this process without the interpreter: redecorate.
-        importlib.reload(triton_attention_kernels)  # `ta` reads them at each call
-        tl_ops = importlib.reload(tl_ops)
-
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+interpreted(triton_attention_kernels, "prefill_kernel")  # `ta` reads them at each call
+tl_ops = interpreted(tl_ops, "_rope_kernel")
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:

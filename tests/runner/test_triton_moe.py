@@ -2,23 +2,18 @@
 of model_runner/models/moe.py: random routings, uneven loads, idle experts, one token;
 gpt-oss's biases and clamped SwiGLU.
 
-Without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported); on CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
+Without CUDA they run in Triton's interpreter (tests/support/triton_interpreter.py); on
+CUDA (`python -m bench.gpu_check`) the same tests run compiled kernels.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.support.triton_interpreter import DEVICE, ON_CUDA, import_triton, interpreted
 
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import_triton()
 
 from model_runner.config import ModelConfig  # noqa: E402
 from model_runner.kernels import triton_moe  # noqa: E402
@@ -33,14 +28,7 @@ from tests.support.model_helpers import (  # noqa: E402
     make_model_folder,
 )
 
-if not ON_CUDA:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton_moe._down_kernel, InterpretedFunction):
-        # Imported earlier in this process without the interpreter: redecorate.
-        triton_moe = importlib.reload(triton_moe)
-
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+triton_moe = interpreted(triton_moe, "_down_kernel")
 
 
 def _experts(num_experts: int, hidden: int, width: int, dtype: torch.dtype):
