@@ -64,8 +64,9 @@ def stream_lines(url: str, body: dict, out: list[str], started: threading.Event)
 
 def kill_mid_stream(url: str, pid: int, num_streams: int, start_timeout_s: float,
                     what: str) -> list[list[dict]]:
-    """`num_streams` long streams; once each has a token, SIGKILL `pid`. Asserts that every
-    stream ends within 5 s of the kill; the SSE events of each."""
+    """`num_streams` streams far longer than the test (2000 tokens); once each has a token,
+    SIGKILL `pid`. Asserts that the server ends every stream (one it left open would end
+    by the client's 30 s read timeout instead, with no [DONE]); the SSE events of each."""
     body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
     outputs: list[list[str]] = [[] for _ in range(num_streams)]
     started = [threading.Event() for _ in outputs]
@@ -76,11 +77,9 @@ def kill_mid_stream(url: str, pid: int, num_streams: int, start_timeout_s: float
     for event in started:
         assert event.wait(start_timeout_s)
     os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
     for thread in threads:
-        thread.join(5)
+        thread.join(60)
         assert not thread.is_alive(), f"a stream did not end after the {what} died"
-    assert time.monotonic() - killed < 5
     return [assert_sse_body("\n".join(lines)) for lines in outputs]
 
 

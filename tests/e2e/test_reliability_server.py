@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -227,11 +228,15 @@ def test_sigterm_aborts_what_outlives_the_grace_period_and_exits_0(server) -> No
     while len(httpx.get(f"{server.url}/scheduler/state", headers=AUTH).json()["running"]) < 2:
         assert time.monotonic() < deadline, "the requests did not start"
         time.sleep(0.02)
-    start = time.monotonic()
+    log_size = Path(server.log.name).stat().st_size
     assert server.terminate() == 0
-    assert time.monotonic() - start < GRACE_S + 2.0 + 5.0
     for thread in threads:
         thread.join(10)
+    # No timeout of the shutdown ran out: uvicorn cancels what is left after grace + flush,
+    # and the API process kills a core that does not exit on Shutdown (it then logs it).
+    shutdown_log = Path(server.log.name).read_bytes()[log_size:].decode(errors="replace")
+    assert "timeout graceful shutdown exceeded" not in shutdown_log, shutdown_log
+    assert "the engine core died" not in shutdown_log, shutdown_log
     for name in ("a dragon", "a cat"):
         events = results[name]
         assert events[-1]["choices"][0]["finish_reason"] == "abort", events[-1]

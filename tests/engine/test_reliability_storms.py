@@ -266,11 +266,11 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
     asyncio.run(run())
     assert started.is_set() and len(outcomes) == 12
     assert_openai_error(httpx.get(f"{server.url}/health"), 503)
-    start = time.monotonic()
+    # refused by admission's check of the engine, before any work reaches it
     for path, body in (("/v1/completions", {"prompt": "late"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
-        assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=5), 503)
-    assert time.monotonic() - start < 2.0
+        assert_openai_error(httpx.post(f"{server.url}{path}", json=body, timeout=5), 503,
+                            "The engine is not serving", "the loop is gone")
     state = httpx.get(f"{server.url}/scheduler/state?check=1").json()
     assert state["kv_cache"]["usage"] == 0 and state["integrity"] == "ok"
     assert not state["running"] and not state["waiting"]
@@ -304,11 +304,12 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
            + ("short stream" in results)) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    start = time.monotonic()
     server.stop()  # what SIGTERM does
-    assert time.monotonic() - start < 0.6 + 2.0 + 1.0
     for thread in threads:
         thread.join(5)
+    # NOTE: no timeout of the shutdown ran out: uvicorn's (grace + flush) would have cut
+    # the bodies below short, and the engine's (its core thread's join) would have left
+    # the thread running.
     short = results["short stream"]
     assert stream_text(short) == expected_text("short stream", 10)
     assert short[-1]["choices"][0]["finish_reason"] == "length"
@@ -321,5 +322,6 @@ def test_shutdown_aborts_what_outlives_the_grace_period_cleanly(live) -> None:
     assert choice["finish_reason"] == "abort"
     assert expected_text("long plain", 110).startswith(choice["text"])
     assert not server.engine.is_alive
+    assert server.engine._client.closed  # the core's thread ended, not left behind
     state = asyncio.run(server.engine.snapshot(check_integrity=True))
     assert json.loads(json.dumps(state))["integrity"] == "ok"

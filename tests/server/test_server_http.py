@@ -17,6 +17,7 @@ from loadgen.workloads import BenchItem
 from server.cli import build_parser
 from tests.support.engine_helpers import core_of
 from tests.support.live_server import LiveServer
+from tests.support.reliability_helpers import assert_openai_error
 from tests.support.waits import wait_idle
 
 
@@ -139,12 +140,17 @@ def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
 
 
 def test_hung_step_answers_503_until_it_returns(live) -> None:
-    """A step that outlives step_timeout_s: /health and new requests get 503 at once,
-    and the server serves again once the step returns."""
+    """A step that outlives step_timeout_s: /health and new requests get 503 while it still
+    hangs (not queued behind it), and the server serves again once the step returns."""
     server = live()
-    release = threading.Event()
+    release, step_returned = threading.Event(), threading.Event()
     server.engine.step_timeout_s = 0.2
-    core_of(server.engine).fault_hook = lambda plan: release.wait(10)
+
+    def hang(plan) -> None:
+        release.wait(60)
+        step_returned.set()
+
+    core_of(server.engine).fault_hook = hang
     body = {"prompt": "hang", "max_tokens": 2}
     statuses: list[int] = []
     hung = threading.Thread(target=lambda: statuses.append(
@@ -156,9 +162,9 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
         time.sleep(0.05)
     assert health.status_code == 503
     assert "step-timeout-s" in health.json()["error"]["message"]
-    start = time.monotonic()
     refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=5)
-    assert refused.status_code == 503 and time.monotonic() - start < 2
+    assert_openai_error(refused, 503, "step-timeout-s")
+    assert not step_returned.is_set()  # refused while the step hangs, not after it
     core_of(server.engine).fault_hook = None
     release.set()
     hung.join(10)
