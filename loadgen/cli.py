@@ -13,6 +13,7 @@ from typing import Any
 
 from loadgen import client
 from loadgen.client import BenchConfig
+from loadgen.workloads import WORKLOADS
 
 # NOTE: the server's --api-key reads the same variable, so a shell that set it for
 # `pagedserve serve` can load-test it as it is.
@@ -95,7 +96,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask N logprobs a token: every token then comes in a chunk of "
                         "its own, so TTFT and ITL time tokens, also those whose text is "
                         "held back (a character's first byte)")
-    parser.add_argument("--workload", choices=sorted(client.WORKLOADS), default=None,
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
                         help="a fixed workload of docs/benchmarks.md (overrides the length, "
                         "count and priority flags)")
     parser.add_argument("--scale", type=float, default=1.0,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from loadgen import cli as bench_cli
 from loadgen.cli import API_KEY_ENV
@@ -397,7 +398,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     from engine.data_parallel import DataParallelEngine, create_data_parallel_engine
     from server.app import GracefulServer, build_app
 
-    engine_kwargs = dict(
+    engine_kwargs: dict[str, Any] = dict(
         model_config=configs.model,
         scheduler_config=configs.scheduler,
         enable_prefix_caching=configs.enable_prefix_caching,
