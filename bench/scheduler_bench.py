@@ -15,6 +15,7 @@ bench/scheduler_bench.py`.
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import statistics
 import time
@@ -25,6 +26,9 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
+
+# An older tree's Request took its priority as an argument, not in a placement record.
+WITH_PLACEMENT = "placement" in inspect.signature(Request).parameters
 
 PROMPT_LEN = 128
 BLOCK_SIZE = 16
@@ -50,13 +54,14 @@ def fake_runner(out: SchedulerOutput) -> ModelRunnerOutput:
 
 def make_request(i: int, priority: int, now: float) -> Request:
     # Distinct prompts: no prefix-cache hits to flatter the figure.
-    return Request(
-        f"req-{i}",
-        [(i * 7919 + j) % 32000 for j in range(PROMPT_LEN)],
-        SamplingParams(max_tokens=100_000, ignore_eos=True),
-        priority=priority,
-        arrival_time=now,
-    )
+    prompt = [(i * 7919 + j) % 32000 for j in range(PROMPT_LEN)]
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    if not WITH_PLACEMENT:
+        return Request(f"req-{i}", prompt, params, priority=priority, arrival_time=now)
+    from scheduler.placement import Placement
+
+    return Request(f"req-{i}", prompt, params, placement=Placement(priority=priority),
+                   arrival_time=now)
 
 
 def bench(

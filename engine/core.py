@@ -175,22 +175,15 @@ class EngineCore:
         return None
 
     def _add(self, command: AddRequests) -> None:
-        for new, params in zip(command.requests, command.sampling_params(), strict=True):
-            request = Request(
-                new.request_id, new.prompt_token_ids, params,
-                eos_token_ids=self.eos_token_ids, priority=new.priority,
-                arrival_time=new.arrival_time, prompt_leader_id=new.prompt_leader_id,
-                tenant=new.tenant, weight=new.weight, deadline=new.deadline,
-                cache_salt=new.cache_salt, priority_bound=new.priority_bound,
-            )
+        for request in command.scheduler_requests(self.eos_token_ids):
             self._num_added += 1
-            if params.grammar is not None:
+            if request.sampling_params.grammar is not None:
                 try:
                     if not self._constrain(request):
-                        self._num_sent[new.request_id] = 0
+                        self._num_sent[request.request_id] = 0
                         continue  # scheduled once its grammar is compiled
                 except ValueError as exc:
-                    self._pending.append(_request_error(new.request_id, str(exc)))
+                    self._pending.append(_request_error(request.request_id, str(exc)))
                     continue
             self._schedule_new(request)
 

@@ -130,7 +130,7 @@ class DataParallelEngine:
         """`EngineClient.add_request` on the core `pick` chooses: all of a request's choices on
         one core, so that n > 1 shares its prompt."""
         request_id = request.request_id
-        core = self.pick(request.prompts[0], request.priority)
+        core = self.pick(request.prompts[0], request.placement.priority)
         self.affinity.record(request.prompts[0], core)
 
         def done() -> None:

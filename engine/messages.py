@@ -17,25 +17,19 @@ import msgspec
 from kvcache.config import CacheConfig
 from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
+from scheduler.placement import Placement
+from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
 
 class NewRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
-    """One scheduler request (one choice of an HTTP request), built with keywords.
-    NOTE: array_like drops only trailing defaults: the fields most often set come first."""
+    """One scheduler request (one choice of an HTTP request), built with keywords."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float | None = None  # time.monotonic(), the same clock in both processes
-    # Whose it is: its priority, its tenant's fair share (inside a priority level, by
-    # weight) and the tenant's bounds.
-    priority: int = 0
-    tenant: str | None = None
-    weight: float = 1.0
-    priority_bound: int | None = None  # the tenant's max_priority: aging stops there
-    deadline: float | None = None  # time.monotonic(): finished with "deadline" once past
-    cache_salt: str | None = None  # keys its prefix-cache blocks apart from other salts
+    placement: Placement = msgspec.field(default_factory=Placement)  # whose it is, whole
     # Its place among the choices of its HTTP request: the choice that computes the prompt
     # it shares (n > 1), and whether its allowed_token_ids and logit_bias are left out of
     # `sampling_params`: they are then those of the first request of its AddRequests (the
@@ -46,6 +40,15 @@ class NewRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tr
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     requests: list[NewRequest]
+
+    def scheduler_requests(self, eos_token_ids: frozenset[int]) -> list[Request]:
+        """The scheduler's `Request` of each message: the one place the core makes them
+        (vLLM's `Request.from_engine_core_request`), each holding its placement whole."""
+        return [
+            Request(new.request_id, new.prompt_token_ids, params, eos_token_ids,
+                    new.placement, new.arrival_time, new.prompt_leader_id)
+            for new, params in zip(self.requests, self.sampling_params(), strict=True)
+        ]
 
     def sampling_params(self) -> list[SamplingParams]:
         """Each request's params, with the first request's token lists where it shares

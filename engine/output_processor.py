@@ -285,7 +285,8 @@ class OutputProcessor:
                 choice.first_scheduled_time = message.step_start
                 request = choice.request
                 self.metrics.observe_queue_time(message.step_start - request.arrival_time,
-                                                request.priority, request.tenant)
+                                                request.placement.priority,
+                                                request.placement.tenant)
 
     def _on_outputs(self, message: StepOutputs) -> None:
         """One step: text, finishes and metrics of each request it advanced; the requests
@@ -307,7 +308,7 @@ class OutputProcessor:
             num_new = len(delta.new_token_ids)
             if num_new:
                 num_tokens += num_new
-                tenant = choice.request.tenant
+                tenant = choice.request.placement.tenant
                 tokens_by_tenant[tenant] = tokens_by_tenant.get(tenant, 0) + num_new
                 self._observe_tokens(choice, num_new, now)
             if self._on_delta(choice, delta, now):
@@ -358,8 +359,9 @@ class OutputProcessor:
     def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
         if choice.last_token_time is None:
             choice.first_token_time = now
-            self.metrics.observe_ttft(now - choice.request.arrival_time, choice.request.priority)
-            self.metrics.inc_prompt_tokens(choice.num_prompt_tokens, choice.request.tenant)
+            placement = choice.request.placement
+            self.metrics.observe_ttft(now - choice.request.arrival_time, placement.priority)
+            self.metrics.inc_prompt_tokens(choice.num_prompt_tokens, placement.tenant)
         else:
             self.metrics.observe_inter_token_latency(now - choice.last_token_time)
         choice.last_token_time = now
@@ -409,7 +411,7 @@ class OutputProcessor:
                 if on_done is not None:
                     on_done()
         if finish_reason is not None:
-            self.metrics.inc_request_success(finish_reason, choice.request.tenant)
+            self.metrics.inc_request_success(finish_reason, choice.request.placement.tenant)
             self.metrics.observe_e2e_latency(now - choice.request.arrival_time)
             first_token, first_scheduled = choice.first_token_time, choice.first_scheduled_time
             self.metrics.observe_request_phases(

@@ -9,9 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.messages import NewRequest
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
-
-DEFAULT_TENANT = "default"  # the tenant of a server without a tenants file
 
 
 @dataclass(frozen=True)
@@ -20,9 +19,9 @@ class EngineRequest:
 
     Choice `p * n + i` (prompt p, sample i) has the scheduler id `<request_id>-<p*n+i>`.
     `stop`, `skip_special_tokens` and `include_stop_str_in_output` shape its text (the
-    API process detokenizes). Whose it is (server/tenants.py): the tenant and its
-    fair-share weight, the deadline (time.monotonic()), the prefix-cache salt and the
-    tenant's priority bound (aging stops there)."""
+    API process detokenizes). Whose it is and how it wants to be scheduled (priority,
+    tenant, deadline, ...: scheduler/placement.py) is its `placement`, which every choice
+    carries whole."""
 
     request_id: str
     prompts: Sequence[list[int]]
@@ -31,13 +30,8 @@ class EngineRequest:
     stop: Sequence[str] = ()
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    placement: Placement = field(default_factory=Placement)
     arrival_time: float = field(default_factory=time.monotonic)  # when the request arrived
-    tenant: str = DEFAULT_TENANT
-    weight: float = 1.0
-    deadline: float | None = None
-    cache_salt: str | None = None
-    priority_bound: int | None = None
 
     @property
     def num_choices(self) -> int:
@@ -64,14 +58,9 @@ class EngineRequest:
                     request_id=self.choice_id(p * self.n + i),
                     prompt_token_ids=list(prompt),
                     sampling_params=params,
-                    priority=self.priority,
                     arrival_time=self.arrival_time,
+                    placement=self.placement,
                     prompt_leader_id=self.choice_id(p * self.n) if i > 0 else None,
-                    tenant=self.tenant,
-                    weight=self.weight,
-                    deadline=self.deadline,
-                    cache_salt=self.cache_salt,
                     shares_token_lists=shares_token_lists,
-                    priority_bound=self.priority_bound,
                 ))
         return new_requests

@@ -23,18 +23,19 @@ class FairShare:
 
     def __init__(self) -> None:
         self._virtual_time: dict[int, float] = {}  # priority level -> largest admitted tag
-        self._finish: dict[tuple[str | None, int], float] = {}  # (tenant, level) -> finish
+        self._finish: dict[tuple[str, int], float] = {}  # (tenant, level) -> finish
         self._prune_at = _PRUNE_AT
 
     def tag(self, request: Request) -> None:
         """Set `request.fair_tag` (once: a preempted request keeps its place)."""
         if request.fair_tag is not None:
             return
-        level = request.priority
-        key = (request.tenant, level)
+        placement = request.placement
+        level = placement.priority
+        key = (placement.tenant, level)
         start = max(self._virtual_time.get(level, 0.0), self._finish.get(key, 0.0))
         cost = request.num_prompt_tokens + request.sampling_params.max_tokens
-        self._finish[key] = start + cost / request.weight
+        self._finish[key] = start + cost / placement.weight
         request.fair_tag = start
         if len(self._finish) >= self._prune_at:
             self._prune()

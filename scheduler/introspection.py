@@ -117,7 +117,7 @@ def _describe(state: SchedulerState, request: Request, now: float) -> dict[str, 
     return {
         "request_id": request.request_id,
         "status": request.status.name,
-        "tenant": request.tenant,
+        "tenant": request.placement.tenant,
         "priority": request.priority,
         "effective_priority": (
             request.effective_priority

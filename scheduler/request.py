@@ -8,7 +8,10 @@ from collections.abc import Sequence
 
 from kvcache.hashing import BlockHash
 from scheduler.output import PromptLogprobs, SampleLogprobs
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
+
+_NO_PLACEMENT = Placement()  # the default tenant at priority 0
 
 
 class RequestStatus(enum.IntEnum):
@@ -48,13 +51,12 @@ class Request:
     `num_computed_tokens` is the one progress counter: tokens whose KV is in the cache or
     being computed by a scheduled step (it advances when a step is scheduled). Prefill,
     chunked prefill, decode and recompute after preemption all follow from comparing it
-    with `num_tokens` plus `num_output_placeholders`. `arrival_time` and `deadline` are on the
+    with `num_tokens` plus `num_output_placeholders`. `arrival_time` is on the
     time.monotonic() clock.
 
-    `tenant` and `weight` place the request in its priority level's fair share (tenants
-    served in proportion to their weights); `deadline`, when set, finishes the request
-    with "deadline" once passed; `cache_salt` keys its prefix-cache blocks apart from
-    those of any other salt.
+    Who it is and how it wants to be scheduled (priority, tenant and weight, priority
+    bound, deadline, cache salt) is its `placement` (scheduler/placement.py), held whole;
+    `priority` and `cache_salt` read it for the KV cache manager (`KVCacheRequest`).
     """
 
     # The most draft tokens it verifies in a step (speculative decoding; 0: none), set by
@@ -72,23 +74,15 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
-        priority: int = 0,
+        placement: Placement = _NO_PLACEMENT,
         arrival_time: float | None = None,
         prompt_leader_id: str | None = None,
-        *,
-        tenant: str | None = None,
-        weight: float = 1.0,
-        deadline: float | None = None,
-        cache_salt: str | None = None,
-        priority_bound: int | None = None,
     ) -> None:
-        if weight <= 0:
-            raise ValueError("weight must be > 0")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.priority = priority
+        self.placement = placement
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -110,22 +104,26 @@ class Request:
         self.num_cached_tokens = 0
         # n > 1: another choice of the prompt, which computes it first (scheduler/prompt_sharing.py)
         self.prompt_leader_id = prompt_leader_id
-        self.tenant = tenant
-        self.weight = weight
-        self.deadline = deadline
-        self.cache_salt = cache_salt
-        # The most urgent priority its tenant may ask for: aging stops there (None: none).
-        self.priority_bound = priority_bound
         # Order within its priority level, set once by the fair share (None: by arrival).
         self.fair_tag: float | None = None
         # Prefix-cache keys of the full blocks of all_token_ids (kvcache appends to it).
         self.block_hashes: list[BlockHash] = []
         # Priority after aging (lowered while waiting, kept as admitted while running).
-        self.effective_priority = priority
+        self.effective_priority = placement.priority
         # Seconds spent waiting before the current wait, and when the current wait began.
         self.waited_s = 0.0
         self.waiting_since = self.arrival_time
         self._all_token_ids = list(prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        """Its placement's priority: lower is more urgent."""
+        return self.placement.priority
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Its placement's prefix-cache salt."""
+        return self.placement.cache_salt
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -177,7 +177,7 @@ class PriorityRequestQueue(RequestQueue):
 
     With `aging_s`, a request's effective priority improves continuously, by one level per
     `aging_s` seconds waited (`effective_priority`), but never past its limit: the less
-    urgent of `aging_floor` and its tenant's bound (`Request.priority_bound`), and never
+    urgent of `aging_floor` and its tenant's bound (`Placement.priority_bound`), and never
     past its own base priority either (a request more urgent than its limit does not age).
     NOTE: since every request ages at the same rate until it reaches its limit, the order
     of two aging requests never changes while they wait, so their heap is ordered by a
@@ -259,7 +259,7 @@ class PriorityRequestQueue(RequestQueue):
 
     def _limit(self, request: Request) -> int | None:
         """The most urgent priority aging may take `request` to (None: no limit)."""
-        floor, bound = self.aging_floor, request.priority_bound
+        floor, bound = self.aging_floor, request.placement.priority_bound
         if floor is None or bound is None:
             return bound if floor is None else floor
         return max(floor, bound)

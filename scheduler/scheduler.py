@@ -159,8 +159,9 @@ class Scheduler(AdmissionAndPreemption):
             request.num_speculative_tokens = self.speculation.limit(request.sampling_params)
         if self.fair_share is not None:
             self.fair_share.tag(request)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        deadline = request.placement.deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, request.request_id))
             if len(self._deadlines) > 2 * len(self.requests) + 1024:  # finished ones linger
                 self._deadlines = [d for d in self._deadlines if d[1] in self.requests]
                 heapq.heapify(self._deadlines)

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 
 from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
+from scheduler.placement import Placement
 from server.config import ServerConfig
 from server.errors import APIError, server_error, validation_error
 from server.limits import check_budgets
@@ -44,14 +45,13 @@ _ModelT = TypeVar("_ModelT", bound=pydantic.BaseModel)
 
 
 @dataclass
-class Placement:
-    """What a request's tenant made of it: its priority, deadline, cache salt and seat
+class Admitted:
+    """A request admitted under its tenant: its placement (who it is and how it wants to
+    be scheduled: the record the engine carries whole), its tenant and the seat it holds
     (`submitted` once the engine holds the request, and with it the seat)."""
 
+    placement: Placement
     tenant: Tenant
-    priority: int
-    deadline: float | None
-    cache_salt: str | None
     seat: Seat
     submitted: bool = False
 
@@ -101,26 +101,26 @@ class Admission:
         try:
             return await route(raw)
         finally:
-            placement: Placement | None = getattr(raw.state, "placement", None)
-            if placement is not None and not placement.submitted:
-                placement.seat.release()
+            admitted: Admitted | None = getattr(raw.state, "admitted", None)
+            if admitted is not None and not admitted.submitted:
+                admitted.seat.release()
 
     async def parse(
         self, raw: Request, model: type[_RequestT], arrival: float
-    ) -> tuple[_RequestT, Placement]:
-        """A generation request's body as `model` and its placement under the request's
+    ) -> tuple[_RequestT, Admitted]:
+        """A generation request's body as `model`, admitted under the request's
         tenant (403 for a priority beyond the tenant's bound, 429 without a seat or room
         in its token rate), after the checks that need no tokens: before any work."""
         request = await self.parse_json(raw, model)
         return request, self.admit(raw, request, arrival)
 
-    def admit(self, raw: Request, request: SamplingRequest, arrival: float) -> Placement:
+    def admit(self, raw: Request, request: SamplingRequest, arrival: float) -> Admitted:
         """The checks of a parsed request that need no tokens and its placement under its
         tenant (`parse`'s second half: for a route that translates its body first)."""
         self._check_admission(request)
-        placement = self._place(raw.state.tenant, request, arrival)
-        raw.state.placement = placement  # for `handle`, which releases its seat
-        return placement
+        admitted = self._place(raw.state.tenant, request, arrival)
+        raw.state.admitted = admitted  # for `handle`, which releases its seat
+        return admitted
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or a name this server serves."""
@@ -130,7 +130,8 @@ class Admission:
                 f"`{self.model_name}`.", param="model", code="model_not_found",
             )
 
-    def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Placement:
+    def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Admitted:
+        """The request's placement, built here once for the engine, and its tenant's seat."""
         requested = body.priority if "priority" in body.model_fields_set else None
         try:
             priority = tenant.priority(requested)
@@ -146,8 +147,12 @@ class Admission:
             seat = tenant.admit(_tokens_at_least(body))
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
-        return Placement(tenant, priority, tenant.deadline(arrival, body.deadline_ms), salt,
-                         seat)
+        placement = Placement(
+            priority=priority, tenant=tenant.name, weight=tenant.weight,
+            priority_bound=tenant.spec.max_priority,
+            deadline=tenant.deadline(arrival, body.deadline_ms), cache_salt=salt,
+        )
+        return Admitted(placement, tenant, seat)
 
     def _refused(self, tenant: Tenant, refusal: TenantRefused) -> APIError:
         self.engine.metrics.inc_tenant_rejection(tenant.name, refusal.reason)

@@ -58,10 +58,10 @@ class ChatCompletions:
     async def __call__(self, raw: Request) -> Response:
         serving = self.serving
         arrival = time.monotonic()
-        body, placement = await serving.parse(raw, ChatCompletionRequest, arrival)
+        body, admitted = await serving.parse(raw, ChatCompletionRequest, arrival)
         prompt, params, tool_parser = await self.prepare(body)
         request_id = random_id("chatcmpl")
-        stream = serving.submit(request_id, [prompt], params, body, placement, arrival)
+        stream = serving.submit(request_id, [prompt], params, body, admitted, arrival)
         if body.stream:
             return self._stream(request_id, stream, body, prompt, tool_parser)
         choices = await serving.collect(stream, raw)

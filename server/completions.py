@@ -56,7 +56,7 @@ class Completions:
     async def __call__(self, raw: Request) -> Response:
         serving = self.serving
         arrival = time.monotonic()
-        body, placement = await serving.parse(raw, CompletionRequest, arrival)
+        body, admitted = await serving.parse(raw, CompletionRequest, arrival)
         # NOTE: max_tokens 0 (echo) samples one token, left out of the response
         max_tokens = max(1, _DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
         prompts: list[list[int]] = []
@@ -74,7 +74,7 @@ class Completions:
         grammar = await serving.grammar(body)
         params = serving.sampling_params(body, max_tokens, body.logprobs, grammar)
         request_id = random_id("cmpl")
-        stream = serving.submit(request_id, prompts, params, body, placement, arrival)
+        stream = serving.submit(request_id, prompts, params, body, admitted, arrival)
         echo = texts if body.echo else None
         if body.stream:
             return self._stream(request_id, stream, body, prompts, echo)

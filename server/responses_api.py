@@ -47,10 +47,10 @@ class Responses:
         request = await serving.parse_json(raw, ResponsesRequest)
         check_supported(request)
         body = chat_request(request)
-        placement = serving.admit(raw, body, arrival)
+        admitted = serving.admit(raw, body, arrival)
         prompt, params, tool_parser = await self.chat.prepare(body)
         head = response_head(request, item_id("resp"), serving.model_name)
-        stream = serving.submit(head.id, [prompt], params, body, placement, arrival)
+        stream = serving.submit(head.id, [prompt], params, body, admitted, arrival)
         parser = self.chat.output_parser(body, tool_parser)
         if request.stream:
             return self._stream(head, stream, prompt, parser)

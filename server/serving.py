@@ -25,7 +25,7 @@ from engine.data_parallel import DataParallelEngine
 from engine.outputs import EngineDeadError, EngineStepError, RequestStream
 from engine.request import EngineRequest
 from scheduler.sampling_params import SamplingParams
-from server.admission import Admission, Placement
+from server.admission import Admission, Admitted
 from server.chat_template import apply_chat_template
 from server.config import ServerConfig
 from server.errors import APIError, server_error
@@ -162,32 +162,29 @@ class Serving(Admission):
         prompts: list[list[int]],
         params: SamplingParams,
         body: SamplingRequest,
-        placement: Placement,
+        admitted: Admitted,
         arrival: float,
     ) -> RequestStream:
         """Into the engine, once its prompt_logprobs entries are within their budget (400)
         and the tenant's token rate has room for its exact tokens (429); the engine holds
         the tenant's seat from then on and releases it when the request ends."""
-        tenant = placement.tenant
         check_prompt_logprobs(prompts, body, self.config.limits)
         asked = sum(len(p) for p in prompts) + params.max_tokens * len(prompts) * body.n
         try:
-            placement.seat.charge(asked)
+            admitted.seat.charge(asked)
         except TenantRefused as exc:
-            raise self._refused(tenant, exc) from exc
+            raise self._refused(admitted.tenant, exc) from exc
         request = EngineRequest(
             request_id, prompts, params, n=body.n, stop=body.stop_strings,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            priority=placement.priority, arrival_time=arrival, tenant=tenant.name,
-            weight=tenant.weight, deadline=placement.deadline, cache_salt=placement.cache_salt,
-            priority_bound=tenant.spec.max_priority,
+            placement=admitted.placement, arrival_time=arrival,
         )
         try:
-            stream = self.engine.add_request(request, on_done=placement.seat.release)
+            stream = self.engine.add_request(request, on_done=admitted.seat.release)
         except EngineDeadError as exc:
             raise server_error(503, str(exc)) from exc
-        placement.submitted = True
+        admitted.submitted = True
         return stream
 
     async def collect(self, stream: RequestStream, raw: Request) -> list[Choice] | None:

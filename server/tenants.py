@@ -45,7 +45,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import DEFAULT_TENANT
+from scheduler.placement import DEFAULT_TENANT
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SHA256_HEX = r"[0-9a-fA-F]{64}"

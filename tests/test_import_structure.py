@@ -2,7 +2,8 @@
 module, module-level and lazy alike:
 
     server -> engine -> scheduler -> kvcache;  engine -> model_runner;  engine -> structured
-    server reads of the layers below only their configs and the scheduler's contract;
+    server reads of the layers below only their configs, the scheduler's contract and
+    the request record it builds (scheduler/placement.py);
     model_runner reads only the scheduler's contract (scheduler/output.py,
     scheduler/sampling_params.py); scheduler and kvcache import no torch;
     the engine imports nothing of server/ and no HTTP; no import loop among our modules;
@@ -29,9 +30,10 @@ ALLOWED = {
     "server": {"engine", "scheduler", "kvcache", "model_runner", "loadgen", "structured"},
 }
 SCHEDULER_CONTRACT = {"scheduler.output", "scheduler.sampling_params"}
-# What the API process reads of the layers under the engine: configs and the contract.
-SERVER_READS_BELOW = SCHEDULER_CONTRACT | {"scheduler.config", "kvcache.config",
-                                           "model_runner.config"}
+# What the API process reads of the layers under the engine: configs, the contract and
+# the request record admission builds.
+SERVER_READS_BELOW = SCHEDULER_CONTRACT | {"scheduler.placement", "scheduler.config",
+                                           "kvcache.config", "model_runner.config"}
 HTTP_MODULES = {"fastapi", "starlette", "uvicorn", "httpx"}
 
 

@@ -22,6 +22,7 @@ from model_runner.cuda_graphs import DecodeGraphRunner
 from model_runner.loader import load_model, load_model_spec
 from scheduler.config import SchedulerConfig
 from scheduler.output import PLACEHOLDER_TOKEN_ID
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ScriptedRunner
@@ -85,7 +86,8 @@ def mixed_requests() -> list[NewRequest]:
         params = replace(params, max_tokens=8 + 2 * i)
         prompt = [3 + (7 * i + j) % 200 for j in range(5 + 3 * i)]
         requests.append(NewRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                                   sampling_params=params, priority=i % 3, arrival_time=i))
+                                   sampling_params=params, arrival_time=i,
+                                   placement=Placement(priority=i % 3)))
     return requests
 
 

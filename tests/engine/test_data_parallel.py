@@ -18,6 +18,7 @@ from engine.outputs import EngineStepError
 from engine.request import EngineRequest
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ByteTokenizer, ScriptedRunner
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
 def greedy(request_id: str, prompt: list[int], priority: int = 0) -> EngineRequest:
-    return EngineRequest(request_id, [prompt], GREEDY, priority=priority)
+    return EngineRequest(request_id, [prompt], GREEDY, placement=Placement(priority=priority))
 
 
 class SlowRunner(ScriptedRunner):

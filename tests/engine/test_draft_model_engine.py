@@ -24,6 +24,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
 from scheduler.config import SchedulerConfig, SpeculativeConfig
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from server.app import build_app
@@ -90,15 +91,16 @@ def requests(sampled: bool) -> list[NewRequest]:
         params = SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True)
         prompt = [3 + (5 * j) % 11 for j in range(12)] + [40 + i] * (2 + i)
         out.append(NewRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                              sampling_params=params, priority=i % 3, arrival_time=i))
+                              sampling_params=params, arrival_time=i,
+                              placement=Placement(priority=i % 3)))
     out.append(NewRequest(request_id="r0-choice", prompt_token_ids=out[0].prompt_token_ids,
                           sampling_params=out[0].sampling_params, arrival_time=0,
                           prompt_leader_id="r0"))
     if sampled:
         params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
         out.append(NewRequest(request_id="sampled", prompt_token_ids=[7, 8, 9] * 4,
-                              sampling_params=params, priority=SAMPLED_PRIORITY,
-                              arrival_time=9))
+                              sampling_params=params, arrival_time=9,
+                              placement=Placement(priority=SAMPLED_PRIORITY)))
     return out
 
 

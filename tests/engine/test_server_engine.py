@@ -17,6 +17,7 @@ from engine.outputs import EngineDeadError, EngineStepError, RequestOutput
 from engine.request import EngineRequest
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from tests.support.engine_helpers import core_of
 from tests.support.metrics import engine_metric
@@ -226,7 +227,7 @@ def test_metrics_count_tokens_and_latencies(make_fake_engine) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
     async def run():
-        await collect(engine, prompt="abc", params=params, priority=0)
+        await collect(engine, prompt="abc", params=params, placement=Placement(priority=0))
         await wait_engine_idle(engine)  # the last step's stats are read before the snapshot
 
     asyncio.run(run())
@@ -346,7 +347,7 @@ def test_the_step_message_carries_the_scheduler_stats_when_they_changed(
     engine = make_fake_engine(policy="priority", start=False)
     core = core_of(engine)
     core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=[1, 2],
-                                       sampling_params=GREEDY, priority=-3)]))
+                                       sampling_params=GREEDY, placement=Placement(priority=-3))]))
     message = core.step()
     assert message.stats == core.scheduler.stats
     assert message.stats.num_running == 1 and message.num_added == 1

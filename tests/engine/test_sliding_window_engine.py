@@ -20,6 +20,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from model_runner.models.sliding_windows import model_window
 from scheduler.config import SchedulerConfig
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.support.model_helpers import (
@@ -74,7 +75,7 @@ def test_greedy_tokens_equal_generate_while_blocks_are_freed(tiny, expected,
     longest = max(ordered, key=len)
     requests = [
         NewRequest(request_id=f"r{i}", prompt_token_ids=list(p), sampling_params=params,
-                   priority=i % 3, arrival_time=i)
+                   placement=Placement(priority=i % 3), arrival_time=i)
         for i, p in enumerate(ordered)
     ]
     longest_id = f"r{ordered.index(longest)}"

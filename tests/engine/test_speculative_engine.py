@@ -11,6 +11,7 @@ from engine.messages import AddRequests, FinishRequests, NewRequest
 from engine.metrics import ServerMetrics
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig, SpeculativeConfig
+from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.speculation import SpecDecodeStats
@@ -45,7 +46,8 @@ def requests() -> list[NewRequest]:
                                 logprobs=2 if i == 1 else None)
         prompt = [3 + (5 * j) % 11 for j in range(12)] + [40 + i] * (2 + i)
         out.append(NewRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                              sampling_params=params, priority=i % 3, arrival_time=i))
+                              sampling_params=params, arrival_time=i,
+                              placement=Placement(priority=i % 3)))
     out.append(NewRequest(request_id="r0-choice", prompt_token_ids=out[0].prompt_token_ids,
                           sampling_params=out[0].sampling_params, arrival_time=0,
                           prompt_leader_id="r0"))

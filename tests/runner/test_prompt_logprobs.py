@@ -15,6 +15,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import load_model
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -98,14 +99,14 @@ def test_chunked_prompt_bypasses_the_prefix_cache():
 def test_preempted_mid_prompt_keeps_what_it_made_and_makes_only_the_rest():
     scheduler = make_scheduler(policy="priority", max_num_batched_tokens=8, num_blocks=12)
     runner = FakeRunner()
-    victim = Request("victim", prompt(40), WITH_PROMPT_LOGPROBS, priority=1)
+    victim = Request("victim", prompt(40), WITH_PROMPT_LOGPROBS, placement=Placement(priority=1))
     scheduler.add_request(victim)
     for _ in range(2):  # 16 of 40 prompt tokens computed
         plan = scheduler.schedule()
         scheduler.update(plan, runner.execute(plan))
     assert victim.prompt_logprobs is not None and victim.prompt_logprobs.end == 17
     scheduler.add_request(Request("urgent", prompt(20, 900), SamplingParams(max_tokens=2),
-                                  priority=0))
+                                  placement=Placement(priority=0)))
     run(scheduler, runner)
     assert victim.num_preemptions == 1
     assert_whole(victim)
@@ -116,13 +117,13 @@ def test_preempted_after_the_prompt_recomputes_from_the_cache():
     scheduler = make_scheduler(policy="priority", max_num_batched_tokens=64, num_blocks=12)
     runner = FakeRunner()
     victim = Request("victim", prompt(20), replace(WITH_PROMPT_LOGPROBS, max_tokens=20),
-                     priority=1)
+                     placement=Placement(priority=1))
     scheduler.add_request(victim)
     for _ in range(3):
         plan = scheduler.schedule()
         scheduler.update(plan, runner.execute(plan))
     scheduler.add_request(Request("urgent", prompt(36, 900), SamplingParams(max_tokens=2),
-                                  priority=0))
+                                  placement=Placement(priority=0)))
     run(scheduler, runner)
     assert victim.num_preemptions == 1
     assert_whole(victim)
@@ -251,7 +252,8 @@ def test_the_core_sends_them_once_with_the_first_token(llama: TinyModel, async_s
     ids = prompts([30, 21, 25, 17], seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
     core.apply(AddRequests([NewRequest(request_id=f"r{i}", prompt_token_ids=p,
-                                       sampling_params=params, priority=-i, arrival_time=i)
+                                       sampling_params=params, arrival_time=i,
+                                       placement=Placement(priority=-i))
                             for i, p in enumerate(ids)]))
     sent: dict[str, list[PromptLogprobs]] = {f"r{i}": [] for i in range(len(ids))}
     first_tokens: dict[str, bool] = {}

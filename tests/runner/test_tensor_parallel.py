@@ -29,6 +29,7 @@ from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.placement import Placement
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -212,7 +213,7 @@ def test_scheduler_with_prefix_caching_chunks_and_preemption(models: Models):
     prompts = [shared + tail for tail in random_prompts([5, 9, 3, 7], seed=4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(Request(f"r{i}", prompt, params, priority=-i))
+        scheduler.add_request(Request(f"r{i}", prompt, params, placement=Placement(priority=-i)))
     outputs: dict[str, list[int]] = {}
     while scheduler.has_unfinished_requests():
         plan = scheduler.schedule()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from tests.support.scheduler_helpers import FakeClock, make_scheduler, run_until_done, step
@@ -18,9 +19,10 @@ def request(request_id: str, tenant: str, *, weight: float = 1.0, priority: int 
             deadline: float | None = None, cache_salt: str | None = None,
             prompt: list[int] | None = None) -> Request:
     tokens = prompt or [next(_fresh_tokens) for _ in range(num_tokens)]  # no prefix hits
+    placement = Placement(priority=priority, tenant=tenant, weight=weight, deadline=deadline,
+                          cache_salt=cache_salt)
     return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   priority=priority, arrival_time=arrival, tenant=tenant, weight=weight,
-                   deadline=deadline, cache_salt=cache_salt)
+                   placement=placement, arrival_time=arrival)
 
 
 def admission_order(scheduler, max_steps: int = 2000) -> list[str]:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import (
     FCFSRequestQueue,
@@ -18,8 +19,11 @@ from scheduler.sampling_params import SamplingParams
 from tests.support.scheduler_helpers import FakeClock
 
 
-def req(request_id: str, priority: int = 0, arrival: float = 0.0) -> Request:
-    return Request(request_id, [1, 2, 3], SamplingParams(), priority=priority, arrival_time=arrival)
+def req(request_id: str, priority: int = 0, arrival: float = 0.0,
+        bound: int | None = None) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(),
+                   placement=Placement(priority=priority, priority_bound=bound),
+                   arrival_time=arrival)
 
 
 def ids(queue: RequestQueue) -> list[str]:
@@ -272,8 +276,8 @@ def test_aging_stops_at_the_floor_and_the_bound_and_the_order_follows() -> None:
     floor does not age at all."""
     clock = FakeClock(0.0)
     queue = PriorityRequestQueue(aging_s=1.0, aging_floor=0, clock=clock)
-    old, bounded = req("old", priority=9, arrival=0.0), req("bounded", priority=9, arrival=1.0)
-    bounded.priority_bound = 4
+    old = req("old", priority=9, arrival=0.0)
+    bounded = req("bounded", priority=9, arrival=1.0, bound=4)
     urgent = req("urgent", priority=-3, arrival=0.0)
     for r in (old, bounded, urgent):
         queue.add(r)
@@ -303,14 +307,14 @@ def test_aging_with_limits_pops_in_the_order_of_the_priorities_now(seed: int) ->
             assert popped is expected
             live.remove(popped)
         else:
-            r = req(f"r{i}", priority=rng.randint(-8, 8), arrival=clock.now)
-            r.priority_bound = rng.choice([None, -2, 3])
+            r = req(f"r{i}", priority=rng.randint(-8, 8), arrival=clock.now,
+                    bound=rng.choice([None, -2, 3]))
             queue.add(r)
             live.append(r)
 
 
 def _aged_key(r: Request, now: float, aging_s: float, floor: int | None) -> tuple:
-    bounds = [b for b in (floor, r.priority_bound) if b is not None]
+    bounds = [b for b in (floor, r.placement.priority_bound) if b is not None]
     aged = r.priority - (now - r.arrival_time) / aging_s
     if bounds:
         aged = max(aged, min(max(bounds), r.priority))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from tests.support.scheduler_helpers import (
     FakeClock,
@@ -68,7 +69,7 @@ def test_aging_stops_at_the_floor_or_the_tenant_bound(floor, bound, limit) -> No
 
     def waiter(i: int) -> Request:
         (low,) = make_requests(1, 4, 3, priorities=[10], first_id=i, first_arrival=0.0)
-        low.priority_bound = bound
+        low.placement = Placement(priority=10, priority_bound=bound)
         return low
 
     def urgent(i: int) -> Request:

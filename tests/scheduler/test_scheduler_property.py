@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -104,6 +105,7 @@ class Harness:
         prompt = prompt[: max_len - 1]
         leader_id = f"r{len(self.added)}"
         tenant, weight = TENANT_WEIGHTS[prompt[0]]
+        placement = Placement(priority=priority, tenant=tenant, weight=weight)
         for i in range(num_choices):
             request = Request(
                 f"r{len(self.added)}",
@@ -111,11 +113,9 @@ class Harness:
                 SamplingParams(
                     max_tokens=min(max_tokens, max_len - len(prompt)), ignore_eos=True
                 ),
-                priority=priority,
+                placement=placement,
                 arrival_time=self.clock.now,
                 prompt_leader_id=leader_id if i else None,
-                tenant=tenant,
-                weight=weight,
             )
             self.scheduler.add_request(request)
             self.added.append(request)

@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.config import SpeculativeConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -34,7 +35,7 @@ def copying(request_id: str, priority: int = 0, max_tokens: int = 32,
     (PATTERN[0]), the n-gram proposes PATTERN[1:]."""
     return Request(request_id, PATTERN * 2,
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
-                   priority=priority, arrival_time=float(priority))
+                   placement=Placement(priority=priority), arrival_time=float(priority))
 
 
 def successor(token_id: int) -> int:
@@ -183,7 +184,7 @@ def test_drafts_never_take_budget_from_a_more_urgent_prefill(
     scheduler = spec_scheduler(policy="priority", max_num_batched_tokens=40)
     to_decode(scheduler, copying("low", 5), copying("urgent", -5))
     scheduler.add_request(Request("prompt", list(range(100, 134)), SamplingParams(),
-                                  priority=prompt_priority, arrival_time=9.0))
+                                  placement=Placement(priority=prompt_priority), arrival_time=9.0))
     out = scheduler.schedule()
     tokens = {s.request_id: len(s.token_ids) for s in out.scheduled}
     drafts = {s.request_id: s.num_draft_tokens for s in out.scheduled}
@@ -249,7 +250,8 @@ def test_an_abort_storm_mid_verification_leaks_no_block() -> None:
             scheduler.add_request(Request(f"r{i}", PATTERN * rng.randint(1, 3),
                                           SamplingParams(max_tokens=rng.randint(2, 20),
                                                          ignore_eos=True),
-                                          priority=rng.randint(-2, 2), arrival_time=float(i)))
+                                          placement=Placement(priority=rng.randint(-2, 2)),
+                                          arrival_time=float(i)))
         out = scheduler.schedule()
         drafted = [s.request_id for s in out.scheduled if s.num_draft_tokens]
         doomed = rng.sample(drafted, k=len(drafted) // 2)

@@ -19,6 +19,7 @@ from kvcache.config import CacheConfig
 from model_runner.sampler import Sampler, apply_bitmask
 from scheduler.config import SchedulerConfig
 from scheduler.output import GrammarBitmask, ScheduledRequest
+from scheduler.placement import Placement
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -216,7 +217,7 @@ def test_core_outputs_follow_their_grammars(num_blocks: int) -> None:
         kind = list(grammars)[i % 3]
         params = SamplingParams(max_tokens=120, grammar=grammars[kind])
         new.append(NewRequest(request_id=f"{kind}-{i}", prompt_token_ids=list(range(1, 9)),
-                              sampling_params=params, priority=i % 2))
+                              sampling_params=params, placement=Placement(priority=i % 2)))
     new.append(NewRequest(request_id="free", prompt_token_ids=[1, 2],
                           sampling_params=SamplingParams(max_tokens=8)))
     core.apply(AddRequests(new))

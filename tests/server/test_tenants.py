@@ -201,7 +201,8 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
         now = time.monotonic()
         for scheduled in plan.scheduled:
             request = scheduler.requests.get(scheduled.request_id)
-            if request is not None and request.deadline is not None and now > request.deadline:
+            deadline = None if request is None else request.placement.deadline
+            if deadline is not None and now > deadline:
                 late.append(scheduled.request_id)
 
     core_of(server.engine).fault_hook = check_plan
@@ -403,7 +404,7 @@ def test_requests_carry_their_tenants_priority_bound_into_the_scheduler(serve) -
     core = core_of(server.engine)
     bounds: dict[str, int | None] = {}
     core_of(server.engine).fault_hook = lambda _: bounds.update(
-        {r.tenant: r.priority_bound for r in core.scheduler.requests.values()})
+        {r.placement.tenant: r.placement.priority_bound for r in core.scheduler.requests.values()})
     for key in (KEY_A, KEY_B, KEY_D):
         assert post(server, key).status_code == 200
     assert bounds == {"alpha": -5, "beta": 0, "delta": None}

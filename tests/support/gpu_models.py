@@ -282,5 +282,6 @@ def overlap_requests(tag: str, num: int, vocab_size: int, max_tokens: int) -> li
         params = SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i,
                                 max_tokens=max_tokens - i % 5, ignore_eos=True)
         prompt = [rng.randrange(3, vocab_size) for _ in range(5 + (i * 7) % 40)]
-        out.append(NewRequest(f"{tag}-r{i}", prompt, params))
+        out.append(NewRequest(request_id=f"{tag}-r{i}", prompt_token_ids=prompt,
+                              sampling_params=params))
     return out

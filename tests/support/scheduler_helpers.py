@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, ScheduledRequest, SchedulerOutput
+from scheduler.placement import Placement
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -97,7 +98,7 @@ def make_requests(
                     ignore_eos=ignore_eos,
                 ),
                 eos_token_ids=eos_token_ids,
-                priority=priorities[k] if priorities is not None else 0,
+                placement=Placement(priority=priorities[k] if priorities is not None else 0),
                 arrival_time=first_arrival + k,
             )
         )
