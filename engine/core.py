@@ -115,9 +115,8 @@ def _request_error(request_id: str, message: str) -> RequestDelta:
 class EngineCore:
     """Scheduler + runner behind commands and per-step messages; single-threaded.
 
-    `fault_hook` is for tests only: when set, every step calls it with the plan, after
-    `schedule()` and before `launch()`; an Exception it raises fails that step, any other
-    BaseException ends the loop.
+    An Exception a step raises (the scheduler's or the runner's) fails that step; any
+    other BaseException ends the loop.
     """
 
     def __init__(
@@ -136,7 +135,6 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
         self.step_clock: StepClock = LocalStepClock() if step_clock is None else step_clock
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # NOTE: chosen once, as vLLM V1 does (step_fn): overlapped steps need a scheduler
         # that leaves placeholders for the tokens being sampled.
         self.step_fn: Callable[..., StepOutputs] = (
@@ -320,8 +318,6 @@ class EngineCore:
     def _launch(self, plan: SchedulerOutput) -> _InFlight:
         """Start `plan` on the device. NOTE: an empty plan too: its finished ids reach the
         runner, and its update returns the requests whose deadline passed in schedule()."""
-        if self.fault_hook is not None:
-            self.fault_hook(plan)
         return _InFlight(plan, self.runner.launch(plan))
 
     def _update(self, in_flight: _InFlight) -> list[RequestDelta]:

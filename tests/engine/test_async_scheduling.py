@@ -26,6 +26,7 @@ from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ScriptedRunner
+from tests.support.engine_helpers import StepFaults
 from tests.support.live_server import LiveServer
 from tests.support.model_helpers import CONFIGS, TinyModel, make_model_folder
 from tests.support.step_rate import steps_per_s
@@ -170,7 +171,8 @@ def test_a_failing_overlapped_step_fails_its_requests_and_those_in_flight() -> N
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
                              async_scheduling=True)
     scheduler = Scheduler(config, CacheConfig(num_blocks=32, block_size=4))
-    core = EngineCore(scheduler, ScriptedRunner(), frozenset({BYTE_EOS}))
+    faults = StepFaults(ScriptedRunner())
+    core = EngineCore(scheduler, faults, frozenset({BYTE_EOS}))
     core.apply(AddRequests([  # b's one token is sampled by the prefill alone
         NewRequest(request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=GREEDY),
         NewRequest(request_id="b", prompt_token_ids=[1, 2, 3],
@@ -182,7 +184,7 @@ def test_a_failing_overlapped_step_fails_its_requests_and_those_in_flight() -> N
         plans.append(plan)
         raise RuntimeError("injected")
 
-    core.fault_hook = fail
+    faults.on_launch = fail
     failed = core.step_fn().deltas
     assert [s.request_id for s in plans[0].scheduled] == ["a"]
     assert [(d.request_id, d.error_status, d.new_token_ids) for d in failed] == [
@@ -190,7 +192,7 @@ def test_a_failing_overlapped_step_fails_its_requests_and_those_in_flight() -> N
     assert all("error id" in (d.error or "") for d in failed)
     assert not core.has_work and scheduler.kv_cache.usage == 0
     scheduler.check_integrity()
-    core.fault_hook = None
+    faults.on_launch = None
     tokens, finish = run_core(core, [NewRequest(request_id="c", prompt_token_ids=[1, 2],
                                                 sampling_params=GREEDY)], {})
     assert len(tokens["c"]) == GREEDY.max_tokens and finish == {"c": "length"}

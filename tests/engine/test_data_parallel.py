@@ -22,7 +22,7 @@ from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from tests.conftest import BYTE_EOS, ByteTokenizer, ScriptedRunner
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import step_faults
 from tests.support.live_server import LiveServer
 from tests.support.metrics import engine_metric
 from tests.support.reliability_helpers import assert_openai_error
@@ -162,7 +162,7 @@ def test_a_dead_core_fails_its_own_requests_and_the_other_serves(dp) -> None:
         def die(plan) -> None:
             raise _Fatal
 
-        core_of(doomed).fault_hook = die
+        step_faults(doomed).on_launch = die
         for thread in threads:
             thread.join()
         statuses = sorted(r.status_code for r in results.values())

@@ -17,7 +17,7 @@ import pytest
 
 from scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from tests.conftest import SyncRunner
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import step_faults
 from tests.support.live_server import LiveServer
 from tests.support.metrics import metric
 from tests.support.reliability_helpers import (
@@ -245,7 +245,7 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_answers_503(live) -> No
         if runner.num_steps >= 5:
             started.set()
 
-    core_of(engine).fault_hook = die_later
+    step_faults(engine).on_launch = die_later
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         body = {"prompt": f"d{i}", "max_tokens": 60, "ignore_eos": True, "stream": i % 2 == 0}

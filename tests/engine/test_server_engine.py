@@ -19,7 +19,7 @@ from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.placement import Placement
 from scheduler.sampling_params import SamplingParams
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import core_of, step_faults
 from tests.support.metrics import engine_metric
 from tests.support.model_helpers import CONFIGS, make_model_folder
 from tests.support.waits import wait_engine_idle
@@ -76,7 +76,7 @@ def test_stop_string_finishes_the_request_in_the_same_step(make_fake_engine) -> 
 def test_n_choices_are_separate_scheduler_requests(make_fake_engine) -> None:
     engine = make_fake_engine()
     seen: set[str] = set()
-    core_of(engine).fault_hook = lambda plan: seen.update(s.request_id for s in plan.scheduled)
+    step_faults(engine).on_launch = lambda plan: seen.update(s.request_id for s in plan.scheduled)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
     outputs = asyncio.run(collect(engine, "req", params=params, n=3))
     assert seen == {"req-0", "req-1", "req-2"}
@@ -109,7 +109,7 @@ def test_logprobs_follow_their_tokens(make_fake_engine) -> None:
 
 def test_abort_frees_blocks_within_a_step(make_fake_engine) -> None:
     engine = make_fake_engine()
-    core_of(engine).fault_hook = lambda plan: time.sleep(0.005)
+    step_faults(engine).on_launch = lambda plan: time.sleep(0.005)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
     async def run():
@@ -138,7 +138,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_fake_engi
         if len(calls) == 1:
             raise RuntimeError("injected")
 
-    core_of(engine).fault_hook = fail_once
+    step_faults(engine).on_launch = fail_once
 
     async def run():
         with pytest.raises(EngineStepError, match="error id") as failed:
@@ -191,7 +191,7 @@ def test_a_dead_loop_fails_pending_requests_and_refuses_new_ones(make_fake_engin
     def die(plan) -> None:
         raise _Fatal("boom")
 
-    core_of(engine).fault_hook = die
+    step_faults(engine).on_launch = die
 
     async def run():
         with pytest.raises(EngineStepError, match="died"):
@@ -249,14 +249,14 @@ def test_num_waiting_counts_queued_requests_not_running_ones(make_fake_engine) -
         entered.set()
         release.wait(5)
 
-    core_of(engine).fault_hook = block
+    step_faults(engine).on_launch = block
 
     async def run():
         first = engine.add_request(EngineRequest("a", [[1]], GREEDY))
         await asyncio.to_thread(entered.wait, 5)
         second = engine.add_request(EngineRequest("b", [[1]], GREEDY, n=2))
         waiting = engine.num_waiting
-        core_of(engine).fault_hook = None
+        step_faults(engine).on_launch = None
         release.set()
         for stream in (first, second):
             async for _ in stream:

@@ -19,7 +19,7 @@ from server.config import ServerConfig
 from server.responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from server.responses_events import ResponseEvents, response_head
 from server.responses_request import ResponsesRequest, chat_messages
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import step_faults
 from tests.support.reliability_helpers import assert_openai_error
 from tests.support.structured_helpers import MaskedRandomRunner, make_structured
 
@@ -248,7 +248,7 @@ def test_a_failing_step_ends_the_stream_with_an_error_event(make_fake_engine,
         if len(steps) == 3:
             raise RuntimeError("injected")
 
-    core_of(engine).fault_hook = fail_third
+    step_faults(engine).on_launch = fail_third
     events = stream_events(client, {"input": "hi"})
     assert events[-1].type == "error" and "error id" in events[-1].message
     assert [e.sequence_number for e in events] == list(range(len(events)))

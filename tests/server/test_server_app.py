@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from server.config import ServerConfig
 from server.limits import RequestLimits
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import step_faults
 from tests.support.metrics import metric_in
 from tests.support.waits import wait_for
 
@@ -340,7 +340,7 @@ def test_failed_step_is_500_and_the_next_request_works(serve, caplog) -> None:
         if len(calls) == 1:
             raise RuntimeError("injected fault")
 
-    core_of(engine).fault_hook = fail_first
+    step_faults(engine).on_launch = fail_first
     error = assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "error id")
     assert error["type"] == "server_error"
     assert_logged_not_answered(error["message"], "injected fault", caplog.text)
@@ -357,7 +357,7 @@ def test_failed_step_mid_stream_sends_an_error_event(serve, caplog) -> None:
         if len(calls) == 3:
             raise RuntimeError("injected fault")
 
-    core_of(engine).fault_hook = fail_third
+    step_faults(engine).on_launch = fail_third
     events = sse_events(client, "/v1/completions", {"prompt": "hi", "stream": True})
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "He"
     assert_logged_not_answered(events[-1]["error"]["message"], "injected fault", caplog.text)
@@ -388,7 +388,7 @@ def test_dead_engine_answers_503(serve) -> None:
     def die(plan) -> None:
         raise _Fatal
 
-    core_of(engine).fault_hook = die
+    step_faults(engine).on_launch = die
     assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 500, "died")
     assert_error(client.get("/health"), 503)
     assert_error(client.post("/v1/completions", json={"prompt": "hi"}), 503)
@@ -403,7 +403,7 @@ def test_max_waiting_is_503_with_retry_after(serve) -> None:
         entered.set()
         release.wait(10)
 
-    core_of(engine).fault_hook = block
+    step_faults(engine).on_launch = block
     results = []
 
     def send() -> None:
@@ -419,7 +419,7 @@ def test_max_waiting_is_503_with_retry_after(serve) -> None:
     try:
         response = client.post("/v1/completions", json={"prompt": "hi"})
     finally:
-        core_of(engine).fault_hook = None
+        step_faults(engine).on_launch = None
         release.set()
     assert_error(response, 503, "overloaded")
     assert response.headers["retry-after"] == "1"

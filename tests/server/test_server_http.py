@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import step_faults
 from tests.support.live_server import LiveServer
 from tests.support.reliability_helpers import assert_openai_error
 from tests.support.waits import wait_idle
@@ -21,7 +21,7 @@ def live(make_fake_engine, live_servers) -> Callable[..., LiveServer]:
     def make(policy: str = "fcfs", step_s: float = 0.0, **config) -> LiveServer:
         engine = make_fake_engine(policy=policy, start=False)
         if step_s:
-            core_of(engine).fault_hook = lambda plan: time.sleep(step_s)
+            step_faults(engine).on_launch = lambda plan: time.sleep(step_s)
         return live_servers(engine, **config)
 
     return make
@@ -85,7 +85,7 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
         release.wait(60)
         step_returned.set()
 
-    core_of(server.engine).fault_hook = hang
+    step_faults(server.engine).on_launch = hang
     body = {"prompt": "hang", "max_tokens": 2}
     statuses: list[int] = []
     hung = threading.Thread(target=lambda: statuses.append(
@@ -100,7 +100,7 @@ def test_hung_step_answers_503_until_it_returns(live) -> None:
     refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=5)
     assert_openai_error(refused, 503, "step-timeout-s")
     assert not step_returned.is_set()  # refused while the step hangs, not after it
-    core_of(server.engine).fault_hook = None
+    step_faults(server.engine).on_launch = None
     release.set()
     hung.join(10)
     assert statuses == [200]  # the slow step's request still completes

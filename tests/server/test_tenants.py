@@ -18,7 +18,7 @@ import pytest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from server.tenants import TenantRefused, TenantRegistry, TenantsFileError, load_tenants_file
 from tests.conftest import ScriptedRunner
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import core_of, step_faults
 from tests.support.live_server import LiveServer
 from tests.support.metrics import metric
 from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
@@ -205,7 +205,7 @@ def test_deadlines_shorter_than_the_queue_compute_nothing_and_free_everything(se
             if deadline is not None and now > deadline:
                 late.append(scheduled.request_id)
 
-    core_of(server.engine).fault_hook = check_plan
+    step_faults(server.engine).on_launch = check_plan
     blockers = [threading.Thread(target=post, args=(server, KEY_B),
                                  kwargs={"max_tokens": 120, "ignore_eos": True})
                 for _ in range(2)]
@@ -403,7 +403,7 @@ def test_requests_carry_their_tenants_priority_bound_into_the_scheduler(serve) -
     server = serve()
     core = core_of(server.engine)
     bounds: dict[str, int | None] = {}
-    core_of(server.engine).fault_hook = lambda _: bounds.update(
+    step_faults(server.engine).on_launch = lambda _: bounds.update(
         {r.placement.tenant: r.placement.priority_bound for r in core.scheduler.requests.values()})
     for key in (KEY_A, KEY_B, KEY_D):
         assert post(server, key).status_code == 200

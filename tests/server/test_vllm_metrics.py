@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.config import ServerConfig
-from tests.support.engine_helpers import core_of
+from tests.support.engine_helpers import core_of, step_faults
 from tests.support.metrics import metric_in
 from tests.support.waits import wait_for
 
@@ -88,7 +88,7 @@ def test_a_picker_scrape_follows_seats_filled_then_idle(served) -> None:
                 held.set()
                 assert release.wait(30)
 
-    core.fault_hook = hold
+    step_faults(core).on_launch = hold
     statuses: list[int] = []
 
     def send() -> None:
@@ -114,7 +114,7 @@ def test_a_picker_scrape_follows_seats_filled_then_idle(served) -> None:
     assert view.waiting == metric_in(text, "pagedserve_num_requests_waiting")
     assert view.running == metric_in(text, "pagedserve_num_requests_running")
 
-    core.fault_hook = None
+    step_faults(core).on_launch = None
     release.set()
     for thread in threads:
         thread.join(30)
