@@ -78,17 +78,32 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
-    app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     tenants = tenants if tenants is not None else TenantRegistry.single(config.api_key)
-    app.add_middleware(TenantAuthMiddleware, tenants=tenants,
-                       metrics_key=config.metrics_api_key)
-    app.add_middleware(RequestIdMiddleware)
-    app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
+    _install_middleware(app, config, tenants)
     install_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest],
                     config.limits)
     serving = Serving(engine, config)
+    _install_openai_routes(app, serving)
+    install_utility_routes(app, serving)
+    _install_operations_routes(app, engine, config)
+    return app
+
+
+def _install_middleware(app: FastAPI, config: ServerConfig, tenants: TenantRegistry) -> None:
+    """The middleware, innermost first: body size, body time, tenant, request id, then
+    the internal-error catcher, the outermost of ours."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
+    app.add_middleware(TenantAuthMiddleware, tenants=tenants,
+                       metrics_key=config.metrics_api_key)
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
+
+
+def _install_openai_routes(app: FastAPI, serving: Serving) -> None:
+    """The generation routes (each through `serving.handle`, which releases the tenant's
+    seat unless the engine took the request) and GET /v1/models."""
     completions_route = Completions(serving)
     chat_route = ChatCompletions(serving)
     responses_route = Responses(serving, chat_route)
@@ -113,10 +128,13 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=engine.info.max_model_len)
+        max_model_len = serving.engine.info.max_model_len
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
                                for name in serving.model_names])
 
-    install_utility_routes(app, serving)
+
+def _install_operations_routes(app: FastAPI, engine: AnyEngine, config: ServerConfig) -> None:
+    """GET /health, /metrics and /scheduler/state."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -147,8 +165,6 @@ def build_app(
             return await engine.snapshot(bool(check), timeout_s=config.snapshot_timeout_s)
         except EngineDeadError as exc:
             raise server_error(503, f"The engine is not serving: {exc}.") from exc
-
-    return app
 
 
 class GracefulServer(uvicorn.Server):

@@ -166,17 +166,10 @@ class ChatCompletions:
             if logprobs is None and parser is None and output.prompt_logprobs is None:
                 return fast_chunk(head, output,
                                   {"delta": {"content": output.text} if output.text else {}})
-            finish_reason = output.finish_reason
-            if parser is None:
-                message = DeltaMessage(content=output.text or None)
-            else:
-                message = parser.feed(output.text, output.finished)
-                if finish_reason == "stop" and parser.called_tools:
-                    finish_reason = "tool_calls"
-                if message == DeltaMessage() and logprobs is None and not output.finished and (
-                    output.prompt_logprobs is None
-                ):
-                    return None  # the parser holds the text back (a tool call in the making)
+            delta = _delta(parser, output, logprobs is not None)
+            if delta is None:
+                return None  # the parser holds the text back (a tool call in the making)
+            message, finish_reason = delta
             return chunk(ChatCompletionStreamChoice(
                 index=output.index,
                 delta=message,
@@ -212,3 +205,21 @@ class ChatCompletions:
                 ],
             ))
         return ChatChoiceLogprobs(content=content)
+
+
+def _delta(
+    parser: ChatOutputParser | None, output: RequestOutput, has_logprobs: bool
+) -> tuple[DeltaMessage, str | None] | None:
+    """A streamed output as a chat delta, with its finish reason ("tool_calls" once its
+    parser found a call); None when the parser holds all of its text back and the output
+    carries nothing else (no logprobs, no prompt logprobs, no finish)."""
+    if parser is None:
+        return DeltaMessage(content=output.text or None), output.finish_reason
+    message = parser.feed(output.text, output.finished)
+    finish_reason = output.finish_reason
+    if finish_reason == "stop" and parser.called_tools:
+        finish_reason = "tool_calls"
+    if (message == DeltaMessage() and not has_logprobs and not output.finished
+            and output.prompt_logprobs is None):
+        return None
+    return message, finish_reason

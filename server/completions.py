@@ -11,7 +11,7 @@ prompt, which the response leaves out (as vLLM does).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -45,6 +45,7 @@ from server.streaming import (
 _DEFAULT_MAX_TOKENS = 16
 
 _Part = TypeVar("_Part", Choice, RequestOutput)
+_EventOf = Callable[[RequestOutput, CompletionLogprobs | None], Event]
 
 
 class Completions:
@@ -141,16 +142,6 @@ class Completions:
                 num_preemptions=output.num_preemptions if output.finished else None,
             ), prompt_logprobs(output.index, output.prompt_logprobs))
 
-        def echo_event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
-            """A choice's first chunk carries its prompt (and with logprobs, the prompt's)."""
-            prefix = unechoed.pop(output.index, None)
-            if prefix is None:
-                return event_of(output, logprobs)
-            if body.logprobs is not None:
-                logprobs = self._echo_logprobs(prompts[output.index // n], output.prompt_logprobs,
-                                               body.logprobs, logprobs)
-            return event_of(replace(output, text=prefix + output.text), logprobs)
-
         def usage_event() -> str:
             response = CompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=[],
@@ -159,10 +150,31 @@ class Completions:
             return sse_data(response.model_dump_json())
 
         outputs = _prompt_only_outputs(stream) if body.scores_prompt_only else stream
-        deltas = delta_events(outputs, choices, logprobs_of,
-                              event_of if echo is None else echo_event_of, self.serving.off_loop)
+        events_of = event_of if echo is None else self._echoing(event_of, unechoed, body, prompts)
+        deltas = delta_events(outputs, choices, logprobs_of, events_of, self.serving.off_loop)
         return event_stream(self.serving.engine, stream, (), deltas,
                             usage_event if body.include_usage_in_stream else None)
+
+    def _echoing(
+        self,
+        event_of: _EventOf,
+        unechoed: dict[int, str],
+        body: CompletionRequest,
+        prompts: list[list[int]],
+    ) -> _EventOf:
+        """`event_of`, with each choice's first chunk carrying its prompt, the choice's
+        entry of `unechoed` (and with logprobs, the prompt's)."""
+
+        def echo_event_of(output: RequestOutput, logprobs: CompletionLogprobs | None) -> Event:
+            prefix = unechoed.pop(output.index, None)
+            if prefix is None:
+                return event_of(output, logprobs)
+            if body.logprobs is not None:
+                logprobs = self._echo_logprobs(prompts[output.index // body.n],
+                                               output.prompt_logprobs, body.logprobs, logprobs)
+            return event_of(replace(output, text=prefix + output.text), logprobs)
+
+        return echo_event_of
 
     def _choice(
         self,
