@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / f for f in (
-    "cpu_attention.cpp", "cpu_layers.cpp", "cpu_matvec.cpp", "cpu_matvec_int8.cpp",
-    "cpu_matvec_blocks.cpp", "cpu_matvec_blocks_int8.cpp", "cpu_decode_stack.cpp",
-)]
+# every kernel file, and cpu_bindings.cpp, which registers all their ops (cpu_ops.h declares
+# what it registers)
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # NOTE: -fopenmp compiles at::parallel_for's OpenMP loop (without it the kernels run on one
 # thread); the GOMP symbols resolve to the libgomp torch has already loaded, so the
 # extension does not link a second OpenMP runtime.
@@ -37,8 +36,8 @@ def load_cpu_kernels() -> None:
     attention and KV writes (cpu_attention.cpp), a float32 layer's norm, RoPE and
     SwiGLU (cpu_layers.cpp), the small-batch projections (cpu_matvec.cpp,
     cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp), and a decode
-    step's layers in one call (cpu_decode_stack.cpp, a torch class). Raises when they
-    cannot be built (no C++ compiler, or no ninja)."""
+    step's layers in one call (cpu_decode_stack.cpp, a torch class), all registered in
+    cpu_bindings.cpp. Raises when they cannot be built (no C++ compiler, or no ninja)."""
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()

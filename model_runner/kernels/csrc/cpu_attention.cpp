@@ -3,10 +3,10 @@
 // the torch reference (model_runner/attention/torch_backend.py) gathers them into
 // contiguous buffers first, which moves every byte three times.
 // model_runner/kernels/cpu_kernels.py builds this file.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty_like.h>
 
 #include "cpu_ops.h"
 #include "vec8.h"
@@ -293,10 +293,3 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY(pagedserve, m) {
-  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) "
-        "-> Tensor", &pagedserve::decode_attention);
-  m.def("write_kv_cache", &pagedserve::write_kv_cache);
-}

@@ -1,13 +1,12 @@
 // A Llama-style model's decoder layers for a decode step of a few rows, in one C++ call
-// (torch.classes.pagedserve.DecodeStack): the same kernels, in the same order, as the
-// Python layers call one by one (model_runner/models/layers.py on the "cpu" backend), so
-// the hidden states are the same to the bit. At batch 1 a step's arithmetic is ~10 ms and
-// its ~500 op calls from Python cost ~3 ms more; here each layer costs one loop turn.
-// model_runner/models/decode_stack.py builds it from a loaded model and says when it runs.
+// (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
+// in the same order, as the Python layers call one by one (model_runner/models/layers.py on
+// the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
+// arithmetic is ~10 ms and its ~500 op calls from Python cost ~3 ms more; here each layer
+// costs one loop turn. model_runner/models/decode_stack.py builds it from a loaded model and
+// says when it runs.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -78,7 +77,9 @@ struct Projection {
   }
 };
 
-struct Layer {
+}  // namespace
+
+struct DecodeStack::Layer {
   at::Tensor input_norm, post_norm;
   double eps;
   Projection qkv, o, gate_up, down;
@@ -86,6 +87,8 @@ struct Layer {
   double scale, softcap;
   std::optional<at::Tensor> sinks;
 };
+
+namespace {
 
 constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3};
 
@@ -96,91 +99,80 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace
 
-struct DecodeStack : torch::CustomClassHolder {
-  std::vector<Layer> layers;
+DecodeStack::DecodeStack() = default;
 
-  // One layer, after those added before. shape: (num_heads, num_kv_heads, head_dim,
-  // window); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their tensors
-  // one after the other (kTensorsOf), biases: theirs (an empty tensor for none); sinks:
-  // empty for none.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
-                 std::vector<int64_t> shape, double scale, double softcap, at::Tensor sinks,
-                 std::vector<int64_t> kinds, std::vector<int64_t> rotation_blocks,
-                 std::vector<at::Tensor> weights, std::vector<at::Tensor> biases) {
-    TORCH_CHECK(shape.size() == 4 && kinds.size() == 4 && rotation_blocks.size() == 4 &&
-                    biases.size() == 4,
-                "DecodeStack.add_layer: four projections and a shape of four");
-    Projection projections[4];
-    size_t next = 0;
-    for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= kRows && kinds[i] <= kQ41Split, "unknown projection kind ", kinds[i]);
-      Projection& p = projections[i];
-      p.kind = kinds[i];
-      p.rotation_block = rotation_blocks[i];
-      TORCH_CHECK(next + kTensorsOf[p.kind] <= weights.size(), "too few projection weights");
-      p.weights.assign(weights.begin() + next, weights.begin() + next + kTensorsOf[p.kind]);
-      next += kTensorsOf[p.kind];
-      if (biases[i].numel() > 0) p.bias = biases[i];
-    }
-    TORCH_CHECK(next == weights.size(), "too many projection weights");
-    layers.push_back(Layer{input_norm, post_norm, eps, projections[0], projections[1],
-                           projections[2], projections[3], shape[0], shape[1], shape[2],
-                           shape[3], scale, softcap,
-                           sinks.numel() > 0 ? std::optional<at::Tensor>(sinks) : std::nullopt});
-  }
+DecodeStack::~DecodeStack() = default;
 
-  // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
-  // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
-  // stream before the final norm. cos and sin [n, head_dim / 2]; caches: one pair a layer.
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor context_lens,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
-    TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
-                "DecodeStack.forward: one k and one v cache a layer");
-    const int64_t rows = x.size(0);
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& layer = layers[i];
-      at::Tensor& k_cache = k_caches[i];
-      at::Tensor& v_cache = v_caches[i];
-      const int64_t q_size = layer.num_heads * layer.head_dim;
-      const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
-      at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
-      {
-        PROFILED("rope_");
-        rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
-      }
-      const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, layer.num_heads, layer.head_dim});
-      const at::Tensor k =
-          qkv.narrow(1, q_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
-      const at::Tensor v =
-          qkv.narrow(1, q_size + kv_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
-      {
-        PROFILED("write_kv_cache");
-        write_kv_cache(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache,
-                       v_cache, slot_mapping);
-      }
-      const at::Tensor attended = [&] {
-        PROFILED("decode_attention");
-        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
-                                layer.window, layer.softcap, layer.sinks);
-      }();
-      x = x + layer.o(attended.view({rows, q_size}));
-      const at::Tensor gate_up = layer.gate_up(norm(x, layer.post_norm, layer.eps));
-      const at::Tensor activated = [&] {
-        PROFILED("silu_and_mul");
-        return silu_and_mul(gate_up);
-      }();
-      x = x + layer.down(activated);
-    }
-    return x;
+void DecodeStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
+                            std::vector<int64_t> shape, double scale, double softcap,
+                            at::Tensor sinks, std::vector<int64_t> kinds,
+                            std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
+                            std::vector<at::Tensor> biases) {
+  TORCH_CHECK(shape.size() == 4 && kinds.size() == 4 && rotation_blocks.size() == 4 &&
+                  biases.size() == 4,
+              "DecodeStack.add_layer: four projections and a shape of four");
+  Projection projections[4];
+  size_t next = 0;
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(kinds[i] >= kRows && kinds[i] <= kQ41Split, "unknown projection kind ", kinds[i]);
+    Projection& p = projections[i];
+    p.kind = kinds[i];
+    p.rotation_block = rotation_blocks[i];
+    const size_t count = kTensorsOf[p.kind];
+    TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
+    p.weights.assign(weights.begin() + next, weights.begin() + next + count);
+    next += count;
+    if (biases[i].numel() > 0) p.bias = biases[i];
   }
-};
+  TORCH_CHECK(next == weights.size(), "too many projection weights");
+  layers_.push_back(Layer{input_norm, post_norm, eps, projections[0], projections[1],
+                          projections[2], projections[3], shape[0], shape[1], shape[2], shape[3],
+                          scale, softcap,
+                          sinks.numel() > 0 ? std::optional<at::Tensor>(sinks) : std::nullopt});
+}
+
+at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                at::Tensor slot_mapping, at::Tensor block_tables,
+                                at::Tensor context_lens, std::vector<at::Tensor> k_caches,
+                                std::vector<at::Tensor> v_caches) {
+  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+              "DecodeStack.forward: one k and one v cache a layer");
+  const int64_t rows = x.size(0);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    at::Tensor& k_cache = k_caches[i];
+    at::Tensor& v_cache = v_caches[i];
+    const int64_t q_size = layer.num_heads * layer.head_dim;
+    const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
+    at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
+    {
+      PROFILED("rope_");
+      rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
+    }
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, layer.num_heads, layer.head_dim});
+    const at::Tensor k =
+        qkv.narrow(1, q_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
+    const at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({rows, layer.num_kv_heads, layer.head_dim});
+    {
+      PROFILED("write_kv_cache");
+      write_kv_cache(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache,
+                     v_cache, slot_mapping);
+    }
+    const at::Tensor attended = [&] {
+      PROFILED("decode_attention");
+      return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
+                              layer.window, layer.softcap, layer.sinks);
+    }();
+    x = x + layer.o(attended.view({rows, q_size}));
+    const at::Tensor gate_up = layer.gate_up(norm(x, layer.post_norm, layer.eps));
+    const at::Tensor activated = [&] {
+      PROFILED("silu_and_mul");
+      return silu_and_mul(gate_up);
+    }();
+    x = x + layer.down(activated);
+  }
+  return x;
+}
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.class_<pagedserve::DecodeStack>("DecodeStack")
-      .def(torch::init<>())
-      .def("add_layer", &pagedserve::DecodeStack::add_layer)
-      .def("forward", &pagedserve::DecodeStack::forward);
-}

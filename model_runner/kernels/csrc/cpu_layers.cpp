@@ -4,9 +4,9 @@
 // more than the arithmetic. model_runner/models/llama.py calls them when the model runs
 // on the CPU in float32 (see model_runner/kernels/cpu_kernels.py); its torch code is the
 // reference.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu_ops.h"
 #include "vec8.h"
@@ -174,10 +174,3 @@ std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t bl
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("hadamard_rows", &pagedserve::hadamard_rows);
-  m.def("rms_norm", &pagedserve::rms_norm);
-  m.def("rope_", &pagedserve::rope_);
-  m.def("silu_and_mul", &pagedserve::silu_and_mul);
-}

@@ -5,9 +5,9 @@
 // GEMM libraries (oneDNN, fbgemm) run the same shapes through their blocked GEMM and
 // reach less of the memory's bandwidth there (docs/benchmarks.md);
 // model_runner/kernels/cpu_linear.py calls this one up to its MATVEC_MAX_ROWS.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu_ops.h"
 #include "vec8.h"
@@ -112,7 +112,3 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::matvec);
-}

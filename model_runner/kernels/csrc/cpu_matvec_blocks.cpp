@@ -12,9 +12,9 @@
 // a row's output equals that matvec's on the float32 weight, bit for bit
 // (tests/runner/test_block_quant.py holds the two orders together). model_runner/kernels/
 // block_quant.py finds the blocks.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu_ops.h"
 #include "vec8.h"
@@ -222,10 +222,3 @@ at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("q4_1_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
-        &pagedserve::q4_1_matvec);
-  m.def("q8_0_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
-        &pagedserve::q8_0_matvec);
-}

@@ -13,17 +13,17 @@
 // order (the d d_x terms and the m s_x terms apart, added at the end), whatever the
 // batch: a row's result depends on no other row.
 //
-// The weights come in groups of eight output rows (block_quant.py's Q41Groups, Q80Groups),
-// a group's blocks at one input position side by side, and d and m as float16 (a GGUF's
-// own bytes: 20 or 34 a block), so that one pass over the group reads its weights in
-// order and its eight rows' integer sums end in one vector: one conversion to float, one
-// multiply-add for the eight. AVX2's unsigned-by-signed byte products (maddubs) sum pairs
+// The weights come in groups of eight output rows (block_quant.py's Q41Groups,
+// Q80Groups), a group's blocks at one input position side by side, and d and m as
+// float16 (a GGUF's own bytes: 20 or 34 a block), so that one pass over the group reads
+// its weights in order and its eight rows' integer sums end in one vector: one conversion
+// to float, one multiply-add for the eight. AVX2's unsigned-by-signed byte products (maddubs) sum pairs
 // of at most 2 * 15 * 127 (Q4_1) or 2 * 127 * 127 (Q8_0, its signs moved onto x) into
 // int16 without saturating; a Q4_1 group's sums stay within int16 through two pairwise
 // additions more (at most 8 * 3810), then int32.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
 
 #include "cpu_ops.h"
 #include "vec8.h"
@@ -419,12 +419,3 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("q4_1_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
-        &pagedserve::q4_1_int8_matvec);
-  m.def("q8_0_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
-        &pagedserve::q8_0_int8_matvec);
-  m.def("q4_1_planes_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
-        &pagedserve::q4_1_planes_matvec);
-}

@@ -10,9 +10,11 @@
 // 7 bits), each value rounded to nearest even after a fused multiply-add; the products of
 // the quantized input (less its zero point) and the weight sum exactly in int32, in any
 // order; then the same float32 dequantization, one rounding per multiply.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <ATen/ops/empty.h>
+
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -210,8 +212,3 @@ at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& row_scales, const 
 }
 
 }  // namespace pagedserve
-
-TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("int8_matvec(Tensor x, Tensor row_scales, Tensor weight, Tensor weight_scales, "
-        "Tensor? bias) -> Tensor", &pagedserve::int8_matvec);
-}

@@ -1,13 +1,17 @@
-// The C++ CPU kernels' entry points, as the torch ops registered in each file call them
-// (torch.ops.pagedserve.*), for C++ that chains them without going back to Python
-// (cpu_decode_stack.cpp). Each file's comment says what its functions do.
+// The C++ CPU kernels' entry points: the functions behind the torch ops and the decode
+// stack's class that cpu_bindings.cpp registers (torch.ops.pagedserve.*,
+// torch.classes.pagedserve.DecodeStack), for the bindings and for C++ that chains them
+// without going back to Python (cpu_decode_stack.cpp). Each file's comment says what its
+// functions do.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace pagedserve {
 
@@ -42,5 +46,30 @@ at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const a
                               const at::Tensor& m, const std::optional<at::Tensor>& bias);
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias);
+
+// cpu_decode_stack.cpp: a decode step's decoder layers in one call.
+struct DecodeStack : torch::CustomClassHolder {
+  DecodeStack();
+  ~DecodeStack() override;
+
+  // One layer, after those added before. shape: (num_heads, num_kv_heads, head_dim,
+  // window); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their tensors
+  // one after the other, biases: theirs (an empty tensor for none); sinks: empty for none.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
+                 std::vector<int64_t> shape, double scale, double softcap, at::Tensor sinks,
+                 std::vector<int64_t> kinds, std::vector<int64_t> rotation_blocks,
+                 std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
+
+  // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
+  // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
+  // stream before the final norm. cos and sin [n, head_dim / 2]; caches: one pair a layer.
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor context_lens,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
+
+ private:
+  struct Layer;
+  std::vector<Layer> layers_;
+};
 
 }  // namespace pagedserve

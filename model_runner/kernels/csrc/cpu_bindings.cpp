@@ -1,0 +1,44 @@
+// Every torch op and class of the C++ CPU kernels, registered here and only here
+// (torch.ops.pagedserve.*, torch.classes.pagedserve.DecodeStack); the kernels themselves
+// live in the other files, behind cpu_ops.h. model_runner/kernels/cpu_kernels.py builds and
+// loads them.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+TORCH_LIBRARY(pagedserve, m) {
+  // cpu_attention.cpp
+  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) "
+        "-> Tensor", &pagedserve::decode_attention);
+  m.def("write_kv_cache", &pagedserve::write_kv_cache);
+
+  // cpu_layers.cpp
+  m.def("hadamard_rows", &pagedserve::hadamard_rows);
+  m.def("rms_norm", &pagedserve::rms_norm);
+  m.def("rope_", &pagedserve::rope_);
+  m.def("silu_and_mul", &pagedserve::silu_and_mul);
+
+  // cpu_matvec.cpp, cpu_matvec_blocks.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks_int8.cpp:
+  // the small-batch projections
+  m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::matvec);
+  m.def("q4_1_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
+        &pagedserve::q4_1_matvec);
+  m.def("q8_0_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
+        &pagedserve::q8_0_matvec);
+  m.def("int8_matvec(Tensor x, Tensor row_scales, Tensor weight, Tensor weight_scales, "
+        "Tensor? bias) -> Tensor", &pagedserve::int8_matvec);
+  m.def("q4_1_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
+        &pagedserve::q4_1_int8_matvec);
+  m.def("q8_0_int8_matvec(Tensor x, Tensor qs, Tensor d, Tensor? bias) -> Tensor",
+        &pagedserve::q8_0_int8_matvec);
+  m.def("q4_1_planes_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
+        &pagedserve::q4_1_planes_matvec);
+
+  // cpu_decode_stack.cpp
+  m.class_<pagedserve::DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &pagedserve::DecodeStack::add_layer)
+      .def("forward", &pagedserve::DecodeStack::forward);
+}
