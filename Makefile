@@ -25,7 +25,7 @@ serve: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy scheduler kvcache
+	$(VENV)/bin/mypy scheduler kvcache engine structured server loadgen
 
 # the suite without the wall-clock bounds on two workers (each test module whole on one, so
 # that a module's server starts once; the longest modules first, tests/conftest.py's

@@ -201,7 +201,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       "are never held back)")
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
+    _add_limit_arguments(parser)
 
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per request budget of server/limits.py, with its default."""
     limits = parser.add_argument_group(
         "request limits", "what one request may ask for; beyond each, a 400 (413 for the "
         "body) naming the limit and its flag"
