@@ -15,10 +15,11 @@ the profiler's own overhead inflates the ops a little). What the API process doe
 detokenizing (metrics, the SSE chunk, HTTP) is not in the table: the server's TPOT
 (bench.compare, W0) less this total.
 
-`--paired-matvec` measures the C++ matvec of small batches (cpu_linear.MATVEC_MAX_ROWS)
-against the GEMM it replaces (oneDNN, or fbgemm for float16 and int8 weights) in the same
-process instead: steps alternate between the two, and the table gives each one's median
-step and the median ratio of neighbouring steps, which a machine shared with others
+`--paired-matvec` measures the C++ matvecs of small batches (the kernel table's paths,
+model_runner/kernels/cpu_kernel_table.py) against the GEMM they replace (oneDNN, or fbgemm
+for float16 and int8 weights) in the same process instead: steps alternate between the
+model's table and one of no rows (`use_kernel_table`), and the table gives each one's
+median step and the median ratio of neighbouring steps, which a machine shared with others
 disturbs least.
 
 `--paired-decode-stack` measures the same way a decode step in the C++ decode stack
@@ -138,15 +139,13 @@ def op_table(prof: Any, num_steps: int, step_ms: float) -> list[tuple[str, float
     return [*rows, ("(Python and dispatch around the ops)", max(0.0, step_ms - ops_ms), 0)]
 
 
-def paired_matvec(core: EngineCore, num_pairs: int) -> None:
-    """Steps alternately with and without the small-batch matvec; prints the medians."""
-    # NOTE: imported here, so that the profile runs on a tree without the matvec too
-    from model_runner.kernels import cpu_linear
-
-    default = cpu_linear.MATVEC_MAX_ROWS
+def paired_matvec(core: EngineCore, runner: ModelRunner, num_pairs: int) -> None:
+    """Steps alternately with and without the small-batch matvecs; prints the medians."""
+    # NOTE: imported here, so that the profile runs on a tree without the kernel table too
+    from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, GEMM_ONLY
 
     def use_matvec(on: bool) -> None:
-        cpu_linear.MATVEC_MAX_ROWS = default if on else 0
+        runner.model.use_kernel_table(DEFAULT_TABLE if on else GEMM_ONLY)
 
     paired(core, num_pairs, use_matvec, ("matvec", "GEMM"))
 
@@ -189,6 +188,7 @@ MLP_SHAPE = (3072, 576)  # the default model's fused gate and up projection, [ou
 def bandwidth(repeats: int = 7) -> None:
     """GB/s of a plain read and of one row's projections (see the module's docstring)."""
     from model_runner.kernels import cpu_linear
+    from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, GEMM_ONLY
 
     def gb_per_s(fn: Callable[[], Any], num_bytes: int) -> float:
         fn()
@@ -205,7 +205,6 @@ def bandwidth(repeats: int = 7) -> None:
     print(f"| plain read (torch.sum, float32) | {gb_per_s(plain.sum, BANDWIDTH_BYTES):.1f} |")
     del plain
     x = torch.randn(1, MLP_SHAPE[1])
-    default = cpu_linear.MATVEC_MAX_ROWS
     for weight_dtype, element_size in (("auto", 4), ("float16", 2), ("int8", 1)):
         count = BANDWIDTH_BYTES // (element_size * MLP_SHAPE[0] * MLP_SHAPE[1])
         weights = [cpu_linear.pack_linear(torch.randn(MLP_SHAPE) * 0.05, None, weight_dtype)
@@ -216,10 +215,10 @@ def bandwidth(repeats: int = 7) -> None:
             for packed in weights:
                 packed(x)
 
-        for label, max_rows in (("matvec", default), ("GEMM", 0)):
-            cpu_linear.MATVEC_MAX_ROWS = max_rows
+        for label, table in (("matvec", DEFAULT_TABLE), ("GEMM", GEMM_ONLY)):
+            for packed in weights:
+                packed.use_table(table)
             print(f"| {weight_dtype} {label} | {gb_per_s(run_all, num_bytes):.1f} |")
-    cpu_linear.MATVEC_MAX_ROWS = default
 
 
 def main() -> None:
@@ -250,7 +249,7 @@ def main() -> None:
         for _ in range(WARMUP_STEPS + 1):
             core.step()
         if args.paired_matvec:
-            paired_matvec(core, args.steps // 2)
+            paired_matvec(core, runner, args.steps // 2)
         else:
             paired_decode_stack(core, runner, args.steps // 2)
         return

@@ -7,105 +7,120 @@ d * q + m, q in 0..15, d and m float16 values) and its embedding, the tied LM he
 keeps them only if they give back every weight to the bit; the small-batch float32
 matvec then reads 4.5 or 8.5 bits a weight instead of 32 (csrc/cpu_matvec_blocks.cpp),
 with the float32 matvec's result to the bit. Weights off such a grid (a model saved in
-float32 or bfloat16) get None and keep the float32 matvec. `int8_groups` lays the same
-blocks out for `--weight-dtype int8`, `split_groups` for `--weight-dtype float16`
-(csrc/cpu_matvec_blocks_int8.cpp).
+float32 or bfloat16) get None and keep the float32 matvec. `block_form` lays the same
+blocks out for the path cpu_kernel_table.py gives a weight dtype: in groups of eight output
+rows for `--weight-dtype int8` and (Q4_1) `float16` (csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
+
+from model_runner.kernels.cpu_kernel_table import KernelPath
 
 BLOCK = 32
 
 
-class Q41Weight:
-    """Q4_1 blocks: nibbles [out, in / 2] uint8, scales d and mins m [out, in / 32]."""
+class BlockForm:
+    """A weight's blocks as one small-batch path reads them (cpu_kernel_table.PATHS): called
+    with x [N, in] and a bias, its path's op on x and `tensors`, in the path's order."""
+
+    path: ClassVar[str]
+    tensors: tuple[torch.Tensor, ...]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return getattr(torch.ops.pagedserve, self.path)(x, *self.tensors, bias)
+
+
+class Q41Blocks(BlockForm):
+    """Q4_1 blocks: nibbles [out, in / 2] uint8, scales d and mins m [out, in / 32]; the
+    float32 matvec's numbers (csrc/cpu_matvec_blocks.cpp)."""
+
+    path = "q4_1_matvec"
+    kind: ClassVar[str] = "q4_1"  # its key in cpu_kernel_table.SMALL_BATCH_PATHS
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
         self.qs, self.d, self.m = qs, d, m
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.pagedserve.q4_1_matvec(x, self.qs, self.d, self.m, bias)
+        self.tensors = (qs, d, m)
 
 
-class Q80Weight:
+class Q80Blocks(BlockForm):
     """Q8_0 blocks: int8 values [out, in], scales d [out, in / 32]."""
+
+    path = "q8_0_matvec"
+    kind: ClassVar[str] = "q8_0"
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor) -> None:
         self.qs, self.d = qs, d
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.pagedserve.q8_0_matvec(x, self.qs, self.d, bias)
+        self.tensors = (qs, d)
 
 
-BlockWeight = Q41Weight | Q80Weight
+Blocks = Q41Blocks | Q80Blocks
 
-GROUP = 8  # output rows whose blocks `--weight-dtype int8` reads side by side
+GROUP = 8  # output rows whose blocks the grouped paths read side by side
 # a Q4_1 group's eight integer sums end in this order of its rows; its d and m are so stored
 Q41_GROUP_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-class Q41Groups:
-    """Q4_1 blocks as `--weight-dtype int8` reads them: nibbles [out / 8, in / 32, 8, 16]
-    uint8 (eight output rows' blocks at one input position side by side), d and m
-    [out / 8, in / 32, 8] float16 in Q41_GROUP_ORDER: a GGUF's 20 bytes a block."""
+class Q41Groups(BlockForm):
+    """Q4_1 blocks in groups: nibbles [out / 8, in / 32, 8, 16] uint8 (eight output rows'
+    blocks at one input position side by side), d and m [out / 8, in / 32, 8] float16 in
+    Q41_GROUP_ORDER: a GGUF's 20 bytes a block (csrc/cpu_matvec_blocks_int8.cpp)."""
 
-    def __init__(self, blocks: Q41Weight) -> None:
+    def __init__(self, blocks: Q41Blocks) -> None:
         out, num_blocks = blocks.d.shape
         self.qs = _grouped(blocks.qs.view(out, num_blocks, 16))
         order = list(Q41_GROUP_ORDER)
         self.d = _grouped(blocks.d.half())[..., order].contiguous()
         self.m = _grouped(blocks.m.half())[..., order].contiguous()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x's rows quantized to int8 per block of 32, times the blocks' integers
-        (csrc/cpu_matvec_blocks_int8.cpp): `--weight-dtype int8`'s small batches."""
-        return torch.ops.pagedserve.q4_1_int8_matvec(x, self.qs, self.d, self.m, bias)
+        self.tensors = (self.qs, self.d, self.m)
 
 
-class Q41SplitGroups(Q41Groups):
-    """The same groups times float32 activations split per block into three int8 planes
-    (x ~ d (q0 + q1 / 254 + q2 / 254^2), to 2^-24 of the block's largest |x|;
-    csrc/cpu_matvec_blocks_int8.cpp): float32's precision of the products at near int8's
-    cost, where float32 multiply-adds on each weight made float are bound by their
-    arithmetic: `--weight-dtype float16`'s small batches."""
+class Q41Int8Groups(Q41Groups):
+    """The groups times x's rows quantized to int8 per block of 32: `--weight-dtype
+    int8`'s small batches."""
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.pagedserve.q4_1_planes_matvec(x, self.qs, self.d, self.m, bias)
+    path = "q4_1_int8_matvec"
 
 
-class Q80Groups:
-    """Q8_0 blocks as `--weight-dtype int8` reads them: int8 values [out / 8, in / 32, 8,
-    32], d [out / 8, in / 32, 8] float16: a GGUF's 34 bytes a block."""
+class Q41PlanesGroups(Q41Groups):
+    """The groups times float32 activations split per block into three int8 planes
+    (x ~ d (q0 + q1 / 254 + q2 / 254^2), to 2^-24 of the block's largest |x|): float32's
+    precision of the products at near int8's cost, where float32 multiply-adds on each
+    weight made float are bound by their arithmetic: `--weight-dtype float16`'s small
+    batches."""
 
-    def __init__(self, blocks: Q80Weight) -> None:
+    path = "q4_1_planes_matvec"
+
+
+class Q80Int8Groups(BlockForm):
+    """Q8_0 blocks in groups: int8 values [out / 8, in / 32, 8, 32], d [out / 8, in / 32, 8]
+    float16 (a GGUF's 34 bytes a block), times x's rows quantized to int8 per block of 32:
+    `--weight-dtype int8`'s small batches."""
+
+    path = "q8_0_int8_matvec"
+
+    def __init__(self, blocks: Q80Blocks) -> None:
         out, num_blocks = blocks.d.shape
         self.qs = _grouped(blocks.qs.view(out, num_blocks, BLOCK))
         self.d = _grouped(blocks.d.half())
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """As Q41Groups'."""
-        return torch.ops.pagedserve.q8_0_int8_matvec(x, self.qs, self.d, bias)
+        self.tensors = (self.qs, self.d)
 
 
-BlockGroups = Q41Groups | Q80Groups
+# each path that reads blocks -> the form it reads them in
+_FORMS: dict[str, type[BlockForm]] = {form.path: form for form in (
+    Q41Blocks, Q80Blocks, Q41Int8Groups, Q80Int8Groups, Q41PlanesGroups)}
 
 
-def int8_groups(blocks: BlockWeight | None) -> BlockGroups | None:
-    """`blocks` laid out for `--weight-dtype int8`'s small batches, or None when there are
-    none or their output rows do not come in eights."""
-    if blocks is None or blocks.d.shape[0] % GROUP:
-        return None
-    return Q41Groups(blocks) if isinstance(blocks, Q41Weight) else Q80Groups(blocks)
-
-
-def split_groups(blocks: BlockWeight | None) -> BlockWeight | Q41SplitGroups | None:
-    """Q4_1 `blocks` whose output rows come in eights as Q41SplitGroups, other blocks as
-    they are (the float matvec reads them)."""
-    if isinstance(blocks, Q41Weight) and blocks.d.shape[0] % GROUP == 0:
-        return Q41SplitGroups(blocks)
-    return blocks
+def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
+    """`blocks` laid out for `path` (cpu_kernel_table.small_batch_path), or None for a path
+    that reads no blocks (the float or int8 rows)."""
+    form = _FORMS.get(path.name)
+    if form is None or isinstance(blocks, form):
+        return None if form is None else blocks
+    return form(blocks)  # type: ignore[call-arg]  # a grouped form, from the blocks
 
 
 def _grouped(per_row: torch.Tensor) -> torch.Tensor:
@@ -116,7 +131,7 @@ def _grouped(per_row: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def find_blocks(weight: torch.Tensor) -> BlockWeight | None:
+def find_blocks(weight: torch.Tensor) -> Blocks | None:
     """The exact Q4_1 or Q8_0 form of a float32 [out, in] weight, or None."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
@@ -128,7 +143,7 @@ def _is_float16(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values)
 
 
-def _q4_1(blocks: torch.Tensor) -> Q41Weight | None:
+def _q4_1(blocks: torch.Tensor) -> Q41Blocks | None:
     m = blocks.amin(dim=-1)
     if not _is_float16(m):
         return None
@@ -140,15 +155,15 @@ def _q4_1(blocks: torch.Tensor) -> Q41Weight | None:
         return None
     q = q.to(torch.uint8)
     nibbles = q[..., :16] | (q[..., 16:] << 4)
-    return Q41Weight(nibbles.reshape(blocks.shape[0], -1).contiguous(), d.contiguous(),
+    return Q41Blocks(nibbles.reshape(blocks.shape[0], -1).contiguous(), d.contiguous(),
                      m.contiguous())
 
 
-def _q8_0(blocks: torch.Tensor) -> Q80Weight | None:
+def _q8_0(blocks: torch.Tensor) -> Q80Blocks | None:
     d = (blocks.abs().amax(dim=-1) / 127).half().float()
     if not _is_float16(d):
         return None
     q = (blocks / torch.where(d == 0, 1.0, d)[..., None]).round_().clamp_(-127, 127)
     if not torch.equal(q * d[..., None], blocks):
         return None
-    return Q80Weight(q.to(torch.int8).reshape(blocks.shape[0], -1).contiguous(), d.contiguous())
+    return Q80Blocks(q.to(torch.int8).reshape(blocks.shape[0], -1).contiguous(), d.contiguous())

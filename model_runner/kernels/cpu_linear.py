@@ -16,13 +16,14 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
   (measured in docs/benchmarks.md).
 
-Up to MATVEC_MAX_ROWS rows (a small decode batch) the projections run on a row-major copy
-of their weight instead, through the C++ matvec: float32 and float16 in csrc/cpu_matvec.cpp,
-int8 in csrc/cpu_matvec_int8.cpp (fbgemm's numbers to the bit). A float32 weight whose
-values are a GGUF's Q4_1 or Q8_0 blocks (the default model's) is read from those blocks
-instead, with the same result to the bit (block_quant.py, csrc/cpu_matvec_blocks.cpp), in
-float16 too (exact, and a quarter of float16's bytes); in int8, those blocks' integers
-times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
+A small batch (up to eight rows, four for int8's rows) runs instead on the C++ matvec of
+the projection's small-batch path, which cpu_kernel_table.py chooses by the weight dtype
+and the weight's form: a row-major copy of the weight (float32 and float16 in
+csrc/cpu_matvec.cpp, int8 in csrc/cpu_matvec_int8.cpp: fbgemm's numbers to the bit), or
+where its float32 values are a GGUF's Q4_1 or Q8_0 blocks (the default model's), those
+blocks (block_quant.py): the float32 matvec's result to the bit
+(csrc/cpu_matvec_blocks.cpp), in float16 too (exact, and a quarter of float16's bytes); in
+int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
 """
 
 from __future__ import annotations
@@ -34,15 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import (
-    BlockGroups,
-    BlockWeight,
-    Q41Groups,
-    Q41SplitGroups,
-    Q41Weight,
-    find_blocks,
-    int8_groups,
-    split_groups,
+from model_runner.kernels.block_quant import BlockForm, block_form, find_blocks
+from model_runner.kernels.cpu_kernel_table import (
+    DEFAULT_TABLE,
+    PATHS,
+    KernelPath,
+    KernelTable,
+    small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 
@@ -65,22 +64,10 @@ def check_weight_dtype(device: torch.device, dtype: torch.dtype, weight_dtype: s
         )
 
 
-# NOTE: up to this many rows (a small decode batch, or a speculative verification's token
-# and drafts) a projection is a stream over its weight, and the C++ matvec on the plain
-# row-major weight reaches more of the memory's bandwidth than the GEMM libraries' blocked
-# kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
-# price is a second copy of each weight (none for a tied LM head: the embedding table),
-# a sixth of it (Q4_1) or a quarter (Q8_0) where the weight has exact GGUF blocks.
-# Both copies are exact float32 (or the same float16 values); only the order of the sums
-# differs, as between any two GEMM kernels. The int8 matvec repeats fbgemm's arithmetic, up
-# to INT8_MATVEC_MAX_ROWS rows (csrc/cpu_matvec_int8.cpp).
-MATVEC_MAX_ROWS = 8
-INT8_MATVEC_MAX_ROWS = 4
-
-
 def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The row-major copy of `weight` the C++ matvec reads, or None without the kernels."""
-    if not cpu_kernels_available() or weight.shape[1] % 8:
+    """The row-major copy of `weight` the C++ matvec reads, or None without the kernels or
+    for a width it cannot read."""
+    if not cpu_kernels_available() or not PATHS["matvec"].fits(*weight.shape):
         return None
     return weight.detach().to(dtype).contiguous()
 
@@ -88,29 +75,13 @@ def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | No
 @dataclass(frozen=True)
 class DecodeForm:
     """A projection's small-batch copy as the C++ decode stack holds it
-    (csrc/cpu_decode_stack.cpp, ProjectionKind): its kind, its tensors in that kind's
-    order, its bias, the most rows it takes, and (int8) its input's rotation block."""
+    (csrc/cpu_decode_stack.cpp): its path (cpu_kernel_table.PATHS: the stack's kind), its
+    tensors in that path's order, its bias, and (int8 rows) its input's rotation block."""
 
-    kind: int
+    path: KernelPath
     tensors: tuple[torch.Tensor, ...]
     bias: torch.Tensor | None
-    max_rows: int
     rotation_block: int = 0
-
-
-ROWS, Q4_1_BLOCKS, Q8_0_BLOCKS, INT8_ROWS, Q4_1_INT8, Q8_0_INT8, Q4_1_SPLIT = range(7)
-
-
-def blocks_form(blocks: BlockWeight | BlockGroups, bias: torch.Tensor | None) -> DecodeForm:
-    """Exact GGUF blocks as the decode stack holds them: read as float32 values, or (in
-    groups) their integers times int8 activations or float32 ones split in int8 planes."""
-    if isinstance(blocks, Q41Weight):
-        return DecodeForm(Q4_1_BLOCKS, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
-    if isinstance(blocks, Q41Groups):
-        kind = Q4_1_SPLIT if isinstance(blocks, Q41SplitGroups) else Q4_1_INT8
-        return DecodeForm(kind, (blocks.qs, blocks.d, blocks.m), bias, MATVEC_MAX_ROWS)
-    kind = Q8_0_BLOCKS if isinstance(blocks, BlockWeight) else Q8_0_INT8
-    return DecodeForm(kind, (blocks.qs, blocks.d), bias, MATVEC_MAX_ROWS)
 
 
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
@@ -119,32 +90,61 @@ PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def pack_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str
+    weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str,
+    table: KernelTable = DEFAULT_TABLE,
 ) -> PackedLinear:
-    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack)."""
+    """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack),
+    its small batches as `table` says (cpu_kernel_table.py)."""
     if weight_dtype == "float16":
-        return Float16Linear(weight, bias)
+        return Float16Linear(weight, bias, table)
     if weight_dtype == "int8":
-        return Int8Linear(weight, bias)
-    return OneDNNLinear(weight, bias)
+        return Int8Linear(weight, bias, table)
+    return OneDNNLinear(weight, bias, table)
 
 
-class FloatMatvecCopy:
-    """The small-batch copy of a float32 or float16 projection (OneDNNLinear,
-    Float16Linear): the weight's exact GGUF blocks where it has them (block_quant.py), else
-    its row-major copy in the projection's dtype, or neither without the kernels."""
+class SmallBatchPath:
+    """What every packed projection holds for its small batches: its path
+    (cpu_kernel_table.small_batch_path, None where the kernels are not built or none fits)
+    and the most rows it runs there under the model's table (`use_table`), the weight's
+    exact GGUF blocks in the path's form (`blocks`) or its row-major copy (`rows_weight`)."""
+
+    path: KernelPath | None
+    max_rows: int
+    blocks: BlockForm | None
+    rows_weight: torch.Tensor | None
+
+    def _choose_path(self, weight: torch.Tensor, weight_dtype: str, table: KernelTable) -> None:
+        kernels = cpu_kernels_available()
+        found = find_blocks(weight) if kernels else None
+        kind = None if found is None else found.kind
+        self.path = small_batch_path(weight_dtype, kind, *weight.shape) if kernels else None
+        self.blocks = None if found is None or self.path is None else block_form(found, self.path)
+        self.rows_weight = None
+        self.use_table(table)
+
+    def use_table(self, table: KernelTable) -> None:
+        """Run small batches up to the rows `table` gives this projection's path."""
+        self.max_rows = table.rows(self.path)
+
+
+class FloatMatvecCopy(SmallBatchPath):
+    """The small batches of a float32 or float16 projection (OneDNNLinear, Float16Linear):
+    the weight's exact GGUF blocks where it has them (block_quant.py), else its row-major
+    copy in the projection's dtype, or neither without the kernels."""
 
     bias: torch.Tensor | None
 
-    def _copy_for_matvec(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        blocks = find_blocks(weight) if cpu_kernels_available() else None
-        # float16 (float32 sums promised, not float32's bits) reads Q4_1 blocks in groups
-        self.blocks = split_groups(blocks) if dtype == torch.float16 else blocks
-        self.rows_weight = None if self.blocks is not None else matvec_weight(weight, dtype)
+    def _copy_for_matvec(
+        self, weight: torch.Tensor, weight_dtype: str, table: KernelTable
+    ) -> None:
+        self._choose_path(weight, weight_dtype, table)
+        if self.path is not None and self.path.name == "matvec":
+            dtype = torch.float16 if weight_dtype == "float16" else torch.float32
+            self.rows_weight = matvec_weight(weight, dtype)
 
     def _matvec(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x's projection on the copy, or None past MATVEC_MAX_ROWS or without one."""
-        if x.shape[0] > MATVEC_MAX_ROWS:
+        """x's projection on the copy, or None past the path's rows or without one."""
+        if x.shape[0] > self.max_rows:
             return None
         if self.blocks is not None:
             return self.blocks(x, self.bias)
@@ -153,21 +153,22 @@ class FloatMatvecCopy:
         return None
 
     def decode_form(self) -> DecodeForm | None:
-        if self.blocks is not None:
-            return blocks_form(self.blocks, self.bias)
-        if self.rows_weight is None:
+        if self.path is None:
             return None
-        return DecodeForm(ROWS, (self.rows_weight,), self.bias, MATVEC_MAX_ROWS)
+        tensors = self.blocks.tensors if self.blocks is not None else (self.rows_weight,)
+        return DecodeForm(self.path, tensors, self.bias)
 
 
 class OneDNNLinear(FloatMatvecCopy):
     """Exact float32 on oneDNN's blocked weight layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
+    ) -> None:
         # NOTE: the batch size is only a layout hint; any number of rows works.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
         self.bias = None if bias is None else bias.detach()
-        self._copy_for_matvec(weight, torch.float32)
+        self._copy_for_matvec(weight, "auto", table)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matvec(x)
@@ -185,23 +186,25 @@ class OneDNNLinear(FloatMatvecCopy):
 class Float16Linear(FloatMatvecCopy):
     """Weights rounded to float16 (fbgemm's packed layout), float32 activations and sums.
 
-    A weight with exact GGUF blocks (block_quant.py) is read from them up to
-    MATVEC_MAX_ROWS rows instead: its exact values in a quarter of float16's bytes (as vLLM
-    keeps a GGUF's blocks whatever the dtype); Q4_1 blocks times the activations split in
-    three int8 planes (block_quant.Q41SplitGroups: float32's precision, not its bits), Q8_0
-    ones as in float32. Larger batches keep fbgemm."""
+    A weight with exact GGUF blocks (block_quant.py) is read from them in small batches
+    instead: its exact values in a quarter of float16's bytes (as vLLM keeps a GGUF's
+    blocks whatever the dtype); Q4_1 blocks times the activations split in three int8
+    planes (q4_1_planes_matvec: float32's precision, not its bits), Q8_0 ones as in float32.
+    Larger batches keep fbgemm."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
+    ) -> None:
         self.bias = None if bias is None else bias.detach()
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach(), self.bias)
-        self._copy_for_matvec(weight, torch.float16)
+        self._copy_for_matvec(weight, "float16", table)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matvec(x)
         return y if y is not None else torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
-class Int8Linear:
+class Int8Linear(SmallBatchPath):
     """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
 
     A few activation channels of these models run 100-1000x wider than the rest, and
@@ -213,14 +216,16 @@ class Int8Linear:
     weight gets a grid per output row. Products sum exactly in int32.
 
     A weight with exact GGUF blocks (the default model's, block_quant.py) already is small
-    integers with a scale per block of 32: up to MATVEC_MAX_ROWS rows it is read as such
-    (its output rows in groups of eight, block_quant.int8_groups), 5 or 8.5 bits a weight
+    integers with a scale per block of 32: in small batches it is read as such (its output
+    rows in groups of eight: q4_1_int8_matvec, q8_0_int8_matvec), 5 or 8.5 bits a weight
     instead of 8, times each row quantized to int8 per block (llama.cpp's arithmetic: no
     rotation needed, an outsize channel widens one block's grid only;
     csrc/cpu_matvec_blocks_int8.cpp). Larger batches keep fbgemm as above.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
+    ) -> None:
         weight = weight.detach().float()
         in_features = weight.shape[1]
         self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
@@ -239,10 +244,9 @@ class Int8Linear:
         # small batches: the weight's exact GGUF blocks times int8 activations where it has
         # them (block_quant.py), else the int8 matvec's copy: fbgemm's int8 values and
         # float32 scales, row-major
-        self.blocks = int8_groups(find_blocks(weight)) if cpu_kernels_available() else None
-        self.rows_weight = (
-            quantized.int_repr() if self.blocks is None and cpu_kernels_available() else None
-        )
+        self._choose_path(weight, "int8", table)
+        if self.path is not None and self.path.name == "int8_matvec":
+            self.rows_weight = quantized.int_repr()
         self.weight_scales = quantized.q_per_channel_scales().float()
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,12 +255,11 @@ class Int8Linear:
         return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= MATVEC_MAX_ROWS:
+        small = x.shape[0] <= self.max_rows
+        if small and self.blocks is not None:
             return self.blocks(x, self.bias)
         x, row_amax = self.rotate_and_scale(x)
-        # NOTE: MATVEC_MAX_ROWS bounds it too: 0 turns every matvec off (bench.step_profile)
-        max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
-        if x.shape[0] <= max_rows and self.rows_weight is not None:
+        if small and self.rows_weight is not None:
             return torch.ops.pagedserve.int8_matvec(
                 x, row_amax, self.rows_weight, self.weight_scales, self.bias
             )
@@ -266,12 +269,13 @@ class Int8Linear:
         return y if self.bias is None else y.add_(self.bias)
 
     def decode_form(self) -> DecodeForm | None:
-        if self.blocks is not None:
-            return blocks_form(self.blocks, self.bias)
-        if self.rows_weight is None or not self.fused:
+        if self.path is None:
             return None
-        max_rows = min(MATVEC_MAX_ROWS, INT8_MATVEC_MAX_ROWS)
-        return DecodeForm(INT8_ROWS, (self.rows_weight, self.weight_scales), self.bias, max_rows,
+        if self.blocks is not None:
+            return DecodeForm(self.path, self.blocks.tensors, self.bias)
+        if not self.fused:  # the stack rotates in C++ only
+            return None
+        return DecodeForm(self.path, (self.rows_weight, self.weight_scales), self.bias,
                           self.block)
 
     def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,27 +17,35 @@ import torch
 from torch import nn
 
 from model_runner.attention_metadata import AttentionMetadata
-from model_runner.kernels import cpu_linear
+from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, PATHS, KernelPath, KernelTable
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import DecodeForm
 from model_runner.kv_cache import KVCaches
 
+# the C++ stack's projection kinds: each path's place in the table and its tensor count
+KIND_OF = {name: kind for kind, name in enumerate(PATHS)}
+TENSORS_PER_KIND = [len(path.tensors) for path in PATHS.values()]
+
 
 class DecodeStack:
-    """The native stack of a model's layers and the most rows its projections take."""
+    """The native stack of a model's layers and the most rows it runs under the model's
+    kernel table (the fewest its projections' paths take)."""
 
-    def __init__(self, native: torch.ScriptObject, max_rows: int) -> None:
+    def __init__(self, native: torch.ScriptObject, paths: set[KernelPath],
+                 table: KernelTable) -> None:
         self.native = native
-        self.max_rows = max_rows
+        self.paths = paths
+        self.use_table(table)
         # the caches split into the k and v lists the native stack takes, once per cache
         self._split: tuple[KVCaches, list[torch.Tensor], list[torch.Tensor]] | None = None
 
+    def use_table(self, table: KernelTable) -> None:
+        """Run decode steps of up to the rows `table` gives every projection's path."""
+        self.max_rows = min(table.rows(path) for path in self.paths)
+
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step is one it runs: decodes only, one row each, few enough rows."""
-        return (
-            meta.num_decode_seqs == meta.num_seqs == num_tokens
-            and num_tokens <= min(self.max_rows, cpu_linear.MATVEC_MAX_ROWS)
-        )
+        return meta.num_decode_seqs == meta.num_seqs == num_tokens <= self.max_rows
 
     def __call__(
         self,
@@ -57,15 +65,17 @@ class DecodeStack:
         )
 
 
-def build_decode_stack(layers: Sequence[nn.Module]) -> DecodeStack | None:
+def build_decode_stack(
+    layers: Sequence[nn.Module], table: KernelTable = DEFAULT_TABLE
+) -> DecodeStack | None:
     """The stack of `layers` (each a pre-norm DecoderLayer of a Llama-style Attention,
     full RoPE and no q/k norm, and an MLP, with packed projections: the caller checks the
     types), or None where a projection has no small-batch C++ form or the kernels are
     missing."""
     if not cpu_kernels_available():
         return None
-    native = torch.classes.pagedserve.DecodeStack()
-    max_rows = cpu_linear.MATVEC_MAX_ROWS
+    native = torch.classes.pagedserve.DecodeStack(list(PATHS), TENSORS_PER_KIND)
+    paths: set[KernelPath] = set()
     empty = torch.empty(0)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -87,10 +97,10 @@ def build_decode_stack(layers: Sequence[nn.Module]) -> DecodeStack | None:
             float(attn.scale),
             float(options.softcap or 0.0),
             empty if options.sinks is None else options.sinks.detach(),
-            [form.kind for form in forms],
+            [KIND_OF[form.path.name] for form in forms],
             [form.rotation_block for form in forms],
             [tensor for form in forms for tensor in form.tensors],
             [empty if form.bias is None else form.bias for form in forms],
         )
-        max_rows = min([max_rows, *(form.max_rows for form in forms)])
-    return DecodeStack(native, max_rows)
+        paths.update(form.path for form in forms)
+    return DecodeStack(native, paths, table)

@@ -25,6 +25,7 @@ from model_runner.attention.backend import (
 )
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.models.rope import apply_rope
 
@@ -38,8 +39,8 @@ class Linear(nn.Linear):
 
     packed: PackedLinear | None = None
 
-    def pack(self, weight_dtype: str) -> None:
-        self.packed = pack_linear(self.weight, self.bias, weight_dtype)
+    def pack(self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE) -> None:
+        self.packed = pack_linear(self.weight, self.bias, weight_dtype, table)
         self.weight = dropped(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
 from model_runner.models.decode_stack import DecodeStack, build_decode_stack
@@ -207,16 +208,28 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
-    def pack_weights(self, weight_dtype: str) -> None:
-        """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack)."""
+    def pack_weights(self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE) -> None:
+        """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack), their
+        small batches as `table` says (cpu_kernel_table.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(weight_dtype)
-        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype)
+                module.pack(weight_dtype, table)
+        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table)
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
         if self.tp is None and all(map(_plain_layer, self.layers)):
-            self.decode_stack = build_decode_stack(self.layers)
+            self.decode_stack = build_decode_stack(self.layers, table)
+
+    def use_kernel_table(self, table: KernelTable) -> None:
+        """Run the packed projections' small batches, and the decode stack, as `table` says
+        from the next step on (bench.step_profile compares it with the GEMMs alone)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                module.packed.use_table(table)
+        if self.packed_lm_head is not None:
+            self.packed_lm_head.use_table(table)
+        if self.decode_stack is not None:
+            self.decode_stack.use_table(table)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:

@@ -12,14 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model_runner.config import ModelConfig
-from model_runner.kernels import cpu_linear
 from model_runner.kernels.block_quant import (
-    Q41Groups,
-    Q41SplitGroups,
-    Q41Weight,
-    Q80Groups,
-    Q80Weight,
+    Q41Blocks,
+    Q41Int8Groups,
+    Q41PlanesGroups,
+    Q80Blocks,
+    Q80Int8Groups,
 )
+from model_runner.kernels.cpu_kernel_table import GEMM_ONLY, MATVEC_MAX_ROWS
 from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
@@ -95,13 +95,13 @@ def test_chunked_greedy_matches_generate(loaded, prompts, expected):
     assert run(loaded, prompts, chunk_size=13) == expected
 
 
-def test_float16_weights_match_generate_on_rounded_weights(prompts, monkeypatch):
+def test_float16_weights_match_generate_on_rounded_weights(prompts):
     """--weight-dtype float16 on the real model, in fbgemm's float16 GEMM (a batch above
-    cpu_linear.MATVEC_MAX_ROWS; forced here for three prompts): the same tokens as HF
+    the small-batch paths' rows; forced here for three prompts): the same tokens as HF
     `generate` with the projection and LM-head weights rounded to float16 (the embedding
     lookup stays float32 on both sides, so the tied LM head is untied on the HF side)."""
-    monkeypatch.setattr(cpu_linear, "MATVEC_MAX_ROWS", 0)
     loaded = load_model(ModelConfig(model=None, weight_dtype="float16", num_kv_blocks=1))
+    loaded.model.use_kernel_table(GEMM_ONLY)
     hf = AutoModelForCausalLM.from_pretrained(
         loaded.model_path, dtype=torch.float32, local_files_only=True
     ).eval()
@@ -131,8 +131,9 @@ def test_float16_small_batches_read_the_exact_blocks(prompts, expected):
 def assert_reads_its_blocks(loaded: LoadedModel, packed_type: type) -> None:
     """Every projection is `packed_type` on the GGUF's Q4_1 blocks with no row copy, the
     tied LM head on its Q8_0 ones (int8 and float16: Q4_1 in groups of eight rows)."""
-    q41, q80 = {Int8Linear: (Q41Groups, Q80Groups), Float16Linear: (Q41SplitGroups, Q80Weight)
-                }.get(packed_type, (Q41Weight, Q80Weight))
+    q41, q80 = {Int8Linear: (Q41Int8Groups, Q80Int8Groups),
+                Float16Linear: (Q41PlanesGroups, Q80Blocks),
+                }.get(packed_type, (Q41Blocks, Q80Blocks))
     linears = [m.packed for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, packed_type) for p in linears)
     assert all(isinstance(p.blocks, q41) and p.rows_weight is None for p in linears)
@@ -163,7 +164,7 @@ def test_int8_small_batches_on_the_blocks_stay_closer_still(loaded, monkeypatch)
     some activations' int8 rounding (docs/benchmarks.md)."""
     int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))
     assert_reads_its_blocks(int8, Int8Linear)
-    rows = cpu_linear.MATVEC_MAX_ROWS
+    rows = MATVEC_MAX_ROWS
 
     def in_small_calls(packed):
         return lambda x: torch.cat([packed(x[i : i + rows]) for i in range(0, x.shape[0], rows)])

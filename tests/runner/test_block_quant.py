@@ -17,18 +17,18 @@ from gguf.quants import dequantize, quantize
 
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import (
-    Q41Groups,
-    Q41SplitGroups,
-    Q41Weight,
-    Q80Groups,
-    Q80Weight,
+    BlockForm,
+    Q41Blocks,
+    Q41Int8Groups,
+    Q41PlanesGroups,
+    Q80Blocks,
+    Q80Int8Groups,
+    block_form,
     find_blocks,
-    int8_groups,
-    split_groups,
 )
+from model_runner.kernels.cpu_kernel_table import MATVEC_MAX_ROWS, small_batch_path
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
 from model_runner.kernels.cpu_linear import (
-    MATVEC_MAX_ROWS,
     Float16Linear,
     Int8Linear,
     OneDNNLinear,
@@ -38,8 +38,17 @@ from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 
 load_cpu_kernels()
-KINDS = {"q4_1": (GGMLQuantizationType.Q4_1, Q41Weight),
-         "q8_0": (GGMLQuantizationType.Q8_0, Q80Weight)}
+KINDS = {"q4_1": (GGMLQuantizationType.Q4_1, Q41Blocks),
+         "q8_0": (GGMLQuantizationType.Q8_0, Q80Blocks)}
+
+
+def form_for(weight_dtype: str, weight: torch.Tensor) -> BlockForm | None:
+    """`weight`'s exact blocks as its small-batch path under `weight_dtype` reads them
+    (cpu_kernel_table.py), or None where that path reads no blocks."""
+    blocks = find_blocks(weight)
+    assert blocks is not None
+    path = small_batch_path(weight_dtype, blocks.kind, *weight.shape)
+    return None if path is None else block_form(blocks, path)
 
 
 def on_grid(kind: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -85,8 +94,8 @@ def test_the_default_model_reads_its_gguf_blocks_and_holds_no_float32_copy() -> 
     model = load_model(ModelConfig(num_kv_blocks=4)).model
     linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, OneDNNLinear) for p in linears)
-    assert all(isinstance(p.blocks, Q41Weight) and p.rows_weight is None for p in linears)
-    assert isinstance(model.packed_lm_head.blocks, Q80Weight)  # the tied embedding, Q8_0
+    assert all(isinstance(p.blocks, Q41Blocks) and p.rows_weight is None for p in linears)
+    assert isinstance(model.packed_lm_head.blocks, Q80Blocks)  # the tied embedding, Q8_0
 
 
 def int8_products_reference(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
@@ -118,8 +127,8 @@ def test_int8_products_on_blocks_match_their_arithmetic_and_stay_near_float32(
     kind: str, in_features: int
 ) -> None:
     weight = on_grid(kind, 200, in_features, seed=in_features + 7)
-    blocks = int8_groups(find_blocks(weight))
-    assert isinstance(blocks, Q41Groups if kind == "q4_1" else Q80Groups)
+    blocks = form_for("int8", weight)
+    assert isinstance(blocks, Q41Int8Groups if kind == "q4_1" else Q80Int8Groups)
     torch.manual_seed(1)
     x = torch.randn(MATVEC_MAX_ROWS, 2 * in_features)[:, :in_features]  # strided rows
     x[0, :32] = 0.0  # a block of zeros: scale 0
@@ -138,7 +147,7 @@ def test_int8_products_on_blocks_match_their_arithmetic_and_stay_near_float32(
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_int8_keeps_its_rotated_rows_where_output_rows_do_not_come_in_eights(kind: str) -> None:
     weight = on_grid(kind, 60, 64, seed=3)
-    assert find_blocks(weight) is not None and int8_groups(find_blocks(weight)) is None
+    assert find_blocks(weight) is not None and form_for("int8", weight) is None
     linear = Int8Linear(weight, None)
     assert linear.blocks is None and linear.rows_weight is not None
     x = torch.randn(1, 64)
@@ -152,8 +161,8 @@ def test_split_activations_on_q4_1_groups_keep_float32s_precision(in_features: i
     # product exact, so the error is float32's order (measured within 2x of the float32
     # matvec's own), not int8's
     weight = on_grid("q4_1", 200, in_features, seed=in_features + 11)
-    groups = split_groups(find_blocks(weight))
-    assert isinstance(groups, Q41SplitGroups)
+    groups = form_for("float16", weight)
+    assert isinstance(groups, Q41PlanesGroups)
     torch.manual_seed(2)
     x = torch.randn(MATVEC_MAX_ROWS, 2 * in_features)[:, :in_features]  # strided rows
     x[0, :32] = 0.0  # a block of zeros
@@ -172,8 +181,8 @@ def test_split_activations_on_q4_1_groups_keep_float32s_precision(in_features: i
 
 def test_float16_keeps_the_float_blocks_where_output_rows_do_not_come_in_eights() -> None:
     weight = on_grid("q4_1", 60, 64, seed=4)
-    assert isinstance(Float16Linear(weight, None).blocks, Q41Weight)
+    assert isinstance(Float16Linear(weight, None).blocks, Q41Blocks)
     assert isinstance(Float16Linear(on_grid("q4_1", 64, 64, seed=4), None).blocks,
-                      Q41SplitGroups)
+                      Q41PlanesGroups)
     q8 = on_grid("q8_0", 64, 64, seed=4)
-    assert isinstance(Float16Linear(q8, None).blocks, Q80Weight)  # Q8_0: the float matvec
+    assert isinstance(Float16Linear(q8, None).blocks, Q80Blocks)  # Q8_0: the float matvec

@@ -11,11 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runner.config import ModelConfig
-from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import (
+from model_runner.config import WEIGHT_DTYPES, ModelConfig
+from model_runner.kernels.cpu_kernel_table import (
     INT8_MATVEC_MAX_ROWS,
     MATVEC_MAX_ROWS,
+    PATHS,
+    SMALL_BATCH_PATHS,
+    small_batch_path,
+)
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
+from model_runner.kernels.cpu_linear import (
     Int8Linear,
     can_pack,
     hadamard,
@@ -276,6 +281,17 @@ def test_small_batches_take_the_matvec_and_agree_with_the_gemm(weight_dtype: str
 def test_widths_the_matvec_cannot_read_keep_the_gemm() -> None:
     assert matvec_weight(torch.randn(8, 12), torch.float32) is None
     assert matvec_weight(torch.randn(8, 16), torch.float16).dtype == torch.float16
+
+
+def test_the_kernel_table_gives_every_weight_dtype_and_form_a_path() -> None:
+    for weight_dtype in WEIGHT_DTYPES:
+        for blocks in ("q4_1", "q8_0", None):
+            names = SMALL_BATCH_PATHS[(weight_dtype, blocks)]
+            assert names and all(name in PATHS for name in names)
+    assert small_batch_path("int8", "q4_1", 64, 64).name == "q4_1_int8_matvec"
+    assert small_batch_path("int8", "q4_1", 60, 64).name == "int8_matvec"  # rows not in eights
+    assert small_batch_path("float16", "q4_1", 60, 64).name == "q4_1_matvec"
+    assert small_batch_path("auto", None, 8, 12) is None  # a width the matvec cannot read
 
 
 # --- the small-batch int8 matvec (csrc/cpu_matvec_int8.cpp) -------------------------------

@@ -2,7 +2,8 @@
 csrc/cpu_decode_stack.cpp): the same hidden states, to the bit, as the Python layers on
 the "cpu" backend, for every small-batch weight form (float32 rows, exact GGUF blocks,
 float16, rotated int8, blocks times int8), with and without biases; taken only for decode
-steps of few enough rows, and only by the plain Llama layer."""
+steps of few enough rows, and only by the plain Llama layer. The C++ stack's projection
+kinds are the kernel table's paths."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from model_runner.config import ModelConfig
+from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, GEMM_ONLY, PATHS
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import can_pack
 from model_runner.loader import load_model
+from model_runner.models.decode_stack import TENSORS_PER_KIND
+from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner
 from tests.support.model_helpers import (
     CONFIGS,
@@ -85,17 +89,18 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
 @pytest.mark.parametrize(
     ("config_name", "weight_dtype", "grid", "kind"),
     [
-        ("smollm2", "auto", False, 0),  # float32 rows
-        ("qwen2", "auto", False, 0),  # with q/k/v biases
-        ("smollm2", "auto", True, 1),  # exact Q4_1 blocks (the LM head stays rows)
-        ("smollm2", "float16", False, 0),
-        ("smollm2", "float16", True, 6),  # Q4_1 blocks times activations split in int8 planes
-        ("qwen2", "int8", False, 3),
-        ("smollm2", "int8", True, 4),  # Q4_1 blocks times int8 activations
+        ("smollm2", "auto", False, "matvec"),  # float32 rows
+        ("qwen2", "auto", False, "matvec"),  # with q/k/v biases
+        ("smollm2", "auto", True, "q4_1_matvec"),  # exact Q4_1 blocks (the LM head stays rows)
+        ("smollm2", "float16", False, "matvec"),
+        # Q4_1 blocks times activations split in int8 planes
+        ("smollm2", "float16", True, "q4_1_planes_matvec"),
+        ("qwen2", "int8", False, "int8_matvec"),
+        ("smollm2", "int8", True, "q4_1_int8_matvec"),  # Q4_1 blocks times int8 activations
     ],
 )
 def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(
-    tmp_path: Path, config_name: str, weight_dtype: str, grid: bool, kind: int
+    tmp_path: Path, config_name: str, weight_dtype: str, grid: bool, kind: str
 ) -> None:
     if grid:
         on_q4_1_grid(tmp_path, config_name)
@@ -106,7 +111,7 @@ def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(
     model = loaded.model
     stack = model.decode_stack
     assert stack is not None
-    assert {p.packed.decode_form().kind for p in model.layers[0].self_attn.modules()
+    assert {p.packed.decode_form().path.name for p in model.layers[0].self_attn.modules()
             if hasattr(p, "packed") and p.packed is not None} == {kind}
     counting = CountingStack(stack)
     # three prompts decode as a batch of three after their prefills
@@ -152,3 +157,36 @@ def test_layers_it_does_not_repeat_get_no_stack(tmp_path: Path, config_name: str
     make_model_folder(tmp_path, NOT_STACKED[config_name]())
     model = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1)).model
     assert model.decode_stack is None
+
+
+def test_the_cpp_stacks_projection_kinds_are_the_kernel_tables_paths() -> None:
+    # csrc/cpu_decode_stack.cpp checks the names and tensor counts it is built with
+    # (cpu_kernel_table.PATHS, in order) against its own kinds
+    assert all(hasattr(torch.ops.pagedserve, name) for name in PATHS)
+    names = list(PATHS)
+    torch.classes.pagedserve.DecodeStack(names, TENSORS_PER_KIND)
+    for wrong_names, wrong_counts in [
+        (names[1:] + names[:1], TENSORS_PER_KIND),
+        (names, [*TENSORS_PER_KIND[:-1], TENSORS_PER_KIND[-1] + 1]),
+        (names[:-1], TENSORS_PER_KIND[:-1]),
+    ]:
+        with pytest.raises(RuntimeError, match="differ from the projection kinds"):
+            torch.classes.pagedserve.DecodeStack(wrong_names, wrong_counts)
+
+
+def test_a_table_of_no_rows_runs_every_step_on_the_gemms(tmp_path: Path) -> None:
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1))
+    model = loaded.model
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    stack = model.decode_stack
+    model.use_kernel_table(GEMM_ONLY)
+    assert stack.max_rows == 0
+    assert all(p.max_rows == 0 for p in [*packed, model.packed_lm_head])
+    counting = CountingStack(stack)
+    assert len(hidden_states(loaded, counting, [5], max_tokens=3)) == 3
+    assert counting.calls == 0
+    model.decode_stack = stack
+    model.use_kernel_table(DEFAULT_TABLE)
+    assert stack.max_rows == PATHS["matvec"].max_rows
+    assert all(p.max_rows == PATHS["matvec"].max_rows for p in packed)

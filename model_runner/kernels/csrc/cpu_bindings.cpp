@@ -1,7 +1,8 @@
 // Every torch op and class of the C++ CPU kernels, registered here and only here
 // (torch.ops.pagedserve.*, torch.classes.pagedserve.DecodeStack); the kernels themselves
 // live in the other files, behind cpu_ops.h. model_runner/kernels/cpu_kernels.py builds and
-// loads them.
+// loads them; model_runner/kernels/cpu_kernel_table.py says which small-batch op a
+// projection runs.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -20,8 +21,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("rope_", &pagedserve::rope_);
   m.def("silu_and_mul", &pagedserve::silu_and_mul);
 
-  // cpu_matvec.cpp, cpu_matvec_blocks.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks_int8.cpp:
-  // the small-batch projections
+  // the small-batch projections, one op per path of cpu_kernel_table.PATHS
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::matvec);
   m.def("q4_1_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
         &pagedserve::q4_1_matvec);
@@ -38,7 +38,7 @@ TORCH_LIBRARY(pagedserve, m) {
 
   // cpu_decode_stack.cpp
   m.class_<pagedserve::DecodeStack>("DecodeStack")
-      .def(torch::init<>())
+      .def(torch::init<std::vector<std::string>, std::vector<int64_t>>())
       .def("add_layer", &pagedserve::DecodeStack::add_layer)
       .def("forward", &pagedserve::DecodeStack::forward);
 }

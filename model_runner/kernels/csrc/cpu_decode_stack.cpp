@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace pagedserve {
@@ -21,51 +22,60 @@ namespace {
 // when Python calls it; off the profiler this costs a flag check.
 #define PROFILED(name) RECORD_FUNCTION("pagedserve::" name, c10::ArrayRef<c10::IValue>{})
 
-// How a projection's small-batch copy is held (cpu_linear.py's PackedLinear.decode_form):
-// its tensors, in this order.
-enum ProjectionKind : int64_t {
-  kRows = 0,  // [weight]: float32 or float16 rows (cpu_matvec.cpp)
-  kQ41 = 1,   // [qs, d, m]: exact Q4_1 blocks (cpu_matvec_blocks.cpp)
-  kQ80 = 2,   // [qs, d]: exact Q8_0 blocks
-  kInt8 = 3,  // [weight, weight_scales]: rotated int8 rows (cpu_matvec_int8.cpp)
-  kQ41Int8 = 4,  // [qs, d, m]: Q4_1 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
-  kQ80Int8 = 5,  // [qs, d]: Q8_0 blocks times int8 activations
-  kQ41Split = 6,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
+// How a projection's small-batch copy is held: one kind per small-batch path, named by its
+// op, in the order of model_runner/kernels/cpu_kernel_table.py's PATHS (the stack's
+// constructor checks the names and tensor counts against it), with the weight tensors
+// it reads after x (cpu_linear.py's DecodeForm gives them in this order).
+enum class Kind : int64_t {
+  matvec,              // [weight]: float32 or float16 rows (cpu_matvec.cpp)
+  q4_1_matvec,         // [qs, d, m]: exact Q4_1 blocks (cpu_matvec_blocks.cpp)
+  q8_0_matvec,         // [qs, d]: exact Q8_0 blocks
+  int8_matvec,         // [weight, weight_scales]: rotated int8 rows (cpu_matvec_int8.cpp)
+  q4_1_int8_matvec,    // [qs, d, m]: Q4_1 blocks times int8 activations
+  q8_0_int8_matvec,    // [qs, d]: Q8_0 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
+  q4_1_planes_matvec,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
 };
+constexpr const char* kKindNames[] = {
+    "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
+    "q4_1_int8_matvec", "q8_0_int8_matvec", "q4_1_planes_matvec",
+};
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q4_1_planes_matvec) + 1;
+static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Projection {
-  int64_t kind = kRows;
+  Kind kind = Kind::matvec;
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
-  int64_t rotation_block = 0;  // kInt8: the Hadamard block of its input
+  int64_t rotation_block = 0;  // int8_matvec: the Hadamard block of its input
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case kRows: {
+      case Kind::matvec: {
         PROFILED("matvec");
         return matvec(x, weights[0], bias);
       }
-      case kQ41: {
+      case Kind::q4_1_matvec: {
         PROFILED("q4_1_matvec");
         return q4_1_matvec(x, weights[0], weights[1], weights[2], bias);
       }
-      case kQ80: {
+      case Kind::q8_0_matvec: {
         PROFILED("q8_0_matvec");
         return q8_0_matvec(x, weights[0], weights[1], bias);
       }
-      case kQ41Int8: {
+      case Kind::q4_1_int8_matvec: {
         PROFILED("q4_1_int8_matvec");
         return q4_1_int8_matvec(x, weights[0], weights[1], weights[2], bias);
       }
-      case kQ41Split: {
+      case Kind::q4_1_planes_matvec: {
         PROFILED("q4_1_planes_matvec");
         return q4_1_planes_matvec(x, weights[0], weights[1], weights[2], bias);
       }
-      case kQ80Int8: {
+      case Kind::q8_0_int8_matvec: {
         PROFILED("q8_0_int8_matvec");
         return q8_0_int8_matvec(x, weights[0], weights[1], bias);
       }
-      default: {
+      default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
           PROFILED("hadamard_rows");
           return hadamard_rows(x, rotation_block);
@@ -90,8 +100,6 @@ struct DecodeStack::Layer {
 
 namespace {
 
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3};
-
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   PROFILED("rms_norm");
   return rms_norm(x, weight, eps);
@@ -99,7 +107,18 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace
 
-DecodeStack::DecodeStack() = default;
+DecodeStack::DecodeStack(std::vector<std::string> kind_names,
+                         std::vector<int64_t> tensors_per_kind) {
+  bool same = kind_names.size() == kNumKinds && tensors_per_kind.size() == kNumKinds;
+  for (size_t i = 0; same && i < kind_names.size(); ++i) {
+    same = kind_names[i] == kKindNames[i] &&
+           tensors_per_kind[i] == static_cast<int64_t>(kTensorsOf[i]);
+  }
+  TORCH_CHECK(same, "DecodeStack: cpu_kernel_table.PATHS (names and tensor counts) differ from "
+              "the projection kinds of csrc/cpu_decode_stack.cpp: ", c10::Join(", ", kind_names),
+              " against ", c10::Join(", ", std::vector<std::string>(std::begin(kKindNames),
+                                                                   std::end(kKindNames))));
+}
 
 DecodeStack::~DecodeStack() = default;
 
@@ -114,11 +133,11 @@ void DecodeStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double 
   Projection projections[4];
   size_t next = 0;
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(kinds[i] >= kRows && kinds[i] <= kQ41Split, "unknown projection kind ", kinds[i]);
+    TORCH_CHECK(kinds[i] >= 0 && kinds[i] < kNumKinds, "unknown projection kind ", kinds[i]);
     Projection& p = projections[i];
-    p.kind = kinds[i];
+    p.kind = static_cast<Kind>(kinds[i]);
     p.rotation_block = rotation_blocks[i];
-    const size_t count = kTensorsOf[p.kind];
+    const size_t count = kTensorsOf[kinds[i]];
     TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
     p.weights.assign(weights.begin() + next, weights.begin() + next + count);
     next += count;

@@ -4,7 +4,7 @@
 // with every input row, four at a time, with two accumulators of eight lanes each. The
 // GEMM libraries (oneDNN, fbgemm) run the same shapes through their blocked GEMM and
 // reach less of the memory's bandwidth there (docs/benchmarks.md);
-// model_runner/kernels/cpu_linear.py calls this one up to its MATVEC_MAX_ROWS.
+// model_runner/kernels/cpu_kernel_table.py gives the rows it takes (the path "matvec").
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

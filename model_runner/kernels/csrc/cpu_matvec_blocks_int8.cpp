@@ -14,7 +14,7 @@
 // batch: a row's result depends on no other row.
 //
 // The weights come in groups of eight output rows (block_quant.py's Q41Groups,
-// Q80Groups), a group's blocks at one input position side by side, and d and m as
+// Q80Int8Groups), a group's blocks at one input position side by side, and d and m as
 // float16 (a GGUF's own bytes: 20 or 34 a block), so that one pass over the group reads
 // its weights in order and its eight rows' integer sums end in one vector: one conversion
 // to float, one multiply-add for the eight. AVX2's unsigned-by-signed byte products (maddubs) sum pairs

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -47,9 +48,11 @@ at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const a
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias);
 
-// cpu_decode_stack.cpp: a decode step's decoder layers in one call.
+// cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
+// paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
+// which it checks against its own projection kinds.
 struct DecodeStack : torch::CustomClassHolder {
-  DecodeStack();
+  DecodeStack(std::vector<std::string> kind_names, std::vector<int64_t> tensors_per_kind);
   ~DecodeStack() override;
 
   // One layer, after those added before. shape: (num_heads, num_kv_heads, head_dim,

@@ -1,0 +1,119 @@
+"""The CPU kernels' one table: which op a projection runs, by its weight's form, the weight
+dtype and the batch's rows.
+
+A float32 model on the CPU packs each projection once (cpu_linear.pack_linear): a GEMM
+library's copy for `--weight-dtype` (`GEMMS`) and, where the C++ kernels are built, one
+small-batch path: a C++ op (torch.ops.pagedserve.<name>, csrc/, registered in
+csrc/cpu_bindings.cpp) on a copy of the weight in the form that op reads. A batch of up
+to the path's `max_rows` rows runs on that op, a larger one on the GEMM. Which path a
+weight takes follows from the weight dtype and whether its float32 values are a GGUF's
+exact Q4_1 or Q8_0 blocks (block_quant.find_blocks): `SMALL_BATCH_PATHS`, the first
+whose form fits the weight's shape.
+
+A path has one name everywhere: its op's, the C++ decode stack's kind for it
+(csrc/cpu_decode_stack.cpp, whose constructor checks its kinds against `PATHS`), and the
+block form class that feeds it (block_quant.py: its `path`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# NOTE: up to this many rows (a small decode batch, or a speculative verification's token
+# and drafts) a projection is a stream over its weight, and the C++ matvec on the plain
+# row-major weight reaches more of the memory's bandwidth than the GEMM libraries' blocked
+# kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
+# price is a second copy of each weight (none for a tied LM head: the embedding table),
+# a sixth of it (Q4_1) or a quarter (Q8_0) where the weight has exact GGUF blocks.
+# Both copies are exact float32 (or the same float16 values); only the order of the sums
+# differs, as between any two GEMM kernels. The int8 matvec repeats fbgemm's arithmetic, up
+# to INT8_MATVEC_MAX_ROWS rows (csrc/cpu_matvec_int8.cpp).
+MATVEC_MAX_ROWS = 8
+INT8_MATVEC_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """A small-batch path: the op torch.ops.pagedserve.<name>, the weight tensors it reads
+    after x (in this order), the most rows it takes, and what its form needs of the
+    weight's [out, in] shape."""
+
+    name: str
+    tensors: tuple[str, ...]
+    max_rows: int
+    out_multiple: int = 1  # groups of eight output rows
+    in_multiple: int = 1
+
+    def fits(self, out_features: int, in_features: int) -> bool:
+        return out_features % self.out_multiple == 0 and in_features % self.in_multiple == 0
+
+
+# In the C++ decode stack's kind order: its constructor checks the names and the tensor
+# counts (csrc/cpu_decode_stack.cpp).
+PATHS: dict[str, KernelPath] = {path.name: path for path in (
+    # float32 or float16 rows (csrc/cpu_matvec.cpp)
+    KernelPath("matvec", ("weight",), MATVEC_MAX_ROWS, in_multiple=8),
+    # exact GGUF blocks, float32 sums: the float32 matvec's numbers (csrc/cpu_matvec_blocks.cpp)
+    KernelPath("q4_1_matvec", ("qs", "d", "m"), MATVEC_MAX_ROWS),
+    KernelPath("q8_0_matvec", ("qs", "d"), MATVEC_MAX_ROWS),
+    # rotated int8 rows: fbgemm's W8A8 numbers (csrc/cpu_matvec_int8.cpp)
+    KernelPath("int8_matvec", ("weight", "weight_scales"), INT8_MATVEC_MAX_ROWS),
+    # blocks in groups of eight rows times int8 activations (csrc/cpu_matvec_blocks_int8.cpp)
+    KernelPath("q4_1_int8_matvec", ("qs", "d", "m"), MATVEC_MAX_ROWS, out_multiple=8),
+    KernelPath("q8_0_int8_matvec", ("qs", "d"), MATVEC_MAX_ROWS, out_multiple=8),
+    # Q4_1 groups times float32 activations split in three int8 planes (float32's precision)
+    KernelPath("q4_1_planes_matvec", ("qs", "d", "m"), MATVEC_MAX_ROWS, out_multiple=8),
+)}
+
+# (weight dtype, the weight's exact GGUF blocks: "q4_1", "q8_0" or None) -> the small-batch
+# paths it may take, the first that fits
+SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("auto", "q4_1"): ("q4_1_matvec",),
+    ("auto", "q8_0"): ("q8_0_matvec",),
+    ("auto", None): ("matvec",),
+    # float16 promises float32 sums, not float32's bits: Q4_1 blocks in planes
+    ("float16", "q4_1"): ("q4_1_planes_matvec", "q4_1_matvec"),
+    ("float16", "q8_0"): ("q8_0_matvec",),
+    ("float16", None): ("matvec",),
+    ("int8", "q4_1"): ("q4_1_int8_matvec", "int8_matvec"),
+    ("int8", "q8_0"): ("q8_0_int8_matvec", "int8_matvec"),
+    ("int8", None): ("int8_matvec",),
+}
+
+# the weight dtype -> the GEMM that runs every batch past its small-batch path's rows
+GEMMS = {
+    "auto": "oneDNN float32 (mkldnn._linear_pointwise)",
+    "float16": "fbgemm float16 weights (quantized.linear_dynamic_fp16)",
+    "int8": "fbgemm W8A8 (quantized.linear_dynamic)",
+}
+
+
+def small_batch_path(
+    weight_dtype: str, blocks: str | None, out_features: int, in_features: int
+) -> KernelPath | None:
+    """The small-batch path of an [out, in] weight with exact `blocks` ("q4_1", "q8_0" or
+    None) under `weight_dtype`, or None: every batch on the GEMM."""
+    for name in SMALL_BATCH_PATHS[(weight_dtype, blocks)]:
+        if PATHS[name].fits(out_features, in_features):
+            return PATHS[name]
+    return None
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """The table as a model runs it: each path's rows, or at most `max_rows` (0: every
+    batch on the GEMM, the small-batch paths and the decode stack off; bench.step_profile's
+    comparison). A model takes it when packed (`pack_weights`) or later
+    (`use_kernel_table`)."""
+
+    max_rows: int | None = None
+
+    def rows(self, path: KernelPath | None) -> int:
+        """The most rows `path` runs (0 for no path)."""
+        if path is None:
+            return 0
+        return path.max_rows if self.max_rows is None else min(path.max_rows, self.max_rows)
+
+
+DEFAULT_TABLE = KernelTable()
+GEMM_ONLY = KernelTable(max_rows=0)
