@@ -213,6 +213,17 @@ class Tenant:
             self._check_rate(num_tokens, now, limit).append((now, num_tokens))
             self._usage.window_tokens += num_tokens
 
+    def _spend(self, num_tokens: int, now: float) -> None:
+        """Count `num_tokens` in the rate window whatever room it has (work already done)."""
+        if self.spec.tokens_per_minute is None or num_tokens <= 0:
+            return
+        with self._lock:
+            usage = self._usage
+            if usage.window is None:
+                usage.window = deque()
+            usage.window.append((now, num_tokens))  # expired ones go at the next check
+            usage.window_tokens += num_tokens
+
     def _release(self) -> None:
         with self._lock:
             self._usage.in_flight -= 1
@@ -269,6 +280,12 @@ class Seat:
         """Count the request's `num_tokens` (prompt plus max_tokens) against the token
         rate, or TenantRefused (429) if they do not fit; the seat stays taken."""
         self._tenant._charge(num_tokens, time.monotonic() if now is None else now)
+
+    def spend(self, num_tokens: int, now: float | None = None) -> None:
+        """Count `num_tokens` the request cost (a prompt tokenized, then refused; a
+        /tokenize) against the token rate even past it: the window then refuses what
+        follows until they expire. Nothing is refused here."""
+        self._tenant._spend(num_tokens, time.monotonic() if now is None else now)
 
     def release(self) -> None:
         """Free the seat; idempotent (the engine's thread and the route may both call)."""
