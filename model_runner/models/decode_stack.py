@@ -7,11 +7,20 @@ then runs every layer of a decode step with the kernels the Python layers call o
 "cpu" backend, in their order: the same hidden states to the bit (tests/runner/
 test_decode_stack.py). `LlamaForCausalLM.forward` runs it when `takes` says so, the
 Python layers otherwise (prefill chunks, verifications, larger batches, other backends).
+
+A layer is taken by what it declares, not by its type: its `decode_stack_form()` gives
+its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNorms, Llama's
+attention with full RoPE and no q/k norm, SwiGLU, every projection on a small-batch path of
+cpu_kernel_table.py), or a reason why not, and so do its norms, attention and MLP. A family
+whose subclass changes the arithmetic (a forward of its own) declares its own form
+(tests/runner/test_decode_stack.py holds every subclass here to that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +34,63 @@ from model_runner.kv_cache import KVCaches
 # the C++ stack's projection kinds: each path's place in the table and its tensor count
 KIND_OF = {name: kind for kind, name in enumerate(PATHS)}
 TENSORS_PER_KIND = [len(path.tensors) for path in PATHS.values()]
+
+
+@dataclass(frozen=True)
+class StackNorm:
+    """An RMSNorm as the stack runs it: weight * x / rms(x), in float32 (cpu_layers.cpp)."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class StackAttention:
+    """Self-attention as the stack runs it: q/k/v projected, RoPE on every dim of q and
+    k, the KV write and paged decode attention (window, soft cap, sinks), o projected."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int  # 0: none
+    scale: float
+    softcap: float  # 0: none
+    sinks: torch.Tensor | None
+    qkv: DecodeForm
+    o: DecodeForm
+
+
+@dataclass(frozen=True)
+class StackMLP:
+    """SwiGLU as the stack runs it: gate/up projected, silu(gate) * up, down projected."""
+
+    gate_up: DecodeForm
+    down: DecodeForm
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """A pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    input_norm: StackNorm
+    post_norm: StackNorm
+    attention: StackAttention
+    mlp: StackMLP
+
+
+Form = TypeVar("Form")
+
+
+def form_of(module: nn.Module, what: str, kind: type[Form]) -> Form | str:
+    """The `kind` of decode-stack form `module` declares, or why it has none (naming
+    `what`)."""
+    declare = getattr(module, "decode_stack_form", None)
+    if declare is None:
+        return f"{what}: {type(module).__name__} declares no decode-stack form"
+    form = declare()
+    if isinstance(form, str):
+        return f"{what}: {form}"
+    return form if isinstance(form, kind) else f"{what}: declares no {kind.__name__}"
 
 
 class DecodeStack:
@@ -67,40 +133,39 @@ class DecodeStack:
 
 def build_decode_stack(
     layers: Sequence[nn.Module], table: KernelTable = DEFAULT_TABLE
-) -> DecodeStack | None:
-    """The stack of `layers` (each a pre-norm DecoderLayer of a Llama-style Attention,
-    full RoPE and no q/k norm, and an MLP, with packed projections: the caller checks the
-    types), or None where a projection has no small-batch C++ form or the kernels are
-    missing."""
+) -> DecodeStack | str:
+    """The stack of `layers` from the forms they declare, or why there is none (a layer
+    that declares none or says why not, or the kernels missing)."""
     if not cpu_kernels_available():
-        return None
+        return "the C++ CPU kernels are not built"
+    forms: list[StackLayer] = []
+    for i, layer in enumerate(layers):
+        form = form_of(layer, f"layer {i}", StackLayer)
+        if isinstance(form, str):
+            return form
+        if form.input_norm.eps != form.post_norm.eps:
+            return f"layer {i}: its two norms' eps differ"
+        forms.append(form)
+    if not forms:
+        return "no layers"
     native = torch.classes.pagedserve.DecodeStack(list(PATHS), TENSORS_PER_KIND)
-    paths: set[KernelPath] = set()
     empty = torch.empty(0)
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        forms: list[DecodeForm] = []
-        for projection in projections:
-            form = None if projection.packed is None else projection.packed.decode_form()
-            if form is None:
-                return None
-            forms.append(form)
-        if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-            return None
-        options = attn.options
+    paths: set[KernelPath] = set()
+    for form in forms:
+        attn = form.attention
+        projections = (attn.qkv, attn.o, form.mlp.gate_up, form.mlp.down)
         native.add_layer(
-            layer.input_layernorm.weight.detach(),
-            layer.post_attention_layernorm.weight.detach(),
-            float(layer.input_layernorm.eps),
-            [attn.num_heads, attn.num_kv_heads, attn.head_dim, options.sliding_window or 0],
+            form.input_norm.weight,
+            form.post_norm.weight,
+            float(form.input_norm.eps),
+            [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window],
             float(attn.scale),
-            float(options.softcap or 0.0),
-            empty if options.sinks is None else options.sinks.detach(),
-            [KIND_OF[form.path.name] for form in forms],
-            [form.rotation_block for form in forms],
-            [tensor for form in forms for tensor in form.tensors],
-            [empty if form.bias is None else form.bias for form in forms],
+            float(attn.softcap),
+            empty if attn.sinks is None else attn.sinks,
+            [KIND_OF[p.path.name] for p in projections],
+            [p.rotation_block for p in projections],
+            [tensor for p in projections for tensor in p.tensors],
+            [empty if p.bias is None else p.bias for p in projections],
         )
-        paths.update(form.path for form in forms)
+        paths.update(p.path for p in projections)
     return DecodeStack(native, paths, table)

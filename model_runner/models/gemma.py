@@ -40,6 +40,9 @@ class GemmaRMSNorm(RMSNorm):
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
+    def decode_stack_form(self) -> str:
+        return "scales by 1 + weight (not in the C++ stack)"
+
 
 class GemmaAttention(Attention):
     """The Llama-family attention with Gemma's scale, soft cap and (Gemma 3) per-head q/k
@@ -64,6 +67,9 @@ class GemmaMLP(MLP):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         out = self.down_proj(F.gelu(gate, approximate="tanh") * up)  # [T, H]
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def decode_stack_form(self) -> str:
+        return "a gelu gate (the C++ stack runs SwiGLU)"
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -39,6 +39,9 @@ class GraniteDecoderLayer(DecoderLayer):
         h = self.mlp(self.post_attention_layernorm(x, ops), ops)
         return x + h * self.residual_multiplier
 
+    def decode_stack_form(self) -> str:
+        return "each block's output scaled by residual_multiplier (not in the C++ stack)"
+
 
 class GraniteForCausalLM(LlamaForCausalLM):
     """A Granite decoder: the Llama one with the config's multipliers."""

@@ -26,7 +26,8 @@ from model_runner.attention.backend import (
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
-from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
+from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm
 from model_runner.models.rope import apply_rope
 
 
@@ -47,6 +48,11 @@ class Linear(nn.Linear):
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.packed(x)
+
+    def decode_form(self) -> DecodeForm | str:
+        """Its small-batch copy as the C++ decode stack holds it, or why there is none."""
+        form = None if self.packed is None else self.packed.decode_form()
+        return "not on a small-batch C++ path" if form is None else form
 
 
 def dropped(weight: nn.Parameter) -> nn.Parameter:
@@ -74,6 +80,10 @@ class RMSNorm(nn.Module):
         # so bfloat16 runs round the same way; one fused kernel instead of five ops.
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def decode_stack_form(self) -> StackNorm | str:
+        """This norm as the C++ decode stack runs it (decode_stack.py), or why not."""
+        return StackNorm(self.weight.detach(), self.eps)
 
 
 class Attention(nn.Module):
@@ -142,6 +152,28 @@ class Attention(nn.Module):
         out = self.o_proj(o.view(x.shape[0], self.q_size))  # [T, H]
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def decode_stack_form(self) -> StackAttention | str:
+        """This attention as the C++ decode stack runs it (decode_stack.py), or why not."""
+        if self.tp is not None:
+            return "a tensor-parallel shard (its output is all-reduced)"
+        if self.qk_norm:
+            return "q/k norm"
+        if self.rotary_dim != self.head_dim:
+            return f"RoPE on {self.rotary_dim} of {self.head_dim} dims (partial or none)"
+        if self.head_dim % 16:
+            return f"head_dim {self.head_dim}, not a multiple of 16"
+        qkv, o = self.qkv_proj.decode_form(), self.o_proj.decode_form()
+        if isinstance(qkv, str):
+            return f"qkv_proj: {qkv}"
+        if isinstance(o, str):
+            return f"o_proj: {o}"
+        options = self.options
+        return StackAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, options.sliding_window or 0,
+            self.scale, options.softcap or 0.0,
+            None if options.sinks is None else options.sinks.detach(), qkv, o,
+        )
+
     def qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,3 +228,14 @@ class MLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
             out = self.down_proj(F.silu(gate) * up)  # [T, H]
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def decode_stack_form(self) -> StackMLP | str:
+        """This MLP as the C++ decode stack runs it (decode_stack.py), or why not."""
+        if self.tp is not None:
+            return "a tensor-parallel shard (its output is all-reduced)"
+        gate_up, down = self.gate_up_proj.decode_form(), self.down_proj.decode_form()
+        if isinstance(gate_up, str):
+            return f"gate_up_proj: {gate_up}"
+        if isinstance(down, str):
+            return f"down_proj: {down}"
+        return StackMLP(gate_up, down)

@@ -13,6 +13,7 @@ rank 0. `load_weights` reads only this rank's slices.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -27,11 +28,21 @@ from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
-from model_runner.models.decode_stack import DecodeStack, build_decode_stack
+from model_runner.models.decode_stack import (
+    DecodeStack,
+    StackAttention,
+    StackLayer,
+    StackMLP,
+    StackNorm,
+    build_decode_stack,
+    form_of,
+)
 from model_runner.models.layers import MLP, Attention, Linear, RMSNorm, dropped, is_first
 from model_runner.models.rope import rope_cache, rotary_dim
 from model_runner.models.sliding_windows import layer_windows
 from model_runner.models.weights import WeightSource, read
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -61,19 +72,22 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(h, cos, sin, meta, kv_cache, attn, ops)
         return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
-
-def _plain_layer(layer: nn.Module) -> bool:
-    """Whether `layer` is exactly the Llama layer the C++ decode stack repeats: a
-    DecoderLayer of an Attention (full RoPE, no q/k norm) and an MLP, none subclassed."""
-    attn = getattr(layer, "self_attn", None)
-    return (
-        type(layer) is DecoderLayer
-        and type(attn) is Attention
-        and type(layer.mlp) is MLP
-        and not attn.qk_norm
-        and attn.rotary_dim == attn.head_dim
-        and attn.head_dim % 16 == 0
-    )
+    def decode_stack_form(self) -> StackLayer | str:
+        """This layer as the C++ decode stack repeats it (decode_stack.py), or why not: the
+        forms its norms, attention and feed-forward block declare."""
+        input_norm = form_of(self.input_layernorm, "input_layernorm", StackNorm)
+        if isinstance(input_norm, str):
+            return input_norm
+        attention = form_of(self.self_attn, "self_attn", StackAttention)
+        if isinstance(attention, str):
+            return attention
+        post_norm = form_of(self.post_attention_layernorm, "post_attention_layernorm", StackNorm)
+        if isinstance(post_norm, str):
+            return post_norm
+        mlp = form_of(self.mlp, "mlp", StackMLP)
+        if isinstance(mlp, str):
+            return mlp
+        return StackLayer(input_norm, post_norm, attention, mlp)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,8 +132,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.packed_lm_head: PackedLinear | None = None
-        # the layers in one C++ call for small decode steps (decode_stack.py), once packed
+        # the layers in one C++ call for small decode steps (decode_stack.py), once packed,
+        # or why not
         self.decode_stack: DecodeStack | None = None
+        self.decode_stack_off: str | None = "not packed"
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -210,15 +226,20 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE) -> None:
         """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack), their
-        small batches as `table` says (cpu_kernel_table.py)."""
+        small batches as `table` says (cpu_kernel_table.py); the decode stack of the layers
+        when they declare one (decode_stack.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weight_dtype, table)
         self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table)
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
-        if self.tp is None and all(map(_plain_layer, self.layers)):
-            self.decode_stack = build_decode_stack(self.layers, table)
+        stack = build_decode_stack(self.layers, table)
+        self.decode_stack, self.decode_stack_off = (
+            (None, stack) if isinstance(stack, str) else (stack, None)
+        )
+        if self.decode_stack_off is not None:
+            logger.info("decode steps run the Python layers: %s", self.decode_stack_off)
 
     def use_kernel_table(self, table: KernelTable) -> None:
         """Run the packed projections' small batches, and the decode stack, as `table` says

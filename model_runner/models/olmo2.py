@@ -27,6 +27,9 @@ class Olmo2RMSNorm(RMSNorm):
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight * normed).to(x.dtype)
 
+    def decode_stack_form(self) -> str:
+        return "always the torch code (not the C++ stack's)"
+
 
 class Olmo2Attention(Attention):
     """Attention whose q and k are normed over the whole projection, then rotated.
@@ -51,6 +54,9 @@ class Olmo2Attention(Attention):
         self.k_width = num_kv_heads * head_dim
         # a KV head replicated on several ranks (fewer KV heads than ranks) counts once
         self.kv_replicas = 1 if tp is None else max(1, tp.world_size // num_kv_heads)
+
+    def decode_stack_form(self) -> str:
+        return "q and k normed over the whole projection (not in the C++ stack)"
 
     def qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: LayerOps | None

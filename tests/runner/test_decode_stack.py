@@ -2,8 +2,9 @@
 csrc/cpu_decode_stack.cpp): the same hidden states, to the bit, as the Python layers on
 the "cpu" backend, for every small-batch weight form (float32 rows, exact GGUF blocks,
 float16, rotated int8, blocks times int8), with and without biases; taken only for decode
-steps of few enough rows, and only by the plain Llama layer. The C++ stack's projection
-kinds are the kernel table's paths."""
+steps of few enough rows, and only by a layer whose parts declare the stack's form (a
+subclass that keeps the arithmetic keeps the stack; every other layer says why not). The
+C++ stack's projection kinds are the kernel table's paths."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+import model_runner.models.registry  # noqa: F401  (every family's classes, for the subclass check)
 from model_runner.config import ModelConfig
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, GEMM_ONLY, PATHS
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import can_pack
 from model_runner.loader import load_model
-from model_runner.models.decode_stack import TENSORS_PER_KIND
-from model_runner.models.layers import Linear
+from model_runner.models.decode_stack import TENSORS_PER_KIND, DecodeStack, build_decode_stack
+from model_runner.models.layers import MLP, Attention, Linear, RMSNorm
+from model_runner.models.llama import DecoderLayer
 from model_runner.runner import ModelRunner
 from tests.support.model_helpers import (
     CONFIGS,
@@ -147,16 +150,58 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
 
 
 # q/k norms (qwen3), layers without RoPE (smollm3), scaled residuals (granite), Gemma's
-# norms and soft cap: each a layer the stack does not repeat
-NOT_STACKED = {"qwen3": CONFIGS["qwen3"], "smollm3": FAMILY_CONFIGS["smollm3"],
-               "granite": FAMILY_CONFIGS["granite"], "gemma2": WINDOWED_CONFIGS["gemma2"]}
+# norms and soft cap: each a layer the stack does not repeat, and the reason it says
+NOT_STACKED = {
+    "qwen3": (CONFIGS["qwen3"], "self_attn: q/k norm"),
+    "smollm3": (FAMILY_CONFIGS["smollm3"], "layer 1: self_attn: RoPE on 0 of 16 dims"),
+    "granite": (FAMILY_CONFIGS["granite"], "residual_multiplier"),
+    "gemma2": (WINDOWED_CONFIGS["gemma2"], "GemmaDecoderLayer declares no decode-stack form"),
+}
 
 
 @pytest.mark.parametrize("config_name", sorted(NOT_STACKED))
 def test_layers_it_does_not_repeat_get_no_stack(tmp_path: Path, config_name: str) -> None:
-    make_model_folder(tmp_path, NOT_STACKED[config_name]())
+    config, reason = NOT_STACKED[config_name]
+    make_model_folder(tmp_path, config())
     model = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1)).model
     assert model.decode_stack is None
+    assert reason in model.decode_stack_off
+
+
+def test_a_subclass_that_keeps_the_arithmetic_keeps_the_stack(tmp_path: Path) -> None:
+    class TracedLayer(DecoderLayer):  # a family's layer adding nothing to the arithmetic
+        pass
+
+    make_model_folder(tmp_path, CONFIGS["smollm2"]())
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1))
+    for layer in loaded.model.layers:
+        layer.__class__ = TracedLayer
+    stack = build_decode_stack(loaded.model.layers)
+    assert isinstance(stack, DecodeStack)
+    counting = CountingStack(stack)
+    with_stack = hidden_states(loaded, counting, [5, 3], max_tokens=4)
+    without = hidden_states(loaded, None, [5, 3], max_tokens=4)
+    assert counting.calls == 3
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+@pytest.mark.parametrize(("base", "methods"), [
+    (DecoderLayer, ("forward",)), (Attention, ("forward", "qkv")), (MLP, ("forward",)),
+    (RMSNorm, ("forward",)),
+])
+def test_every_subclass_that_changes_the_arithmetic_declares_its_own_form(
+    base: type, methods: tuple[str, ...]
+) -> None:
+    # otherwise it would inherit its base's form, and the stack would run the base's
+    # arithmetic in its place
+    for cls in _subclasses(base):
+        if cls.__module__.startswith("model_runner.") and set(methods) & set(vars(cls)):
+            assert "decode_stack_form" in vars(cls), cls
 
 
 def test_the_cpp_stacks_projection_kinds_are_the_kernel_tables_paths() -> None:

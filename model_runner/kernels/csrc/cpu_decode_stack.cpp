@@ -3,8 +3,8 @@
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
 // the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
 // arithmetic is ~10 ms and its ~500 op calls from Python cost ~3 ms more; here each layer
-// costs one loop turn. model_runner/models/decode_stack.py builds it from a loaded model and
-// says when it runs.
+// costs one loop turn. model_runner/models/decode_stack.py builds it from the layers' own
+// forms and says when it runs.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
