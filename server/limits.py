@@ -34,6 +34,7 @@ class RequestLimits:
     max_tools_bytes: int = 256 * 1024
     max_grammar_bytes: int = 64 * 1024
     max_grammar_depth: int = 64
+    max_tool_arguments_depth: int = 64
     grammar_timeout_s: float = 2.0
     grammar_step_timeout_s: float = 1.0
     chat_template_timeout_s: float = 2.0
@@ -67,6 +68,8 @@ LIMIT_FLAGS: dict[str, str] = {
     "max_grammar_bytes": "bytes of a structured-output constraint (schema, regex, Lark "
     "grammar, choices) at most",
     "max_grammar_depth": "nesting depth of a JSON schema or Lark grammar at most",
+    "max_tool_arguments_depth": "nesting depth of a tool call's arguments in the messages "
+    "(or Responses input) at most",
     "grammar_timeout_s": "seconds a grammar may take to compile and compute its first mask "
     "(a 400 beyond)",
     "grammar_step_timeout_s": "seconds a step waits for the grammar masks of its requests; "

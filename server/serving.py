@@ -4,7 +4,8 @@ submitting to the engine, gathering a non-streamed result, and writing a respons
 logprobs off the event loop (server/rendering.py writes the JSON).
 
 Limits checked with the work: the prompt's tokens against the context (as it is
-tokenized), the chat template's time (server/chat_template.py), the grammar's budgets and
+tokenized), the nesting of tool calls' arguments in the messages (before the chat template
+parses them), the chat template's time (server/chat_template.py), the grammar's budgets and
 compile time, the prompt_logprobs entries and the tenant's exact token charge: each a 400
 (429 for the charge) naming the limit. The tenant's seat passes to the engine with the
 request (`submit`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +34,7 @@ from server.errors import APIError, server_error
 from server.limits import check_prompt_logprobs, over_limit
 from server.rendering import Choice, PromptLogprobsJSON
 from server.requests import ChatCompletionRequest, SamplingRequest
-from server.structured_output import Constraint, GrammarError, request_grammar
+from server.structured_output import Constraint, GrammarError, json_depth, request_grammar
 from server.tenants import TenantRefused
 from structured.compiler import GrammarCompiler
 
@@ -126,6 +128,7 @@ class Serving(Admission):
     ) -> list[int]:
         """The messages (and tools) through the chat template (server/chat_template.py), as
         tokens; on the tokenizer thread. A 400 also when the text is surely too long."""
+        check_tool_arguments(body, self.config.limits.max_tool_arguments_depth)
         text = apply_chat_template(self.pool_tokenizer, body, self.config, add_generation_prompt)
         self.check_prompt_chars(text, "rendered chat", "messages")
         return self.encode(text, add_special_tokens=False)
@@ -216,6 +219,36 @@ class Serving(Admission):
             raise APIError(504, "The request's deadline passed before it was computed.",
                            type="timeout_error", code="deadline_exceeded")
         return choices
+
+
+def check_tool_arguments(body: ChatCompletionRequest, limit: int) -> None:
+    """A 400 naming --max-tool-arguments-depth when a tool call's arguments in the messages
+    (JSON text, or a JSON value) nest deeper than `limit`: measured without recursion,
+    before the chat template parses and renders them (whose recursion would fail)."""
+    for message in body.messages:
+        calls = (message.model_extra or {}).get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            if _arguments_depth(function.get("arguments"), limit) <= limit:
+                continue
+            raise APIError(400, over_limit(
+                f"the arguments of tool call {str(call.get('id', ''))[:64]!r} nest deeper "
+                f"than {limit} levels", limit, "max_tool_arguments_depth"), param="messages")
+
+
+def _arguments_depth(arguments: Any, limit: int) -> int:
+    """How deep `arguments` (JSON text, else a parsed value) nest; over `limit` when too
+    deep to parse."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except RecursionError:
+            return limit + 1
+        except ValueError:
+            return 0  # no JSON: the template takes it as text
+    return json_depth(arguments, limit)
 
 
 async def _wait_for_disconnect(raw: Request) -> None:

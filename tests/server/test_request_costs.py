@@ -1,18 +1,28 @@
-"""What a request costs the API process before and after its tenant's seat: /tokenize and
-/detokenize take a seat and count their tokens in the tenant's window, a prompt refused
-after tokenizing is charged the tokens it cost, tool-call arguments nest within
---max-tool-arguments-depth, the Responses input is translated in linear time, and the echo
-of a prompt that never ran is not scored token by token. On the scripted engine (a byte
-tokenizer): no model needed."""
+"""What a request costs the API process, and who pays: /tokenize and /detokenize take a
+seat of the tenant and count their tokens in its window, a prompt refused after tokenizing
+is charged the tokens it cost, tool-call arguments nest within
+--max-tool-arguments-depth (a 400 naming it, never a 500), the Responses input is
+translated in one pass, and the echo of a prompt that never ran is not scored token by
+token. On the scripted engine (a byte tokenizer): no model needed."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.config import ServerConfig
+from server.limits import RequestLimits
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
+from tests.support.reliability_helpers import assert_openai_error
 
 RATE_KEY = "rate-key"
+USER = {"role": "user", "content": "hi"}
 
 
-def rate_registry(tokens_per_minute: int = 100, max_in_flight: int | None = None
+def rate_registry(tokens_per_minute: int | None = 100, max_in_flight: int | None = None
                   ) -> TenantRegistry:
     spec = TenantSpec(name="t", api_key_env=["T_KEY"], tokens_per_minute=tokens_per_minute,
                       max_in_flight=max_in_flight)
@@ -32,3 +42,65 @@ def test_spent_tokens_count_past_the_rate_and_expire_with_the_window() -> None:
     else:
         raise AssertionError("a window holding 250 of 100 tokens admitted a request")
     tenant.admit(100, now=60.0).release()  # expired with the window
+
+
+# ------------------------------------------------------------------ tool-call arguments
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def assistant_call(arguments: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+def chat_body(arguments: Any) -> dict[str, Any]:
+    return {"messages": [USER, assistant_call(arguments)], "max_tokens": 2}
+
+
+def responses_body(arguments: str) -> dict[str, Any]:
+    return {"input": [{"role": "user", "content": "hi"}, {
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}],
+        "max_output_tokens": 2}
+
+
+def tokenize_body(arguments: Any) -> dict[str, Any]:
+    return {"messages": [USER, assistant_call(arguments)]}
+
+
+ARGUMENT_ROUTES = [("/v1/chat/completions", chat_body), ("/v1/responses", responses_body),
+                   ("/tokenize", tokenize_body)]
+
+
+@pytest.fixture
+def client(make_fake_engine, open_client) -> TestClient:
+    return open_client(make_fake_engine(start=False),
+                       ServerConfig(limits=RequestLimits(max_tool_arguments_depth=8)))
+
+
+@pytest.mark.parametrize(("path", "body_of"), ARGUMENT_ROUTES)
+def test_tool_call_arguments_nest_within_their_limit(client, path, body_of) -> None:
+    assert client.post(path, json=body_of(nested(8))).status_code == 200
+    assert client.post(path, json=body_of('{"a": ' * 7 + "1" + "}" * 7)).status_code == 200
+    assert client.post(path, json=body_of("not JSON: [[[[[[[[[")).status_code == 200
+    for arguments in (nested(9), '{"a": ' * 9 + "1" + "}" * 9, nested(5000)):
+        error = assert_openai_error(client.post(path, json=body_of(arguments)), 400,
+                                    "'c1'", "nest deeper than 8 levels",
+                                    "--max-tool-arguments-depth")
+        assert error["param"] == "messages"
+
+
+def test_tool_call_arguments_given_as_a_json_value_nest_within_it_too(client) -> None:
+    assert client.post("/v1/chat/completions",
+                       json=chat_body(json.loads(nested(8)))).status_code == 200
+    assert_openai_error(client.post("/v1/chat/completions", json=chat_body(
+        json.loads(nested(9)))), 400, "--max-tool-arguments-depth")
+
+
+def test_the_default_nesting_limit_is_64(make_fake_engine, open_client) -> None:
+    client = open_client(make_fake_engine(start=False), ServerConfig())
+    assert client.post("/v1/chat/completions", json=chat_body(nested(64))).status_code == 200
+    assert_openai_error(client.post("/v1/chat/completions", json=chat_body(nested(65))), 400,
+                        "the limit is 64 (set by --max-tool-arguments-depth)")
