@@ -267,41 +267,66 @@ def _response_format(text_format: TextFormat) -> dict[str, Any]:
 def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """`instructions` as the system message, then the input items as chat messages: an
     assistant's reasoning, text and function calls in a row are one assistant message (its
-    `reasoning_content`, `content` and `tool_calls`), a call's output a `tool` message."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
+    `reasoning_content`, `content` and `tool_calls`), a call's output a `tool` message.
+
+    NOTE: linear in the input: each answer's texts are gathered and joined once (adding
+    them one by one copied the answer so far per item, quadratic in its length)."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return [*system, {"role": "user", "content": body.input}]
+    messages: list[dict[str, Any] | _Answer] = [*system]
+    answer: _Answer | None = None
     for item in body.input:
         if isinstance(item, MessageItem) and item.role != "assistant":
+            answer = None
             messages.append({"role": item.role, "content": _text_of(item.content)})
         elif isinstance(item, FunctionCallOutputItem):
+            answer = None
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _text_of(item.output)})
         else:
-            _add_to_answer(messages, item)
-    return messages
+            if answer is None or not answer.continues_with(item):
+                answer = _Answer()
+                messages.append(answer)
+            answer.add(item)
+    return [m.message() if isinstance(m, _Answer) else m for m in messages]
 
 
-def _add_to_answer(
-    messages: list[dict[str, Any]], item: MessageItem | FunctionCallItem | ReasoningItem
-) -> None:
-    """`item` (a part of an earlier answer) into the assistant message it continues, or a
-    new one."""
-    last = messages[-1] if messages else None
-    if last is None or last["role"] != "assistant" or (
-        # NOTE: an answer's parts come in the order reasoning, text, calls
-        isinstance(item, ReasoningItem) and (last.get("content") or "tool_calls" in last)
-    ) or (isinstance(item, MessageItem) and "tool_calls" in last):
-        last = {"role": "assistant", "content": ""}
-        messages.append(last)
-    if isinstance(item, ReasoningItem):
-        last["reasoning_content"] = last.get("reasoning_content", "") + item.text
-    elif isinstance(item, MessageItem):
-        last["content"] += _text_of(item.content)
-    else:
-        last.setdefault("tool_calls", []).append({
-            "id": item.call_id, "type": "function",
-            "function": {"name": item.name, "arguments": item.arguments},
-        })
+class _Answer:
+    """An earlier answer's parts in a row (reasoning, text, calls), as one assistant
+    message once all are in."""
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] | None = None
+        self.content: list[str] = []
+        self.has_content = False
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def continues_with(self, item: MessageItem | FunctionCallItem | ReasoningItem) -> bool:
+        """Whether `item` belongs to this answer: an answer's parts come in the order
+        reasoning, text, calls."""
+        if isinstance(item, ReasoningItem):
+            return not (self.has_content or self.tool_calls)
+        return not (isinstance(item, MessageItem) and self.tool_calls)
+
+    def add(self, item: MessageItem | FunctionCallItem | ReasoningItem) -> None:
+        if isinstance(item, ReasoningItem):
+            self.reasoning = [] if self.reasoning is None else self.reasoning
+            self.reasoning.append(item.text)
+        elif isinstance(item, MessageItem):
+            text = _text_of(item.content)
+            self.content.append(text)
+            self.has_content = self.has_content or bool(text)
+        else:
+            self.tool_calls.append({
+                "id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            })
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning is not None:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message

@@ -8,6 +8,7 @@ token. On the scripted engine (a byte tokenizer): no model needed."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from server.config import ServerConfig
 from server.limits import RequestLimits
+from server.responses_request import ResponsesRequest, chat_messages
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
 from tests.support.reliability_helpers import assert_openai_error
 
@@ -104,3 +106,38 @@ def test_the_default_nesting_limit_is_64(make_fake_engine, open_client) -> None:
     assert client.post("/v1/chat/completions", json=chat_body(nested(64))).status_code == 200
     assert_openai_error(client.post("/v1/chat/completions", json=chat_body(nested(65))), 400,
                         "the limit is 64 (set by --max-tool-arguments-depth)")
+
+
+# ------------------------------------------------------------------ Responses input
+
+
+def test_consecutive_answer_items_are_one_message_joined_once() -> None:
+    items: list[dict[str, Any]] = [{"role": "assistant", "content": "ab"}] * 3
+    items += [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]}]
+    items += [{"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}]
+    items += [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
+              for i in range(2)]
+    items += [{"role": "assistant", "content": "d"}, {"role": "assistant", "content": "e"}]
+    body = ResponsesRequest.model_validate({"input": items})
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+             for i in range(2)]
+    assert chat_messages(body) == [  # reasoning after text, text after calls: a new answer
+        {"role": "assistant", "content": "ababab"},
+        {"role": "assistant", "content": "c", "reasoning_content": "r", "tool_calls": calls},
+        {"role": "assistant", "content": "de"},
+    ]
+
+
+# NOTE: timing: joined once, 8 MB of answer take ~10 ms; added text by text they took
+# 0.7-3 s (each item copied the answer so far)
+@pytest.mark.timing
+def test_the_responses_input_translates_in_one_pass() -> None:
+    body = ResponsesRequest.model_validate(
+        {"input": [{"role": "assistant", "content": "a" * 4000}] * 2048})
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        messages = chat_messages(body)
+        best = min(best, time.perf_counter() - started)
+    assert messages == [{"role": "assistant", "content": "a" * 8_192_000}]
+    assert best < 0.25, best
