@@ -12,7 +12,8 @@ integer size, the request models' bounds, the request budgets (server/limits.py)
 prompt's characters (checked before tokenizing, so that a huge prompt costs no tokenizer
 time) and tokens against the context, prompt plus max_tokens against the context: each
 is a 400 naming the limit. The tenant's seat is taken before any work and released on
-every path (`handle`).
+every path (`handle`); a request refused after its prompt was tokenized is charged the
+tokens that cost. /tokenize and /detokenize take a seat too (`take_seat`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Admitted:
     tenant: Tenant
     seat: Seat
     submitted: bool = False
+    num_tokenized: int = 0  # prompt tokens made so far: charged if it is refused after
 
 
 class Admission:
@@ -97,12 +99,15 @@ class Admission:
     async def handle(self, raw: Request, route: Callable[[Request], Awaitable[Response]]
                      ) -> Response:
         """`route(raw)`, a generation route; the tenant's seat its `parse` took is released
-        here unless the engine took the request (whose end releases it)."""
+        here unless the engine took the request (whose end releases it). A request refused
+        after its prompt was tokenized is charged the tokens that cost (`Seat.spend`), so
+        that no refusal can be repeated for free."""
         try:
             return await route(raw)
         finally:
             admitted: Admitted | None = getattr(raw.state, "admitted", None)
             if admitted is not None and not admitted.submitted:
+                admitted.seat.spend(admitted.num_tokenized)
                 admitted.seat.release()
 
     async def parse(
@@ -121,6 +126,16 @@ class Admission:
         admitted = self._place(raw.state.tenant, request, arrival)
         raw.state.admitted = admitted  # for `handle`, which releases its seat
         return admitted
+
+    def take_seat(self, raw: Request, num_tokens: int) -> Seat:
+        """A seat of the request's tenant for work that generates nothing (/tokenize,
+        /detokenize), taken before the work: a 429 when none is free or its token window
+        has no room for `num_tokens`. The caller releases it."""
+        tenant: Tenant = raw.state.tenant
+        try:
+            return tenant.admit(num_tokens)
+        except TenantRefused as exc:
+            raise self._refused(tenant, exc) from exc
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or a name this server serves."""

@@ -15,6 +15,7 @@ from orjson import Fragment
 from engine.outputs import RequestOutput, RequestStream
 from scheduler.output import SampleLogprobs
 from scheduler.sampling_params import SamplingParams
+from server.admission import Admitted
 from server.chat_output import (
     ChatOutputParser,
     chat_output_parser,
@@ -59,7 +60,7 @@ class ChatCompletions:
         serving = self.serving
         arrival = time.monotonic()
         body, admitted = await serving.parse(raw, ChatCompletionRequest, arrival)
-        prompt, params, tool_parser = await self.prepare(body)
+        prompt, params, tool_parser = await self.prepare(body, admitted)
         request_id = random_id("chatcmpl")
         stream = serving.submit(request_id, [prompt], params, body, admitted, arrival)
         if body.stream:
@@ -84,7 +85,7 @@ class ChatCompletions:
         return json_response(await serving.render(params, render))
 
     async def prepare(
-        self, body: ChatCompletionRequest
+        self, body: ChatCompletionRequest, admitted: Admitted
     ) -> tuple[list[int], SamplingParams, ToolParser | None]:
         """An admitted request's prompt (through the chat template, checked against the
         context), sampling parameters (with the output grammar) and tool parser: the work
@@ -92,6 +93,7 @@ class ChatCompletions:
         serving = self.serving
         tool_parser = self._tool_parser(body)
         prompt = await serving.in_pool(serving.render_chat, body)
+        admitted.num_tokenized += len(prompt)
         serving.check_prompt(prompt, body.requested_max_tokens or 0)
         max_tokens = body.requested_max_tokens or serving.engine.info.max_model_len - len(prompt)
         grammar = await serving.grammar(body, lambda: forced_tool_grammar(body, tool_parser))

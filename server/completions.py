@@ -66,6 +66,7 @@ class Completions:
             for text in texts:  # one by one: the first prompt over a limit ends the work
                 serving.check_prompt_chars(text, "prompt", "prompt")
                 prompts.append(await serving.in_pool(serving.encode, text, True))
+                admitted.num_tokenized += len(prompts[-1])
                 serving.check_prompt(prompts[-1], max_tokens)
         else:
             prompts = [list(p) for p in body.prompts]

@@ -48,7 +48,7 @@ class Responses:
         check_supported(request)
         body = chat_request(request)
         admitted = serving.admit(raw, body, arrival)
-        prompt, params, tool_parser = await self.chat.prepare(body)
+        prompt, params, tool_parser = await self.chat.prepare(body, admitted)
         head = response_head(request, item_id("resp"), serving.model_name)
         stream = serving.submit(head.id, [prompt], params, body, admitted, arrival)
         parser = self.chat.output_parser(body, tool_parser)

@@ -1,7 +1,8 @@
 """The small routes clients use for budgets and checks, and the X-Request-Id header.
 
 POST /tokenize (a prompt, or chat messages rendered with the template) and POST
-/detokenize answer in vLLM's shapes; GET /version gives the package version.
+/detokenize answer in vLLM's shapes, each in a seat of the tenant, its tokens counted in
+the tenant's token window as a prompt's are; GET /version gives the package version.
 `RequestIdMiddleware` returns the client's `X-Request-Id` (or a new one) on every
 response and logs it with the route, so a client's id can be found in the server log.
 """
@@ -72,13 +73,14 @@ def install_utility_routes(app: FastAPI, api: Serving) -> None:
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of prompt and messages.", param="prompt")
-        if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
-                                         chat_template_kwargs=body.chat_template_kwargs)
-            tokens = await api.in_pool(api.render_chat, chat, body.add_generation_prompt)
-        else:
-            api.check_prompt_chars(body.prompt or "", "prompt", "prompt")
-            tokens = await api.in_pool(api.encode, body.prompt, body.add_special_tokens)
+        # NOTE: the tenant's seat before the work, and the tokens counted once known (the
+        # work is done: never refused after it), as for a prompt
+        seat = api.take_seat(raw, 1)
+        try:
+            tokens = await _tokenize(api, body)
+            seat.spend(len(tokens))
+        finally:
+            seat.release()
         return TokenizeResponse(count=len(tokens), max_model_len=api.engine.info.max_model_len,
                                 tokens=tokens)
 
@@ -91,12 +93,28 @@ def install_utility_routes(app: FastAPI, api: Serving) -> None:
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of range: the vocabulary has "
                            f"{vocab_size} tokens.", param="tokens")
-        texts = await api.in_pool(api.decode_all, [body.tokens])
+        seat = api.take_seat(raw, len(body.tokens))
+        try:
+            seat.spend(len(body.tokens))
+            texts = await api.in_pool(api.decode_all, [body.tokens])
+        finally:
+            seat.release()
         return DetokenizeResponse(prompt=texts[0])
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": importlib.metadata.version("pagedserve")}
+
+
+async def _tokenize(api: Serving, body: TokenizeRequest) -> list[int]:
+    """The prompt's tokens, or the messages' through the chat template, on the tokenizer
+    thread."""
+    if body.messages is not None:
+        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                     chat_template_kwargs=body.chat_template_kwargs)
+        return await api.in_pool(api.render_chat, chat, body.add_generation_prompt)
+    api.check_prompt_chars(body.prompt or "", "prompt", "prompt")
+    return await api.in_pool(api.encode, body.prompt, body.add_special_tokens)
 
 
 class RequestIdMiddleware:

@@ -203,8 +203,8 @@ def test_a_full_token_window_is_refused_before_any_tokenizing(tenant_client, rou
 
 def test_the_seat_comes_back_on_every_failure_after_it_was_taken(tenant_client) -> None:
     client, tenant, calls = tenant_client
-    failures = [
-        ("completions", {"prompt": "x" * 128}, 400, "maximum context length"),
+    failures = [  # NOTE: each refused after tokenizing is charged its tokens (30, then 60)
+        ("completions", {"prompt": "x" * 30, "max_tokens": 100}, 400, "maximum context length"),
         ("chat", {"messages": [USER], "chat_template_kwargs": {"chat_template": "x"}},
          400, "--trust-request-chat-template"),
         ("completions", {"prompt": "x" * 60, "max_tokens": 50}, 429, "100 tokens per minute"),

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from server.app import build_app
 from server.config import ServerConfig
 from server.limits import RequestLimits
 from server.responses_request import ResponsesRequest, chat_messages
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
+from tests.conftest import ByteTokenizer
 from tests.support.reliability_helpers import assert_openai_error
 
 RATE_KEY = "rate-key"
@@ -44,6 +46,124 @@ def test_spent_tokens_count_past_the_rate_and_expire_with_the_window() -> None:
     else:
         raise AssertionError("a window holding 250 of 100 tokens admitted a request")
     tenant.admit(100, now=60.0).release()  # expired with the window
+
+
+# ------------------------------------------------------------------ seats and charges
+
+
+class CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer, counting its work in `calls` (shared by its copies)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def __deepcopy__(self, memo: dict) -> CountingTokenizer:
+        return CountingTokenizer(self.calls)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append("encode")
+        return super().encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.calls.append("decode")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+@pytest.fixture
+def tenant_client(make_fake_engine):
+    """A client of one tenant: 1 seat, 100 tokens a minute (the engine's context: 128)."""
+    calls: list[str] = []
+    engine = make_fake_engine(start=False)
+    engine.info.tokenizer = CountingTokenizer(calls)
+    spec = TenantSpec.model_construct(name="default", api_key_sha256=[], max_in_flight=1,
+                                      tokens_per_minute=100, admin=True)
+    tenants = TenantRegistry([spec], keys_required=False)
+    with TestClient(build_app(engine, ServerConfig(), tenants)) as client:
+        yield client, tenants.identify(None), calls
+
+
+UTILITY = [("/tokenize", {"prompt": "x" * 10}), ("/tokenize", {"messages": [USER]}),
+           ("/detokenize", {"tokens": [120] * 10})]
+
+
+@pytest.mark.parametrize(("path", "body"), UTILITY)
+def test_tokenize_and_detokenize_wait_for_a_seat_before_any_work(tenant_client, path,
+                                                                 body) -> None:
+    client, tenant, calls = tenant_client
+    seat = tenant.admit(1)  # a request in flight: the tenant's one seat
+    error = assert_openai_error(client.post(path, json=body), 429, "1 requests in flight")
+    assert error["code"] == "too_many_requests_in_flight"
+    assert calls == [] and tenant.in_flight == 1
+    seat.release()
+    assert client.post(path, json=body).status_code == 200
+    assert calls and tenant.in_flight == 0
+
+
+def test_tokenize_counts_its_tokens_in_the_window(tenant_client) -> None:
+    client, tenant, calls = tenant_client
+    assert client.post("/tokenize", json={"prompt": "x" * 90}).json()["count"] == 90
+    # 90 counted: a request asking for 10 more fits the 100, one asking for 11 does not
+    assert_openai_error(client.post("/v1/completions", json={
+        "prompt": [120] * 6, "max_tokens": 5}), 429, "100 tokens per minute")
+    assert client.post("/v1/completions", json={"prompt": [120] * 5, "max_tokens": 5}
+                       ).status_code == 200
+    calls.clear()
+    assert_openai_error(client.post("/tokenize", json={"prompt": "x"}), 429,
+                        "100 tokens per minute")
+    assert calls == [] and tenant.in_flight == 0
+
+
+def test_tokenize_past_the_window_is_served_and_counted_whole(tenant_client) -> None:
+    client, _, calls = tenant_client
+    assert client.post("/tokenize", json={"prompt": "x" * 120}).json()["count"] == 120
+    calls.clear()  # the work was done: served, then the window refuses what follows
+    assert_openai_error(client.post("/tokenize", json={"prompt": "x"}), 429,
+                        "100 tokens per minute")
+    assert calls == []
+
+
+def test_detokenize_is_charged_its_tokens_before_decoding(tenant_client) -> None:
+    client, tenant, calls = tenant_client
+    assert_openai_error(client.post("/detokenize", json={"tokens": [120] * 101}), 429,
+                        "Request too large", "100 tokens per minute")
+    assert calls == []
+    assert client.post("/detokenize", json={"tokens": [120] * 100}).json() == {
+        "prompt": "x" * 100}
+    assert_openai_error(client.post("/detokenize", json={"tokens": [120]}), 429,
+                        "100 tokens per minute")
+    assert calls == ["decode"] and tenant.in_flight == 0
+
+
+TOO_LONG = [  # each 90 tokens once tokenized, over the context (128) with max_tokens 50
+    ("/v1/completions", {"prompt": "x" * 90, "max_tokens": 50}),
+    ("/v1/completions", {"prompt": ["y", "x" * 89], "max_tokens": 50}),  # 1 + 89
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 72}],
+                              "max_tokens": 50}),  # "<user>...\n<assistant>": 90
+    ("/v1/responses", {"input": "x" * 72, "max_output_tokens": 50}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), TOO_LONG)
+def test_a_prompt_refused_as_too_long_is_charged_the_tokens_it_cost(tenant_client, path,
+                                                                    body) -> None:
+    client, tenant, calls = tenant_client
+    assert_openai_error(client.post(path, json=body), 400, "maximum context length")
+    assert tenant.in_flight == 0
+    calls.clear()
+    # 90 counted: 11 tokens more are refused before any work, 10 fit
+    assert_openai_error(client.post("/v1/completions", json={
+        "prompt": [120] * 6, "max_tokens": 5}), 429, "100 tokens per minute")
+    assert client.post("/v1/completions", json={"prompt": [120] * 5, "max_tokens": 5}
+                       ).status_code == 200
+    assert calls == []
+
+
+def test_a_prompt_over_the_whole_rate_once_tokenized_is_charged_too(tenant_client) -> None:
+    client, _, _ = tenant_client
+    response = client.post("/v1/completions", json={"prompt": "x" * 95, "max_tokens": 10})
+    assert_openai_error(response, 429, "Request too large")  # 105 > 100 once tokenized
+    assert_openai_error(client.post("/v1/completions", json={
+        "prompt": [120], "max_tokens": 5}), 429, "100 tokens per minute")
 
 
 # ------------------------------------------------------------------ tool-call arguments
