@@ -61,7 +61,8 @@ class TenantAuthMiddleware:
     """Who is asking: the tenant of `Authorization: Bearer <key>` goes into the request's
     state (`request.state.tenant`); 401 for every path but /health and /metrics without
     a known key when keys are required (server/tenants.py). /metrics stays open (what
-    Prometheus expects) unless `metrics_key` is given: then it takes that key alone.
+    Prometheus expects) unless `metrics_key` is given: then it takes that key alone. Where
+    a key is read, two Authorization headers are a 400, whatever they hold.
 
     A key is looked up by its sha256, never compared or logged as it is.
     """
@@ -78,9 +79,18 @@ class TenantAuthMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if path == "/metrics" and self._metrics_digest is not None:
+        digest = self._metrics_digest
+        reads_key = path not in OPEN_PATHS or (path == "/metrics" and digest is not None)
+        if reads_key and _num_authorization_headers(scope) > 1:
+            # NOTE: a proxy in front may check the first one, while a lookup reads the last
+            error = APIError(400, "The request has more than one Authorization header; send "
+                             "one: 'Authorization: Bearer <key>'.", param="Authorization",
+                             code="duplicate_authorization_header")
+            await error.response()(scope, receive, send)
+            return
+        if path == "/metrics" and digest is not None:
             given = hashlib.sha256(_bearer_token(scope) or b"").digest()
-            if not hmac.compare_digest(given, self._metrics_digest):
+            if not hmac.compare_digest(given, digest):
                 await _unauthorized("Invalid or missing metrics key: send 'Authorization: "
                                     "Bearer <key>' with the key of --metrics-api-key.",
                                     scope, receive, send)
@@ -99,6 +109,10 @@ async def _unauthorized(message: str, scope: Scope, receive: Receive, send: Send
     error = APIError(401, message, code="invalid_api_key",
                      headers={"WWW-Authenticate": "Bearer"})
     await error.response()(scope, receive, send)
+
+
+def _num_authorization_headers(scope: Scope) -> int:
+    return sum(1 for name, _ in scope["headers"] if name.lower() == b"authorization")
 
 
 def _bearer_token(scope: Scope) -> bytes | None:

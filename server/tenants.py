@@ -10,8 +10,8 @@ in flight keep running, and a tenant's counters carry over by name.
 
 Each tenant's prefix cache is its own: its requests are salted with its name, so that
 `cached_tokens` cannot tell one tenant what another sent. `share_cache: true` shares the
-unsalted cache (with every tenant that says so), and `cache_salt: S` shares the cache of
-the tenants with the same salt.
+unsalted cache (with every tenant that says so), and `cache_salt: S` names the tenant's own
+cache S instead: the file is refused when S is another tenant's name or salt.
 
 `--api-key K` is the one-tenant shorthand (tenant "default", no limits); with neither,
 every request is the open tenant "default" and no key is asked for.
@@ -91,6 +91,9 @@ class TenantSpec(BaseModel):
             raise ValueError("a tenant needs api_key_sha256 or api_key_env")
         if self.share_cache and self.cache_salt is not None:
             raise ValueError("share_cache and cache_salt: a tenant's cache is one or the other")
+        if self.cache_salt is not None and "\x00" in self.cache_salt:
+            # NOTE: admission joins the tenant's salt and a request's own with a NUL
+            raise ValueError("cache_salt: a NUL character is not allowed")
         if self.max_priority is not None and self.default_priority < self.max_priority:
             raise ValueError(
                 f"default_priority {self.default_priority} is more urgent than max_priority "
@@ -110,6 +113,26 @@ class TenantsFile(BaseModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"tenant names must be unique: {', '.join(duplicates)}")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _private_caches(self) -> TenantsFile:
+        """No `cache_salt` that is another tenant's name (the salt of its private cache) or
+        another tenant's salt: the two would share one prefix cache, and its cached_tokens
+        would tell each what the other sent. The shared cache is `share_cache: true`."""
+        owners = {spec.name: (spec.name, "the name") for spec in self.tenants}
+        for spec in self.tenants:
+            salt = spec.cache_salt
+            if salt is None:
+                continue
+            owner, what = owners.setdefault(salt, (spec.name, "the cache_salt"))
+            if owner != spec.name:
+                raise ValueError(
+                    f"tenant {spec.name!r}: its cache_salt {salt!r} is {what} of tenant "
+                    f"{owner!r}, so tenants {owner!r} and {spec.name!r} could share one "
+                    "prefix cache; give each its own salt (share_cache: true puts a tenant "
+                    "in the one shared cache)"
+                )
         return self
 
 

@@ -379,6 +379,51 @@ def test_cache_salts_from_the_file_and_the_single_tenant(tenants_file) -> None:
         tenants.reload(tenants_file)
 
 
+def test_a_cache_salt_that_is_another_tenants_name_or_salt_is_refused(tenants_file) -> None:
+    """Two tenants never share a private prefix cache through the file: a cache_salt that
+    is another tenant's name (its private cache's salt) or another tenant's salt is refused,
+    naming both; one's own name, or a salt nobody else has, is fine."""
+    tenants = TenantRegistry.from_file(tenants_file)
+    for salt, other in (("delta", "the name of tenant 'delta'"),
+                        ("alpha", "the name of tenant 'alpha'")):
+        tenants_file.write_text(TENANTS_YAML.replace("cache_salt: gamma", f"cache_salt: {salt}"))
+        with pytest.raises(TenantsFileError, match=f"tenant 'gamma': its cache_salt '{salt}' "
+                           f"is {other}") as raised:
+            tenants.reload(tenants_file)
+        assert "tenants '" in str(raised.value) and "'gamma'" in str(raised.value)
+    assert tenants.identify(KEY_C.encode()).cache_salt == "gamma"  # the old file stays
+    tenants_file.write_text(TENANTS_YAML.replace("cache_salt: gamma", "cache_salt: ours")
+                            .replace("    weight: 1\n", "    weight: 1\n    cache_salt: ours\n"))
+    with pytest.raises(TenantsFileError, match="tenant 'gamma': its cache_salt 'ours' is the "
+                       "cache_salt of tenant 'beta'.*tenants 'beta' and 'gamma'"):
+        load_tenants_file(tenants_file)
+    tenants_file.write_text(TENANTS_YAML.replace("cache_salt: gamma", "cache_salt: g\\0x"))
+    load_tenants_file(tenants_file)  # a backslash is a character like another
+    tenants_file.write_text(TENANTS_YAML.replace("cache_salt: gamma", 'cache_salt: "g\\0x"'))
+    with pytest.raises(TenantsFileError, match="NUL"):
+        load_tenants_file(tenants_file)
+    tenants_file.write_text(TENANTS_YAML.replace("    weight: 1\n",
+                                                 "    weight: 1\n    cache_salt: beta\n"))
+    assert TenantRegistry.from_file(tenants_file).identify(KEY_B.encode()).cache_salt == "beta"
+
+
+def test_two_authorization_headers_are_a_400(serve) -> None:
+    """A proxy that checks the first Authorization header and a server that reads the last
+    would disagree on who is asking: two are a 400 in OpenAI's shape, whichever is valid;
+    the open /health is not affected."""
+    server = serve()
+    for first, second in ((KEY_A, "not-a-key"), ("not-a-key", KEY_A), (KEY_A, KEY_A)):
+        headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+        response = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=30,
+                              json={"prompt": "hi", "max_tokens": 1})
+        error = assert_openai_error(response, 400, "more than one Authorization header")
+        assert error["code"] == "duplicate_authorization_header"
+    headers = [("Authorization", f"Bearer {KEY_A}"), ("authorization", f"Bearer {KEY_A}")]
+    assert_openai_error(httpx.get(f"{server.url}/v1/models", headers=headers), 400)
+    assert httpx.get(f"{server.url}/health", headers=headers).status_code == 200
+    assert post(server, KEY_A).status_code == 200
+
+
 def test_a_tenants_file_that_is_not_utf8_is_one_clear_line(tenants_file, caplog) -> None:
     """At start: exit 1 before anything loads; on SIGHUP: the old tenants stay. Either
     way one error line naming the file, no traceback."""
