@@ -206,16 +206,19 @@ class Completions:
         prompt_logprobs: PromptLogprobs | None,
         num_top: int,
         generated: CompletionLogprobs | None,
-    ) -> CompletionLogprobs:
-        """The echoed prompt's logprobs (offsets from 0), then `generated`. Its
-        first token has none, nor has any token when the prompt logprobs did not come (the
-        request ended before its prompt was computed)."""
+    ) -> CompletionLogprobs | None:
+        """The echoed prompt's logprobs (offsets from 0; its first token has none), then
+        `generated`. When the prompt logprobs did not come (the request ended before its
+        prompt was computed: its deadline, an abort) the prompt has no entries at all:
+        only `generated` (NOTE: not a null per prompt token, each token's text written on
+        the event loop, for a prompt that never ran)."""
+        if prompt_logprobs is None:
+            return generated
         samples: list[SampleLogprobs | None] = [None] * len(prompt)
-        if prompt_logprobs is not None:
-            for i, (logprob, top) in enumerate(
-                zip(prompt_logprobs.logprobs, prompt_logprobs.top, strict=True)
-            ):
-                samples[prompt_logprobs.start + i] = SampleLogprobs(logprob, top[:num_top])
+        for i, (logprob, top) in enumerate(
+            zip(prompt_logprobs.logprobs, prompt_logprobs.top, strict=True)
+        ):
+            samples[prompt_logprobs.start + i] = SampleLogprobs(logprob, top[:num_top])
         result = self._logprobs(prompt, samples, 0)
         if generated is not None:
             result.tokens += generated.tokens

@@ -8,19 +8,25 @@ token. On the scripted engine (a byte tokenizer): no model needed."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from server.app import build_app
+from server.completions import Completions
 from server.config import ServerConfig
 from server.limits import RequestLimits
+from server.rendering import Choice
+from server.requests import CompletionRequest
 from server.responses_request import ResponsesRequest, chat_messages
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
 from tests.conftest import ByteTokenizer
-from tests.support.reliability_helpers import assert_openai_error
+from tests.support.engine_helpers import step_faults
+from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
 
 RATE_KEY = "rate-key"
 USER = {"role": "user", "content": "hi"}
@@ -261,3 +267,72 @@ def test_the_responses_input_translates_in_one_pass() -> None:
         best = min(best, time.perf_counter() - started)
     assert messages == [{"role": "assistant", "content": "a" * 8_192_000}]
     assert best < 0.25, best
+
+
+# ------------------------------------------------------------------ echo of a prompt never run
+
+
+class CountingServing:
+    """What `Completions` reads of the serving: token texts, counted."""
+
+    def __init__(self) -> None:
+        self.num_token_texts = 0
+
+    def token_text(self, token_id: int) -> str:
+        self.num_token_texts += 1
+        return chr(token_id)
+
+
+def test_the_echo_of_a_prompt_that_never_ran_writes_no_entry_per_token() -> None:
+    serving = CountingServing()
+    route = Completions(serving)  # type: ignore[arg-type]
+    body = CompletionRequest.model_validate({"prompt": [[65] * 8000] * 2, "echo": True,
+                                             "logprobs": 0, "max_tokens": 1})
+    never_ran = Choice(finish_reason="deadline")
+    choice = route._choice(0, never_ran, body, [65] * 8000, ["A" * 8000, "A" * 8000])
+    assert choice.text == "A" * 8000 and choice.finish_reason == "deadline"
+    assert choice.logprobs is not None and choice.logprobs.tokens == []
+    assert route._echo_logprobs([65] * 8000, None, 0, None) is None
+    assert serving.num_token_texts == 0
+
+
+def test_a_streamed_echo_whose_deadline_passed_before_its_prompt_ran(make_fake_engine,
+                                                                      live_servers) -> None:
+    engine = make_fake_engine(start=False)
+    server = live_servers(engine)
+    held, go_on = threading.Event(), threading.Event()
+
+    def hold(plan: object) -> None:  # the core, stopped in the blocker's first step
+        held.set()
+        assert go_on.wait(10)
+
+    step_faults(engine).on_launch = hold
+    blocker = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                               kwargs={"json": {"prompt": "hi", "max_tokens": 2},
+                                       "timeout": 30})
+    blocker.start()
+    assert held.wait(10)
+    step_faults(engine).on_launch = None
+    answer: list[httpx.Response] = []
+    body = {"prompt": [[65] * 40] * 3, "echo": True, "logprobs": 0, "max_tokens": 1,
+            "stream": True, "deadline_ms": 1}
+    echo = threading.Thread(target=lambda: answer.append(httpx.post(
+        f"{server.url}/v1/completions", json=body, timeout=30)))
+    echo.start()
+    deadline = time.monotonic() + 10
+    while engine.num_waiting == 0:  # submitted: its 1 ms passed before the core is back
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.01)
+    go_on.set()
+    echo.join(30)
+    blocker.join(30)
+    events = assert_sse_body(answer[0].text)
+    firsts = {}
+    for event in events:
+        for choice in event["choices"]:
+            firsts.setdefault(choice["index"], choice)
+    assert sorted(firsts) == [0, 1, 2]
+    for choice in firsts.values():
+        assert choice["text"] == "A" * 40 and choice["logprobs"] is None
+        assert choice["finish_reason"] == "deadline"
