@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from model_runner.config import WEIGHT_DTYPES, ModelConfig
 from model_runner.kernels.cpu_kernel_table import (
+    GEMMS,
     INT8_MATVEC_MAX_ROWS,
     MATVEC_MAX_ROWS,
     PATHS,
@@ -284,6 +285,7 @@ def test_widths_the_matvec_cannot_read_keep_the_gemm() -> None:
 
 
 def test_the_kernel_table_gives_every_weight_dtype_and_form_a_path() -> None:
+    assert set(GEMMS) == set(WEIGHT_DTYPES)  # past the path's rows
     for weight_dtype in WEIGHT_DTYPES:
         for blocks in ("q4_1", "q8_0", None):
             names = SMALL_BATCH_PATHS[(weight_dtype, blocks)]
