@@ -281,6 +281,36 @@ async def _in_flight_flood(context: Context) -> Answer:
     return Answer(statuses, " | ".join(messages), violation=violation)
 
 
+async def _tokenize_flood(context: Context) -> Answer:
+    """Twice the attacker's seats of /tokenize at once, each 660,000 CJK characters (just
+    within the context's characters): the ones beyond its seats are 429s."""
+    body = {"prompt": "漢字" * 330_000}
+    responses = await asyncio.gather(*(
+        context.clients["attacker"].post("/tokenize", json=body)
+        for _ in range(2 * ATTACKER_MAX_IN_FLIGHT)))
+    statuses = tuple(sorted({r.status_code for r in responses}))
+    messages = {_error_message(r) for r in responses if r.status_code != 200}
+    violation = "" if 429 in statuses else "no /tokenize beyond the tenant's seats was a 429"
+    return Answer(statuses, " | ".join(messages), violation=violation)
+
+
+async def _echo_never_run(context: Context) -> Answer:
+    """A streamed echo with logprobs of 12 prompts of 8,000 ids whose deadline passes
+    before they run: the echo comes back with no logprob entry per prompt token."""
+    body = {"prompt": [_ids(8000, k) for k in range(12)], "echo": True, "logprobs": 0,
+            "max_tokens": 1, "stream": True, "deadline_ms": 1}
+    async with context.clients["attacker"].stream("POST", COMPLETIONS, json=body) as response:
+        text = (await response.aread()).decode()
+    if response.status_code != 200:
+        return Answer((response.status_code,), text[:300])
+    choices = [c for line in text.splitlines() if line.startswith("data: {")
+               for c in json.loads(line[len("data: "):]).get("choices", ())]
+    scored = sum(len((c.get("logprobs") or {}).get("tokens", ())) for c in choices)
+    return Answer((200,), finish_reasons=tuple(c["finish_reason"] for c in choices
+                                               if c.get("finish_reason")),
+                  violation=f"{scored} logprob entries of prompts never run" if scored else "")
+
+
 async def _unattacked(context: Context) -> Answer:
     await asyncio.sleep(context.config.baseline_s)
     return Answer((200,))
@@ -300,6 +330,11 @@ _ECHO_TOOL = {"type": "function", "function": {
 # the model writes one endless tool-call argument: every delta is inside the open call
 _ENDLESS_CALL = r'<tool_call>\n\{"name": "echo", "arguments": \{"text": "[a-z ]*'
 _NESTED_LOOPS = "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}"
+_DEEP_ARGUMENTS = "[" * 5000 + "]" * 5000
+_DEEP_CALL = [*_HI, {"role": "assistant", "content": "", "tool_calls": [{
+    "id": "c1", "type": "function", "function": {"name": "echo", "arguments": _DEEP_ARGUMENTS}}]}]
+_DEEP_ITEMS = [{"role": "user", "content": "Hi"}, {
+    "type": "function_call", "call_id": "c1", "name": "echo", "arguments": _DEEP_ARGUMENTS}]
 
 ATTACKS: tuple[Attack, ...] = (
     # the issue's findings
@@ -358,5 +393,16 @@ ATTACKS: tuple[Attack, ...] = (
                "grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000}}),
     Attack("oversize_body", refused(413, "--max-body-bytes"),
            body=lambda: {"prompt": "x" * (9 * 1024**2), "max_tokens": 1}),
+    # issue 44's: work before the seat, unbounded nesting, uncharged work
+    Attack("responses_consecutive_answers", refused(400, "context length"), "/v1/responses",
+           lambda: {"input": [{"role": "assistant", "content": "a" * 4000}] * 2048}),
+    Attack("tool_arguments_nested_chat", refused(400, "--max-tool-arguments-depth"), CHAT,
+           {"messages": _DEEP_CALL, "max_tokens": 2}),
+    Attack("tool_arguments_nested_responses", refused(400, "--max-tool-arguments-depth"),
+           "/v1/responses", {"input": _DEEP_ITEMS, "max_output_tokens": 2}),
+    Attack("tool_arguments_nested_tokenize", refused(400, "--max-tool-arguments-depth"),
+           "/tokenize", {"messages": _DEEP_CALL}),
+    Attack("tokenize_flood", served_or_refused(429), send=_tokenize_flood),
+    Attack("echo_of_prompts_never_run", served(), send=_echo_never_run),
 )
 UNATTACKED = Attack("unattacked", served(), send=_unattacked)
