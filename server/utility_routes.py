@@ -14,11 +14,14 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
+from server.rendering import json_response
 from server.requests import (
     MAX_MESSAGES,
     ChatCompletionRequest,
@@ -67,8 +70,8 @@ class DetokenizeResponse(BaseModel):
 def install_utility_routes(app: FastAPI, api: Serving) -> None:
     check_model = api.check_model
 
-    @app.post("/tokenize")
-    async def tokenize(raw: Request) -> TokenizeResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(raw: Request) -> Response:
         body = await api.parse_json(raw, TokenizeRequest)
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -79,10 +82,11 @@ def install_utility_routes(app: FastAPI, api: Serving) -> None:
         try:
             tokens = await _tokenize(api, body)
             seat.spend(len(tokens))
+            # NOTE: written on a render thread: the answer of a long text is megabytes
+            content = await api.off_loop(_tokenize_json, tokens, api.engine.info.max_model_len)
         finally:
             seat.release()
-        return TokenizeResponse(count=len(tokens), max_model_len=api.engine.info.max_model_len,
-                                tokens=tokens)
+        return json_response(content)
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> DetokenizeResponse:
@@ -115,6 +119,12 @@ async def _tokenize(api: Serving, body: TokenizeRequest) -> list[int]:
         return await api.in_pool(api.render_chat, chat, body.add_generation_prompt)
     api.check_prompt_chars(body.prompt or "", "prompt", "prompt")
     return await api.in_pool(api.encode, body.prompt, body.add_special_tokens)
+
+
+def _tokenize_json(tokens: list[int], max_model_len: int) -> bytes:
+    """A `TokenizeResponse`'s JSON."""
+    return orjson.dumps({"count": len(tokens), "max_model_len": max_model_len,
+                         "tokens": tokens})
 
 
 class RequestIdMiddleware:
