@@ -123,10 +123,14 @@ def rope_(
     head_dim: int,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
-    """As LayerOps.rope_, without the q/k norm (the model runs it in torch)."""
-    if qk_norm is not None:
-        raise ValueError("the C++ rope_ takes no q/k norm")
-    torch.ops.pagedserve.rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    """As LayerOps.rope_: the C++ rope_, after the per-head q/k norm when given."""
+    if qk_norm is None:
+        torch.ops.pagedserve.rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
+    else:
+        q_weight, k_weight, eps = qk_norm
+        torch.ops.pagedserve.qk_norm_rope_(
+            qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps
+        )
 
 
 LAYER_OPS = LayerOps(
@@ -135,6 +139,7 @@ LAYER_OPS = LayerOps(
     rms_norm=torch.ops.pagedserve.rms_norm,
     rope_=rope_,
     silu_and_mul=torch.ops.pagedserve.silu_and_mul,
+    takes_qk_norm=True,
     widths_multiple_of=16,  # csrc/cpu_layers.cpp: widths of 8, RoPE halves of 8
 )
 

@@ -46,8 +46,9 @@ class StackNorm:
 
 @dataclass(frozen=True)
 class StackAttention:
-    """Self-attention as the stack runs it: q/k/v projected, RoPE on every dim of q and
-    k, the KV write and paged decode attention (window, soft cap, sinks), o projected."""
+    """Self-attention as the stack runs it: q/k/v projected, each q and k head normed
+    (`q_norm`, `k_norm`: Qwen3's per-head norms, or None) and RoPE on its every dim, the KV
+    write and paged decode attention (window, soft cap, sinks), o projected."""
 
     num_heads: int
     num_kv_heads: int
@@ -58,6 +59,8 @@ class StackAttention:
     sinks: torch.Tensor | None
     qkv: DecodeForm
     o: DecodeForm
+    q_norm: StackNorm | None = None
+    k_norm: StackNorm | None = None
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,11 @@ def build_decode_stack(
         form = form_of(layer, f"layer {i}", StackLayer)
         if isinstance(form, str):
             return form
-        if form.input_norm.eps != form.post_norm.eps:
-            return f"layer {i}: its two norms' eps differ"
+        norms = [form.input_norm, form.post_norm, form.attention.q_norm, form.attention.k_norm]
+        if len({norm.eps for norm in norms if norm is not None}) > 1:
+            return f"layer {i}: its norms' eps differ"
+        if (norms[2] is None) != (norms[3] is None):
+            return f"layer {i}: a q norm without a k norm, or a k norm without a q norm"
         forms.append(form)
     if not forms:
         return "no layers"
@@ -155,8 +161,8 @@ def build_decode_stack(
         attn = form.attention
         projections = (attn.qkv, attn.o, form.mlp.gate_up, form.mlp.down)
         native.add_layer(
-            form.input_norm.weight,
-            form.post_norm.weight,
+            [empty if norm is None else norm.weight for norm in
+             (form.input_norm, form.post_norm, attn.q_norm, attn.k_norm)],
             float(form.input_norm.eps),
             [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window],
             float(attn.scale),

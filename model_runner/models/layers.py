@@ -27,7 +27,7 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
-from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm
+from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
 from model_runner.models.rope import apply_rope
 
 
@@ -156,8 +156,6 @@ class Attention(nn.Module):
         """This attention as the C++ decode stack runs it (decode_stack.py), or why not."""
         if self.tp is not None:
             return "a tensor-parallel shard (its output is all-reduced)"
-        if self.qk_norm:
-            return "q/k norm"
         if self.rotary_dim != self.head_dim:
             return f"RoPE on {self.rotary_dim} of {self.head_dim} dims (partial or none)"
         if self.head_dim % 16:
@@ -167,11 +165,18 @@ class Attention(nn.Module):
             return f"qkv_proj: {qkv}"
         if isinstance(o, str):
             return f"o_proj: {o}"
+        q_norm = k_norm = None
+        if self.qk_norm:  # run with RoPE, as the "cpu" LayerOps.rope_ runs them
+            q_norm = form_of(self.q_norm, "q_norm", StackNorm)
+            k_norm = form_of(self.k_norm, "k_norm", StackNorm)
+            for norm in (q_norm, k_norm):
+                if isinstance(norm, str):
+                    return norm
         options = self.options
         return StackAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, options.sliding_window or 0,
             self.scale, options.softcap or 0.0,
-            None if options.sinks is None else options.sinks.detach(), qkv, o,
+            None if options.sinks is None else options.sinks.detach(), qkv, o, q_norm, k_norm,
         )
 
     def qkv(

@@ -45,6 +45,25 @@ def test_rope_rotates_query_and_key_heads_in_place(head_dim: int) -> None:
     torch.testing.assert_close(qkv, expected, atol=1e-5, rtol=1e-5)  # values untouched
 
 
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_qk_norm_rope_norms_each_query_and_key_head_then_rotates(head_dim: int) -> None:
+    rows, heads, kv_heads = 5, 4, 2
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 3
+    angles = torch.rand(rows, head_dim // 2) * 10
+    cos, sin = angles.cos(), angles.sin()
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    torch.nn.init.normal_(q_norm.weight)
+    torch.nn.init.normal_(k_norm.weight)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    expected = torch.cat([apply_rope(q_norm(q), cos, sin).flatten(1),
+                          apply_rope(k_norm(k), cos, sin).flatten(1),
+                          qkv[:, (heads + kv_heads) * head_dim :]], dim=1)
+    LAYER_OPS.rope_(qkv, cos, sin, heads, kv_heads, head_dim,
+                    (q_norm.weight.detach(), k_norm.weight.detach(), 1e-6))
+    torch.testing.assert_close(qkv, expected, atol=1e-5, rtol=1e-5)  # values untouched
+
+
 def test_silu_and_mul_matches_torch() -> None:
     x = torch.randn(13, 2 * 1536) * 8  # wide enough to reach exp's clamped range
     x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])

@@ -94,6 +94,9 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
     [
         ("smollm2", "auto", False, "matvec"),  # float32 rows
         ("qwen2", "auto", False, "matvec"),  # with q/k/v biases
+        ("qwen3", "auto", False, "matvec"),  # per-head q/k norms
+        ("qwen3", "float16", False, "matvec"),
+        ("qwen3", "int8", False, "int8_matvec"),
         ("smollm2", "auto", True, "q4_1_matvec"),  # exact Q4_1 blocks (the LM head stays rows)
         ("smollm2", "float16", False, "matvec"),
         # Q4_1 blocks times activations split in int8 planes
@@ -149,10 +152,9 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
 
 
-# q/k norms (qwen3), layers without RoPE (smollm3), scaled residuals (granite), Gemma's
-# norms and soft cap: each a layer the stack does not repeat, and the reason it says
+# layers without RoPE (smollm3), scaled residuals (granite), Gemma's norms: each a layer the
+# stack does not repeat, and the reason it says
 NOT_STACKED = {
-    "qwen3": (CONFIGS["qwen3"], "self_attn: q/k norm"),
     "smollm3": (FAMILY_CONFIGS["smollm3"], "layer 1: self_attn: RoPE on 0 of 16 dims"),
     "granite": (FAMILY_CONFIGS["granite"], "residual_multiplier"),
     "gemma2": (WINDOWED_CONFIGS["gemma2"], "GemmaDecoderLayer declares no decode-stack form"),

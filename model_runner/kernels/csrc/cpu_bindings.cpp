@@ -19,6 +19,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("hadamard_rows", &pagedserve::hadamard_rows);
   m.def("rms_norm", &pagedserve::rms_norm);
   m.def("rope_", &pagedserve::rope_);
+  m.def("qk_norm_rope_", &pagedserve::qk_norm_rope_);
   m.def("silu_and_mul", &pagedserve::silu_and_mul);
 
   // the small-batch projections, one op per path of cpu_kernel_table.PATHS

@@ -91,6 +91,7 @@ struct Projection {
 
 struct DecodeStack::Layer {
   at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // per head, before RoPE (Qwen3)
   double eps;
   Projection qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, window;
@@ -122,14 +123,19 @@ DecodeStack::DecodeStack(std::vector<std::string> kind_names,
 
 DecodeStack::~DecodeStack() = default;
 
-void DecodeStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
+void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             std::vector<int64_t> shape, double scale, double softcap,
                             at::Tensor sinks, std::vector<int64_t> kinds,
                             std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
                             std::vector<at::Tensor> biases) {
-  TORCH_CHECK(shape.size() == 4 && kinds.size() == 4 && rotation_blocks.size() == 4 &&
-                  biases.size() == 4,
-              "DecodeStack.add_layer: four projections and a shape of four");
+  TORCH_CHECK(norms.size() == 4 && shape.size() == 4 && kinds.size() == 4 &&
+                  rotation_blocks.size() == 4 && biases.size() == 4,
+              "DecodeStack.add_layer: four norms, four projections and a shape of four");
+  const auto optional = [](const at::Tensor& t) {
+    return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  TORCH_CHECK(optional(norms[2]).has_value() == optional(norms[3]).has_value(),
+              "DecodeStack.add_layer: a q norm and a k norm, or neither");
   Projection projections[4];
   size_t next = 0;
   for (int i = 0; i < 4; ++i) {
@@ -144,10 +150,10 @@ void DecodeStack::add_layer(at::Tensor input_norm, at::Tensor post_norm, double 
     if (biases[i].numel() > 0) p.bias = biases[i];
   }
   TORCH_CHECK(next == weights.size(), "too many projection weights");
-  layers_.push_back(Layer{input_norm, post_norm, eps, projections[0], projections[1],
-                          projections[2], projections[3], shape[0], shape[1], shape[2], shape[3],
-                          scale, softcap,
-                          sinks.numel() > 0 ? std::optional<at::Tensor>(sinks) : std::nullopt});
+  layers_.push_back(Layer{norms[0], norms[1], optional(norms[2]), optional(norms[3]), eps,
+                          projections[0], projections[1], projections[2], projections[3],
+                          shape[0], shape[1], shape[2], shape[3], scale, softcap,
+                          optional(sinks)});
 }
 
 at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
@@ -164,7 +170,11 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
     const int64_t q_size = layer.num_heads * layer.head_dim;
     const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
     at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
-    {
+    if (layer.q_norm) {
+      PROFILED("qk_norm_rope_");
+      qk_norm_rope_(qkv, cos, sin, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                    *layer.q_norm, *layer.k_norm, layer.eps);
+    } else {
       PROFILED("rope_");
       rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
     }

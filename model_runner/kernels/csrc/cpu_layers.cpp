@@ -113,6 +113,46 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t 
   });
 }
 
+// rope_ with each query head normed by q_weight and each key head by k_weight first (Qwen3's
+// and Gemma 3's per-head q/k norm, one eps for both): a head's values become
+// weight * x / sqrt(mean(x^2) + eps), rms_norm's arithmetic on a row of head_dim, then
+// rotated as rope_ rotates them. num_heads query heads, then num_kv_heads key heads.
+void qk_norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   const at::Tensor& q_weight, const at::Tensor& k_weight, double eps) {
+  for (const at::Tensor* weight : {&q_weight, &k_weight}) {
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == head_dim &&
+                    weight->scalar_type() == at::kFloat && weight->is_contiguous(),
+                "qk_norm_rope_: the q and k norm weights must be float32 [head_dim]");
+  }
+  check_rows(x, "qk_norm_rope_");
+  TORCH_CHECK(head_dim % 16 == 0 && (num_heads + num_kv_heads) * head_dim <= x.size(1),
+              "qk_norm_rope_: head_dim must be a multiple of 16 and the heads fit in a row");
+  const int64_t rows = x.size(0), stride = x.stride(0);
+  float* data = x.data_ptr<float>();
+  const float* qw = q_weight.data_ptr<float>();
+  const float* kw = k_weight.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float* head = data + r * stride + h * head_dim;
+        const float* w = h < num_heads ? qw : kw;
+        Vec8 squares = {};
+        for (int64_t i = 0; i < head_dim; i += 8) {
+          const Vec8 v = load8(head + i);
+          squares += v * v;
+        }
+        const float inv_rms = 1.f / std::sqrt(sum8(squares) / static_cast<float>(head_dim) +
+                                              static_cast<float>(eps));
+        for (int64_t i = 0; i < head_dim; i += 8) {
+          store8(head + i, load8(w + i) * (load8(head + i) * inv_rms));
+        }
+      }
+    }
+  });
+  rope_(x, cos, sin, num_heads + num_kv_heads, head_dim);
+}
+
 // silu(gate) * up for x = [gate | up] of width 2 * I: out [n, I].
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul");

@@ -28,6 +28,9 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
            int64_t head_dim);
+void qk_norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   const at::Tensor& q_weight, const at::Tensor& k_weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
 
@@ -55,13 +58,14 @@ struct DecodeStack : torch::CustomClassHolder {
   DecodeStack(std::vector<std::string> kind_names, std::vector<int64_t> tensors_per_kind);
   ~DecodeStack() override;
 
-  // One layer, after those added before. shape: (num_heads, num_kv_heads, head_dim,
-  // window); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their tensors
-  // one after the other, biases: theirs (an empty tensor for none); sinks: empty for none.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, double eps,
-                 std::vector<int64_t> shape, double scale, double softcap, at::Tensor sinks,
-                 std::vector<int64_t> kinds, std::vector<int64_t> rotation_blocks,
-                 std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
+  // One layer, after those added before. norms: the input and post-attention norms' weights,
+  // then the per-head q and k norms' (both empty for none), all with one eps; shape:
+  // (num_heads, num_kv_heads, head_dim, window); kinds and rotation_blocks: qkv, o, gate_up,
+  // down's; weights: their tensors one after the other, biases: theirs (an empty tensor for
+  // none); sinks: empty for none.
+  void add_layer(std::vector<at::Tensor> norms, double eps, std::vector<int64_t> shape,
+                 double scale, double softcap, at::Tensor sinks, std::vector<int64_t> kinds,
+                 std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
 
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
