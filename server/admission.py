@@ -18,9 +18,7 @@ tokens that cost. /tokenize and /detokenize take a seat too (`take_seat`).
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,12 +32,10 @@ from engine.data_parallel import DataParallelEngine
 from scheduler.placement import Placement
 from server.config import ServerConfig
 from server.errors import APIError, server_error, validation_error
-from server.limits import check_budgets
+from server.json_body import decode_fields
+from server.limits import ListBudgets, check_budgets
 from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.tenants import Seat, Tenant, TenantRefused
-
-# A JSON escape of a UTF-16 surrogate: the parsed strings may hold an unpaired one.
-_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
 _ModelT = TypeVar("_ModelT", bound=pydantic.BaseModel)
@@ -74,27 +70,15 @@ class Admission:
         return self.engine.info.model_name
 
     async def parse_json(self, raw: Request, model: type[_ModelT]) -> _ModelT:
-        """The body as `model` (any pydantic model): a 400 for bad JSON or fields."""
-        body = await raw.body()
+        """The body as `model` (any pydantic model): a 400 for bad JSON or fields. Only
+        the model's own fields are decoded (in C: server/json_body.py), and each list is
+        held to its limit before its items are validated (`ListBudgets`)."""
+        data = decode_fields(await raw.body(), model, self.config.limits)
         try:
-            data = json.loads(body)
-        except RecursionError as exc:
-            raise APIError(400, "Request body is not valid JSON: nested too deeply.") from exc
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"Request body is not valid JSON: {exc}") from exc
-        except ValueError as exc:  # an integer of more than 4300 digits
-            raise APIError(400, "Request body is not valid JSON: a number is too long.") from exc
-        if not isinstance(data, dict):
-            raise APIError(400, "Request body must be a JSON object.")
-        if _SURROGATE_ESCAPE_RE.search(body) and _has_lone_surrogate(data):
-            raise APIError(
-                400, "Request body is not valid JSON: a string holds an unpaired UTF-16 "
-                "surrogate (\\ud800-\\udfff), which is no Unicode character."
-            )
-        try:
-            return model.model_validate(data)
+            return model.model_validate(data, context=ListBudgets(self.config.limits))
         except pydantic.ValidationError as exc:
-            raise validation_error(exc.errors(include_url=False)) from exc
+            errors = exc.errors(include_url=False, include_context=False, include_input=False)
+            raise validation_error(errors, model) from exc
 
     async def handle(self, raw: Request, route: Callable[[Request], Awaitable[Response]]
                      ) -> Response:
@@ -277,20 +261,3 @@ def _max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
     slack = 1 if backend is None or backend.normalizer is None else 4
     return max_model_len * longest * slack
 
-
-def _has_lone_surrogate(data: Any) -> bool:
-    """Whether a string anywhere in parsed JSON holds an unpaired surrogate."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode()
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from server.errors import APIError
-from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.requests import (
+    MAX_CHOICE_STRINGS,
+    MAX_MESSAGES,
+    MAX_STOP_TOKEN_IDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -23,13 +30,20 @@ class RequestLimits:
     """What one request may ask for (see LIMIT_FLAGS for each field's meaning)."""
 
     max_body_bytes: int = 8 * 1024**2
+    max_json_values: int = 512 * 1024
     max_n: int = 16
     max_choices: int = 128
+    max_prompt_token_ids: int = 256 * 1024
+    max_messages: int = MAX_MESSAGES
+    max_content_parts: int = 4096
     max_logprobs: int = 20
     max_prompt_logprobs_entries: int = 100_000
     max_stop_strings: int = 4
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     max_logit_bias: int = 1024
+    max_allowed_token_ids: int = 256 * 1024
+    max_choice_strings: int = MAX_CHOICE_STRINGS
     max_tools: int = 128
     max_tools_bytes: int = 256 * 1024
     max_grammar_bytes: int = 64 * 1024
@@ -54,15 +68,23 @@ class RequestLimits:
 # field -> (flag help); the flag is the field's name with dashes.
 LIMIT_FLAGS: dict[str, str] = {
     "max_body_bytes": "request bodies larger than this are a 413",
+    "max_json_values": "JSON values (strings, numbers, arrays, objects...) in the fields a "
+    "route reads at most, counted before they are decoded (unknown fields never are)",
     "max_n": "choices per prompt (`n`) at most",
     "max_choices": "choices per request (prompts x n; each is a sequence of its own) at most",
+    "max_prompt_token_ids": "token ids of a completion request's prompts (all together) at "
+    "most",
+    "max_messages": "messages (or Responses input items) per request at most",
+    "max_content_parts": "content parts of a request's messages (all together) at most",
     "max_logprobs": "top logprobs per token at most (logprobs, top_logprobs, prompt_logprobs)",
     "max_prompt_logprobs_entries": "prompt_logprobs (or echo with logprobs) entries a "
     "request may ask for: prompt tokens x (k + 1) x choices",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_string_chars": "characters per stop string at most",
-    "max_logit_bias": "logit_bias entries at most (allowed_token_ids is capped by the "
-    "vocabulary)",
+    "max_stop_token_ids": "stop_token_ids per request at most",
+    "max_logit_bias": "logit_bias entries at most",
+    "max_allowed_token_ids": "allowed_token_ids per request at most",
+    "max_choice_strings": "strings of a structured_outputs choice at most",
     "max_tools": "tools per request at most",
     "max_tools_bytes": "bytes of the tools' JSON (names, descriptions, schemas) at most",
     "max_grammar_bytes": "bytes of a structured-output constraint (schema, regex, Lark "
@@ -88,6 +110,26 @@ def flag_of(field_name: str) -> str:
 def over_limit(what: str, limit: float, field_name: str) -> str:
     """The message of a request over a budget: what, the limit and the flag that sets it."""
     return f"{what}: the limit is {limit} (set by {flag_of(field_name)})."
+
+
+class ListBudgets:
+    """The list limits of one body as it is validated (pydantic's validation context, given
+    by `Admission.parse_json`): each list the request models mark `limited` is counted
+    before any of its items is validated, and refused past its limit; the lists under one
+    limit count together (the content parts of all messages)."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self.limits = limits
+        self.counts: dict[str, int] = {}
+
+    def take(self, field_name: str, num_items: int, noun: str) -> None:
+        """Count `num_items` more against the limit `field_name`: a ValueError (pydantic's
+        error, a 400 naming the flag) past it."""
+        total = self.counts.get(field_name, 0) + num_items
+        self.counts[field_name] = total
+        limit = getattr(self.limits, field_name)
+        if total > limit:
+            raise ValueError(over_limit(f"{total} {noun}", limit, field_name))
 
 
 def check_budgets(body: SamplingRequest, limits: RequestLimits) -> None:

@@ -27,6 +27,10 @@ _LIMITED_PROPERTIES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("stop", "max_stop_string_chars", {"string": "maxLength"}),
     ("logit_bias", "max_logit_bias", {"object": "maxProperties"}),
     ("tools", "max_tools", {"array": "maxItems"}),
+    ("messages", "max_messages", {"array": "maxItems"}),
+    ("input", "max_messages", {"array": "maxItems"}),
+    ("stop_token_ids", "max_stop_token_ids", {"array": "maxItems"}),
+    ("allowed_token_ids", "max_allowed_token_ids", {"array": "maxItems"}),
 )
 
 

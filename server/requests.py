@@ -2,11 +2,13 @@
 
 Requests ignore unknown fields, take each field in the JSON type its schema names (strict:
 `true` or "0.5" for a number, or 1 for a boolean, is a 400, as OpenAI answers; an
-integral 7.0 is the integer 7, as JSON Schema has it), and bound every numeric field and
-list that no flag governs; the bounds an operator sets (`n`, logprobs, stop strings,
-logit_bias, tools: server/limits.py) are checked after parsing, by `check_budgets`. A
-validation error becomes an HTTP 400 (server/admission.py, server/errors.py) whose message
-names the field and its limit. Structured outputs (`response_format`, vLLM's
+integral 7.0 is the integer 7, as JSON Schema has it), and bound every numeric field that
+no flag governs. Every list (and logit_bias) is `limited` by a flag of server/limits.py,
+counted before any of its items is validated, and stops at its first bad item; the other
+bounds an operator sets (`n`, logprobs, stop strings' length, the tools' size:
+server/limits.py) are checked after parsing, by `check_budgets`. A validation error
+becomes an HTTP 400 (server/admission.py, server/errors.py) whose message names the field
+and its limit. Structured outputs (`response_format`, vLLM's
 `structured_outputs`), tools and vLLM's extra sampling fields (`logit_bias`,
 `allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`) are here too;
 server/structured_output.py turns the constraints into grammars. The responses are in
@@ -20,21 +22,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from scheduler.sampling_params import SamplingParams, unique_token_lists
+from server.request_fields import FailFastList, limited, token_ids
+from server.request_fields import JsonInt as JsonInt  # the routes' models take it from here
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_CACHE_SALT_CHARS = 256
+# the defaults of --max-stop-token-ids, --max-messages, --max-choice-strings (server/limits.py)
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
 MAX_CHOICE_STRINGS = 1024
+MAX_METADATA_PAIRS = 16  # OpenAI's
 MIN_REPETITION_PENALTY = 0.01
 # NOTE: a temperature this small is greedy: dividing float32 logits by it gives inf/NaN.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -62,18 +68,6 @@ _STOP_TOKEN_IDS_SCHEMA = WithJsonSchema({"anyOf": [
     {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0}},
     {"type": "null"},
 ]})
-
-
-def _integral(value: Any) -> Any:
-    """An integral float within int64 as the int it is (JSON's 7.0 is the integer 7);
-    anything else is left to the strict int check, which refuses true, "7", 7.5 and
-    1e20."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-        return int(value)
-    return value
-
-
-JsonInt = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
@@ -112,7 +106,8 @@ class StructuredOutputsParams(_Request):
 
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICE_STRINGS)
+    choice: Annotated[list[str] | None, limited("max_choice_strings", "choices")] = Field(
+        default=None, min_length=1, fail_fast=True)
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -142,10 +137,11 @@ class SamplingRequest(_Request):
     n: JsonInt = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Annotated[str | list[str] | None, _STOP_SCHEMA] = None
-    stop_token_ids: Annotated[list[JsonInt] | None, _STOP_TOKEN_IDS_SCHEMA] = Field(
-        default=None, max_length=MAX_STOP_TOKEN_IDS
-    )
+    stop: Annotated[str | list[str] | None, _STOP_SCHEMA,
+                    limited("max_stop_strings", "stop strings")] = None
+    stop_token_ids: Annotated[list[JsonInt] | None, _STOP_TOKEN_IDS_SCHEMA,
+                              limited("max_stop_token_ids", "token ids")] = Field(
+        default=None, fail_fast=True)
     seed: JsonInt | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -158,8 +154,11 @@ class SamplingRequest(_Request):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[JsonInt] | None = Field(default=None, min_length=1)
+    logit_bias: Annotated[dict[str, float] | None,
+                          limited("max_logit_bias", "logit_bias entries")] = None
+    allowed_token_ids: Annotated[list[JsonInt] | None,
+                                 limited("max_allowed_token_ids", "token ids")] = Field(
+        default=None, min_length=1, fail_fast=True)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: JsonInt | None = Field(default=None, ge=0)
@@ -276,7 +275,9 @@ class CompletionRequest(SamplingRequest):
     `echo` with `logprobs` scores the prompt too (its tokens' logprobs, through the prompt
     logprobs); `max_tokens` 0 with `echo` scores it alone (as vLLM does)."""
 
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], _PROMPT_SCHEMA]
+    # NOTE: each list stops at its first bad item: the union tries the lists in turn
+    prompt: Annotated[str | FailFastList[list[str]] | FailFastList[list[int]]
+                      | FailFastList[list[list[int]]], _PROMPT_SCHEMA]
     max_tokens: JsonInt | None = Field(default=None, ge=0)
     logprobs: JsonInt | None = Field(default=None, ge=0)
     echo: bool = False
@@ -301,17 +302,24 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, prompt: Any) -> Any:
+    def _check_prompt(cls, prompt: Any, info: ValidationInfo) -> Any:
         if isinstance(prompt, str):
             return prompt
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a string, a list of strings or a list of token ids")
-        if all(isinstance(p, str) for p in prompt):
-            return prompt
-        if all(_is_token_id(t) for t in prompt):
-            return [_integral(t) for t in prompt]
-        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-            return [[_integral(t) for t in p] for p in prompt]
+        if info.context is not None:
+            _count_prompts(prompt, info.context)
+        if isinstance(prompt[0], str):
+            if all(isinstance(p, str) for p in prompt):
+                return prompt
+        elif isinstance(prompt[0], list):
+            lists = [token_ids(p) if isinstance(p, list) and p else None for p in prompt]
+            if all(ids is not None for ids in lists):
+                return lists
+        else:
+            ids = token_ids(prompt)
+            if ids is not None:
+                return ids
         raise ValueError(
             "prompt must be a string, a list of strings, a list of token ids (ints >= 0) "
             "or a list of non-empty lists of token ids"
@@ -328,10 +336,16 @@ class CompletionRequest(SamplingRequest):
         return p
 
 
-def _is_token_id(t: Any) -> bool:
-    """An int >= 0, or an integral float (`_integral`, as for every other integer field)."""
-    t = _integral(t)
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _count_prompts(prompt: list[Any], budgets: Any) -> None:
+    """The prompts (`max_choices`: prompts x n, so prompts alone) and token ids
+    (`max_prompt_token_ids`) of a prompt list against their limits, before any is read."""
+    if not isinstance(prompt[0], list | str):  # token ids
+        budgets.take("max_prompt_token_ids", len(prompt), "prompt token ids")
+        return
+    budgets.take("max_choices", len(prompt), "prompts")
+    if isinstance(prompt[0], list):
+        num_ids = sum(len(p) for p in prompt if isinstance(p, list))
+        budgets.take("max_prompt_token_ids", num_ids, "prompt token ids")
 
 
 class TextContentPart(_Request):
@@ -345,7 +359,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: Annotated[str | Annotated[list[TextContentPart], Field(fail_fast=True)] | None,
+                       limited("max_content_parts", "content parts in all messages")] = None
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
@@ -397,11 +412,13 @@ class NamedToolChoice(_Request):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: Annotated[list[ChatMessage], limited("max_messages", "messages")] = Field(
+        min_length=1, fail_fast=True)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: JsonInt | None = Field(default=None, ge=0)
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool] | None, limited("max_tools", "tools")] = Field(
+        default=None, fail_fast=True)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

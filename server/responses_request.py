@@ -22,7 +22,13 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.errors import APIError, validation_error
-from server.requests import MAX_MESSAGES, ChatCompletionRequest, FunctionDefinition, JsonInt
+from server.request_fields import at_most, limited
+from server.requests import (
+    MAX_METADATA_PAIRS,
+    ChatCompletionRequest,
+    FunctionDefinition,
+    JsonInt,
+)
 
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PART_TYPES = ("input_text", "output_text", "refusal")
@@ -55,7 +61,11 @@ def _check_parts(content: Any) -> Any:
     return content
 
 
-Content = Annotated[str | list[TextPart], pydantic.BeforeValidator(_check_parts)]
+# NOTE: a list's limit is counted before its items are read: `limited` comes last (the
+# last before-validator runs first)
+_PARTS = limited("max_content_parts", "content parts in all items")
+Content = Annotated[str | Annotated[list[TextPart], Field(fail_fast=True)],
+                    pydantic.BeforeValidator(_check_parts), _PARTS]
 
 
 def _text_of(content: str | list[TextPart]) -> str:
@@ -95,8 +105,9 @@ class ReasoningItem(_Request):
     """Reasoning the model gave earlier (its text as content, or only its summary)."""
 
     type: Literal["reasoning"]
-    summary: list[ReasoningText] = Field(default_factory=list)
-    content: list[ReasoningText] | None = None
+    summary: Annotated[list[ReasoningText], _PARTS] = Field(default_factory=list,
+                                                             fail_fast=True)
+    content: Annotated[list[ReasoningText] | None, _PARTS] = Field(default=None, fail_fast=True)
 
     @property
     def text(self) -> str:
@@ -174,10 +185,11 @@ class ResponsesRequest(_Request):
 
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | Annotated[
-        list[InputItem], pydantic.BeforeValidator(_check_items),
-        Field(min_length=1, max_length=MAX_MESSAGES)]
+        list[InputItem], Field(min_length=1, fail_fast=True),
+        pydantic.BeforeValidator(_check_items), limited("max_messages", "input items")]
     instructions: str | None = None
-    tools: Annotated[list[FunctionTool] | None, pydantic.BeforeValidator(_check_tools)] = None
+    tools: Annotated[list[FunctionTool] | None, pydantic.BeforeValidator(_check_tools),
+                     limited("max_tools", "tools")] = Field(default=None, fail_fast=True)
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -198,7 +210,8 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str] | None,
+                        at_most(MAX_METADATA_PAIRS, "metadata pairs")] = None
     user: str | None = None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -22,8 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError
 from server.rendering import json_response
+from server.request_fields import limited
 from server.requests import (
-    MAX_MESSAGES,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
@@ -44,9 +44,10 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1,
-                                               max_length=MAX_MESSAGES)
-    tools: list[ChatTool] | None = None
+    messages: Annotated[list[ChatMessage] | None, limited("max_messages", "messages")] = Field(
+        default=None, min_length=1, fail_fast=True)
+    tools: Annotated[list[ChatTool] | None, limited("max_tools", "tools")] = Field(
+        default=None, fail_fast=True)
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -60,7 +61,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[JsonInt] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    tokens: list[JsonInt] = Field(max_length=MAX_DETOKENIZE_TOKENS, fail_fast=True)
 
 
 class DetokenizeResponse(BaseModel):
