@@ -179,8 +179,9 @@ def _not_json(body: bytes, exc: msgspec.DecodeError) -> APIError:
     if reason == "Input data was truncated":
         return APIError(400, f"{NOT_JSON}: it ends before its JSON value does.")
     at = _AT_BYTE_RE.search(reason)
-    start = int(at.group(1)) if at else -1
-    token = next((t for t in _NOT_NUMBERS if body.startswith(t, start)), None)
+    start = int(at.group(1)) if at else 0
+    start -= body.startswith(b"-Infinity", start - 1)  # msgspec names the I
+    token = next((t for t in _NOT_NUMBERS if at and body.startswith(t, start)), None)
     if token is None:
         return APIError(400, f"{NOT_JSON}: {reason}.")
     key = _KEY_BEFORE_RE.search(body, max(0, start - 100), start)
