@@ -404,5 +404,12 @@ ATTACKS: tuple[Attack, ...] = (
            "/tokenize", {"messages": _DEEP_CALL}),
     Attack("tokenize_flood", served_or_refused(429), send=_tokenize_flood),
     Attack("echo_of_prompts_never_run", served(), send=_echo_never_run),
+    Attack("allowed_token_ids_2m_strings", Expect(  # 8 MB: counted on its bytes, one short 400
+        frozenset({400}), ("--max-json-values", "allowed_token_ids"),
+        lambda a: "" if len(a.message) <= 1024 else f"a message of {len(a.message)} chars"),
+        body=lambda: b'{"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": ['
+        + b'"1",' * 1_999_999 + b'"1"]}'),
+    Attack("unknown_field_2_6m_empty_lists", served(),  # 7.8 MB never decoded
+           body=lambda: b'{"prompt": "Hi", "max_tokens": 4, "x": [' + b"[]," * 2_599_999 + b"[]]}"),
 )
 UNATTACKED = Attack("unattacked", served(), send=_unattacked)
