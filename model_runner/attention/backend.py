@@ -75,7 +75,8 @@ class LayerOps:
     """Fused kernels for the elementwise parts of a layer, which model_runner/models/layers.py runs
     instead of its torch code (the reference) for activations of one of `dtypes`.
 
-    rms_norm(x [T, H], weight, eps) -> [T, H]; silu_and_mul([T, 2 I]) -> [T, I];
+    rms_norm(x [T, H], weight, eps) -> [T, H]; silu_and_mul([T, 2 I]) -> [T, I], and
+    gelu_tanh_and_mul the same with gelu's tanh form (Gemma's; None where not given);
     rope_(qkv, cos, sin, num_heads, num_kv_heads, head_dim, qk_norm) rotates the query
     and key heads of the fused qkv rows in place, after the per-head norm `qk_norm` =
     (q weight, k weight, eps) when given, which only ops with `takes_qk_norm` accept.
@@ -89,6 +90,7 @@ class LayerOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     takes_qk_norm: bool = False
     widths_multiple_of: int = 1
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ LAYER_OPS = LayerOps(
     silu_and_mul=torch.ops.pagedserve.silu_and_mul,
     takes_qk_norm=True,
     widths_multiple_of=16,  # csrc/cpu_layers.cpp: widths of 8, RoPE halves of 8
+    gelu_tanh_and_mul=torch.ops.pagedserve.gelu_tanh_and_mul,
 )
 
 BACKEND = AttentionBackend("cpu", write_kv_cache, paged_attention, LAYER_OPS)

@@ -1,4 +1,4 @@
-"""A Llama-style model's decoder layers in one C++ call for decode steps of a few rows.
+"""A decoder's layers in one C++ call for decode steps of a few rows.
 
 At batch 1 a step of the default model does ~10 ms of arithmetic, and its Python layers
 add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks.md, the batch-1 decode
@@ -9,8 +9,10 @@ test_decode_stack.py). `LlamaForCausalLM.forward` runs it when `takes` says so, 
 Python layers otherwise (prefill chunks, verifications, larger batches, other backends).
 
 A layer is taken by what it declares, not by its type: its `decode_stack_form()` gives
-its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNorms, Llama's
-attention with full RoPE and no q/k norm, SwiGLU, every projection on a small-batch path of
+its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNorms, with
+Gemma's sandwich norms on the blocks' outputs or without; attention with full RoPE from the
+layer's own table, per-head q/k norms or none, any scale, window, soft cap and sinks; a
+SwiGLU or gelu-tanh gated MLP; every projection on a small-batch path of
 cpu_kernel_table.py), or a reason why not, and so do its norms, attention and MLP. A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
 (tests/runner/test_decode_stack.py holds every subclass here to that).
@@ -18,7 +20,7 @@ whose subclass changes the arithmetic (a forward of its own) declares its own fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,7 +40,8 @@ TENSORS_PER_KIND = [len(path.tensors) for path in PATHS.values()]
 
 @dataclass(frozen=True)
 class StackNorm:
-    """An RMSNorm as the stack runs it: weight * x / rms(x), in float32 (cpu_layers.cpp)."""
+    """An RMSNorm as the stack runs it: weight * x / rms(x), in float32 (cpu_layers.cpp);
+    `weight`: what the norm multiplies by (Gemma's 1 + w, `GemmaRMSNorm.scale`)."""
 
     weight: torch.Tensor
     eps: float
@@ -63,22 +66,37 @@ class StackAttention:
     k_norm: StackNorm | None = None
 
 
+# the gated MLP's activations, by their index in csrc/cpu_decode_stack.cpp
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class StackMLP:
-    """SwiGLU as the stack runs it: gate/up projected, silu(gate) * up, down projected."""
+    """A gated MLP as the stack runs it: gate/up projected, act(gate) * up (`activation`:
+    "silu", SwiGLU, or "gelu_tanh", Gemma's), down projected."""
 
     gate_up: DecodeForm
     down: DecodeForm
+    activation: str = "silu"
+
+
+DEFAULT_ROPE = "default"  # the RoPE table of a model with one for every layer
 
 
 @dataclass(frozen=True)
 class StackLayer:
-    """A pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """A pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x)); with
+    Gemma's sandwich norms, each block's output normed before it is added
+    (`attention_out_norm`, `mlp_out_norm`). `rope`: the name of the RoPE table its
+    attention reads (Gemma 3's local and global layers read their own)."""
 
     input_norm: StackNorm
-    post_norm: StackNorm
+    post_norm: StackNorm  # the feed-forward block's input norm
     attention: StackAttention
     mlp: StackMLP
+    attention_out_norm: StackNorm | None = None
+    mlp_out_norm: StackNorm | None = None
+    rope: str = DEFAULT_ROPE
 
 
 Form = TypeVar("Form")
@@ -101,9 +119,10 @@ class DecodeStack:
     kernel table (the fewest its projections' paths take)."""
 
     def __init__(self, native: torch.ScriptObject, paths: set[KernelPath],
-                 table: KernelTable) -> None:
+                 table: KernelTable, ropes: list[str]) -> None:
         self.native = native
         self.paths = paths
+        self.ropes = ropes  # the RoPE tables the layers read, in the native stack's order
         self.use_table(table)
         # the caches split into the k and v lists the native stack takes, once per cache
         self._split: tuple[KVCaches, list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -119,8 +138,7 @@ class DecodeStack:
     def __call__(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, D / 2]
-        sin: torch.Tensor,
+        ropes: Mapping[str, tuple[torch.Tensor, torch.Tensor]],  # name -> cos, sin [T, D / 2]
         meta: AttentionMetadata,
         kv_caches: KVCaches,
     ) -> torch.Tensor:
@@ -128,9 +146,10 @@ class DecodeStack:
         if self._split is None or self._split[0] is not kv_caches:
             self._split = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
         _, k_caches, v_caches = self._split
+        tables = [ropes[name] for name in self.ropes]
         return self.native.forward(
-            x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
-            k_caches, v_caches,
+            x, [cos for cos, _ in tables], [sin for _, sin in tables], meta.slot_mapping,
+            meta.block_tables, meta.context_lens, k_caches, v_caches,
         )
 
 
@@ -146,25 +165,27 @@ def build_decode_stack(
         form = form_of(layer, f"layer {i}", StackLayer)
         if isinstance(form, str):
             return form
-        norms = [form.input_norm, form.post_norm, form.attention.q_norm, form.attention.k_norm]
-        if len({norm.eps for norm in norms if norm is not None}) > 1:
+        if len({norm.eps for norm in _norms(form) if norm is not None}) > 1:
             return f"layer {i}: its norms' eps differ"
-        if (norms[2] is None) != (norms[3] is None):
+        if (form.attention.q_norm is None) != (form.attention.k_norm is None):
             return f"layer {i}: a q norm without a k norm, or a k norm without a q norm"
+        if form.mlp.activation not in ACTIVATIONS:
+            return f"layer {i}: the activation {form.mlp.activation!r}"
         forms.append(form)
     if not forms:
         return "no layers"
     native = torch.classes.pagedserve.DecodeStack(list(PATHS), TENSORS_PER_KIND)
     empty = torch.empty(0)
     paths: set[KernelPath] = set()
+    ropes = list(dict.fromkeys(form.rope for form in forms))
     for form in forms:
         attn = form.attention
         projections = (attn.qkv, attn.o, form.mlp.gate_up, form.mlp.down)
         native.add_layer(
-            [empty if norm is None else norm.weight for norm in
-             (form.input_norm, form.post_norm, attn.q_norm, attn.k_norm)],
+            [empty if norm is None else norm.weight for norm in _norms(form)],
             float(form.input_norm.eps),
-            [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window],
+            [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window,
+             ropes.index(form.rope), ACTIVATIONS.index(form.mlp.activation)],
             float(attn.scale),
             float(attn.softcap),
             empty if attn.sinks is None else attn.sinks,
@@ -174,4 +195,11 @@ def build_decode_stack(
             [empty if p.bias is None else p.bias for p in projections],
         )
         paths.update(p.path for p in projections)
-    return DecodeStack(native, paths, table)
+    return DecodeStack(native, paths, table, ropes)
+
+
+def _norms(form: StackLayer) -> tuple[StackNorm | None, ...]:
+    """A layer's norms in the native stack's order (csrc/cpu_ops.h, add_layer)."""
+    attn = form.attention
+    return (form.input_norm, form.attention_out_norm, form.post_norm, form.mlp_out_norm,
+            attn.q_norm, attn.k_norm)

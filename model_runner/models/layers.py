@@ -81,9 +81,13 @@ class RMSNorm(nn.Module):
         normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def scale(self) -> torch.Tensor:
+        """What the C++ kernels multiply the normed rows by (LayerOps): the weight."""
+        return self.weight
+
     def decode_stack_form(self) -> StackNorm | str:
         """This norm as the C++ decode stack runs it (decode_stack.py), or why not."""
-        return StackNorm(self.weight.detach(), self.eps)
+        return StackNorm(self.scale().detach(), self.eps)
 
 
 class Attention(nn.Module):
@@ -193,7 +197,7 @@ class Attention(nn.Module):
         if fused_rope:  # q and k normed (Qwen3) and rotated in place, in qkv
             norms = None
             if self.qk_norm:  # one eps for both (config.rms_norm_eps)
-                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                norms = (self.q_norm.scale(), self.k_norm.scale(), self.q_norm.eps)
             ops.rope_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, norms)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, heads, D]

@@ -29,6 +29,7 @@ from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
 from model_runner.models.decode_stack import (
+    DEFAULT_ROPE,
     DecodeStack,
     StackAttention,
     StackLayer,
@@ -180,15 +181,22 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # [T, R / 2]
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
-        stack = self.decode_stack
-        if stack is not None and ops is not None and attn.name == "cpu" and stack.takes(
-            meta, x.shape[0]
-        ):
-            x = stack(x, cos, sin, meta, kv_caches)
+        if self.decode_stack is not None and self.runs_decode_stack(meta, x, attn, ops):
+            x = self.decode_stack(x, {DEFAULT_ROPE: (cos, sin)}, meta, kv_caches)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, cos, sin, meta, kv_cache, attn, ops)
         return self.norm(x, ops)
+
+    def runs_decode_stack(
+        self, meta: AttentionMetadata, x: torch.Tensor, attn: AttentionBackend,
+        ops: LayerOps | None,
+    ) -> bool:
+        """Whether this step's layers run in the decode stack: one it takes, on the "cpu"
+        backend with its layer kernels (those the Python layers then run)."""
+        stack = self.decode_stack
+        return (stack is not None and ops is not None and attn.name == "cpu"
+                and stack.takes(meta, x.shape[0]))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, H] of input_ids [T]; vocab-parallel: each rank looks up the ids

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from model_runner.attention.cpu_backend import LAYER_OPS
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
+from model_runner.models.gemma import GemmaRMSNorm
 from model_runner.models.layers import RMSNorm
 from model_runner.models.rope import apply_rope
 
@@ -69,6 +70,24 @@ def test_silu_and_mul_matches_torch() -> None:
     x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_gelu_tanh_and_mul_matches_torch() -> None:
+    x = torch.randn(13, 2 * 1536) * 8
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -90.0])
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_gemmas_norm_multiplies_by_one_plus_its_weight_in_the_kernel() -> None:
+    norm = GemmaRMSNorm(640, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 640) * 3
+    torch.testing.assert_close(norm(x, LAYER_OPS), norm(x), atol=1e-5, rtol=1e-5)
+    unfolded = norm(x, LAYER_OPS)
+    norm.fold()  # 1 + w kept: the same numbers to the bit
+    assert torch.equal(norm(x, LAYER_OPS), unfolded)
 
 
 def test_kernels_reject_what_they_do_not_take() -> None:

@@ -35,6 +35,8 @@ from tests.support.model_helpers import (
     make_model_folder,
 )
 
+ALL_CONFIGS = {**CONFIGS, **WINDOWED_CONFIGS}
+
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available() or not can_pack(torch.device("cpu"), torch.float32, "int8"),
     reason="needs the C++ CPU kernels and a torch with oneDNN and fbgemm",
@@ -44,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 def on_q4_1_grid(folder: Path, config_name: str) -> None:
     """A tiny model in `folder` whose projections hold a GGUF's Q4_1 values (as the
     default model's do), so that they load as exact blocks."""
-    hf_model = make_model_folder(folder, CONFIGS[config_name]())
+    hf_model = make_model_folder(folder, ALL_CONFIGS[config_name](), norm_noise=0.3)
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if name.endswith("proj.weight"):
@@ -97,6 +99,14 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
         ("qwen3", "auto", False, "matvec"),  # per-head q/k norms
         ("qwen3", "float16", False, "matvec"),
         ("qwen3", "int8", False, "int8_matvec"),
+        # sandwich norms on 1 + w, gelu gate, scaled queries, soft caps, local layers' windows
+        ("gemma2", "auto", False, "matvec"),
+        ("gemma2", "int8", False, "int8_matvec"),
+        # and per-head q/k norms, local layers on their own RoPE table
+        ("gemma3", "auto", False, "matvec"),
+        ("gemma3", "float16", False, "matvec"),
+        ("gemma3", "int8", False, "int8_matvec"),
+        ("gemma3", "auto", True, "q4_1_matvec"),
         ("smollm2", "auto", True, "q4_1_matvec"),  # exact Q4_1 blocks (the LM head stays rows)
         ("smollm2", "float16", False, "matvec"),
         # Q4_1 blocks times activations split in int8 planes
@@ -110,8 +120,8 @@ def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(
 ) -> None:
     if grid:
         on_q4_1_grid(tmp_path, config_name)
-    else:
-        make_model_folder(tmp_path, CONFIGS[config_name]())
+    else:  # Gemma's norms moved off their init (w = 0)
+        make_model_folder(tmp_path, ALL_CONFIGS[config_name](), norm_noise=0.3)
     loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1,
                                     weight_dtype=weight_dtype))
     model = loaded.model
@@ -152,12 +162,14 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
 
 
-# layers without RoPE (smollm3), scaled residuals (granite), Gemma's norms: each a layer the
-# stack does not repeat, and the reason it says
+# layers without RoPE (smollm3), partial rotary (phi3), scaled residuals (granite),
+# post-norms (olmo2), experts: each a layer the stack does not repeat, and the reason it says
 NOT_STACKED = {
     "smollm3": (FAMILY_CONFIGS["smollm3"], "layer 1: self_attn: RoPE on 0 of 16 dims"),
+    "phi3": (FAMILY_CONFIGS["phi3"], "layer 0: self_attn: RoPE on 8 of 16 dims"),
     "granite": (FAMILY_CONFIGS["granite"], "residual_multiplier"),
-    "gemma2": (WINDOWED_CONFIGS["gemma2"], "GemmaDecoderLayer declares no decode-stack form"),
+    "olmo2": (FAMILY_CONFIGS["olmo2"], "Olmo2DecoderLayer declares no decode-stack form"),
+    "qwen3_moe": (CONFIGS["qwen3_moe"], "layer 0: mlp: MoE declares no decode-stack form"),
 }
 
 

@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("rope_", &pagedserve::rope_);
   m.def("qk_norm_rope_", &pagedserve::qk_norm_rope_);
   m.def("silu_and_mul", &pagedserve::silu_and_mul);
+  m.def("gelu_tanh_and_mul", &pagedserve::gelu_tanh_and_mul);
 
   // the small-batch projections, one op per path of cpu_kernel_table.PATHS
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &pagedserve::matvec);

@@ -1,4 +1,5 @@
-// A Llama-style model's decoder layers for a decode step of a few rows, in one C++ call
+// A decoder's layers (Llama-style, Qwen3's q/k norms, Gemma's sandwich norms, gelu gate and
+// per-layer RoPE tables) for a decode step of a few rows, in one C++ call
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
 // the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
@@ -89,12 +90,17 @@ struct Projection {
 
 }  // namespace
 
+enum class Activation : int64_t { silu, gelu_tanh };
+
 struct DecodeStack::Layer {
-  at::Tensor input_norm, post_norm;
-  std::optional<at::Tensor> q_norm, k_norm;  // per head, before RoPE (Qwen3)
+  at::Tensor input_norm, mlp_norm;
+  // Gemma's sandwich norms on the attention's and feed-forward's outputs
+  std::optional<at::Tensor> attention_out_norm, mlp_out_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // per head, before RoPE (Qwen3, Gemma 3)
   double eps;
   Projection qkv, o, gate_up, down;
-  int64_t num_heads, num_kv_heads, head_dim, window;
+  int64_t num_heads, num_kv_heads, head_dim, window, rope;
+  Activation activation;
   double scale, softcap;
   std::optional<at::Tensor> sinks;
 };
@@ -128,13 +134,15 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             at::Tensor sinks, std::vector<int64_t> kinds,
                             std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
                             std::vector<at::Tensor> biases) {
-  TORCH_CHECK(norms.size() == 4 && shape.size() == 4 && kinds.size() == 4 &&
+  TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && kinds.size() == 4 &&
                   rotation_blocks.size() == 4 && biases.size() == 4,
-              "DecodeStack.add_layer: four norms, four projections and a shape of four");
+              "DecodeStack.add_layer: six norms, four projections and a shape of six");
+  TORCH_CHECK(shape[4] >= 0 && (shape[5] == 0 || shape[5] == 1),
+              "DecodeStack.add_layer: a RoPE table's index and an activation of 0 or 1");
   const auto optional = [](const at::Tensor& t) {
     return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
   };
-  TORCH_CHECK(optional(norms[2]).has_value() == optional(norms[3]).has_value(),
+  TORCH_CHECK(optional(norms[4]).has_value() == optional(norms[5]).has_value(),
               "DecodeStack.add_layer: a q norm and a k norm, or neither");
   Projection projections[4];
   size_t next = 0;
@@ -150,18 +158,26 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
     if (biases[i].numel() > 0) p.bias = biases[i];
   }
   TORCH_CHECK(next == weights.size(), "too many projection weights");
-  layers_.push_back(Layer{norms[0], norms[1], optional(norms[2]), optional(norms[3]), eps,
+  layers_.push_back(Layer{norms[0], norms[2], optional(norms[1]), optional(norms[3]),
+                          optional(norms[4]), optional(norms[5]), eps,
                           projections[0], projections[1], projections[2], projections[3],
-                          shape[0], shape[1], shape[2], shape[3], scale, softcap,
+                          shape[0], shape[1], shape[2], shape[3], shape[4],
+                          static_cast<Activation>(shape[5]), scale, softcap,
                           optional(sinks)});
 }
 
-at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
+                                std::vector<at::Tensor> sin,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor context_lens, std::vector<at::Tensor> k_caches,
                                 std::vector<at::Tensor> v_caches) {
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DecodeStack.forward: one k and one v cache a layer");
+  TORCH_CHECK(cos.size() == sin.size(), "DecodeStack.forward: a sin table for each cos table");
+  for (const Layer& layer : layers_) {
+    TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()),
+                "DecodeStack.forward: a layer reads RoPE table ", layer.rope, " of ", cos.size());
+  }
   const int64_t rows = x.size(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
@@ -172,11 +188,12 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
     at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
     if (layer.q_norm) {
       PROFILED("qk_norm_rope_");
-      qk_norm_rope_(qkv, cos, sin, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+      qk_norm_rope_(qkv, cos[layer.rope], sin[layer.rope], layer.num_heads, layer.num_kv_heads, layer.head_dim,
                     *layer.q_norm, *layer.k_norm, layer.eps);
     } else {
       PROFILED("rope_");
-      rope_(qkv, cos, sin, layer.num_heads + layer.num_kv_heads, layer.head_dim);
+      rope_(qkv, cos[layer.rope], sin[layer.rope], layer.num_heads + layer.num_kv_heads,
+            layer.head_dim);
     }
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, layer.num_heads, layer.head_dim});
     const at::Tensor k =
@@ -193,13 +210,20 @@ at::Tensor DecodeStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
       return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
                               layer.window, layer.softcap, layer.sinks);
     }();
-    x = x + layer.o(attended.view({rows, q_size}));
-    const at::Tensor gate_up = layer.gate_up(norm(x, layer.post_norm, layer.eps));
+    const at::Tensor attention_out = layer.o(attended.view({rows, q_size}));
+    x = x + (layer.attention_out_norm ? norm(attention_out, *layer.attention_out_norm, layer.eps)
+                                      : attention_out);
+    const at::Tensor gate_up = layer.gate_up(norm(x, layer.mlp_norm, layer.eps));
     const at::Tensor activated = [&] {
+      if (layer.activation == Activation::gelu_tanh) {
+        PROFILED("gelu_tanh_and_mul");
+        return gelu_tanh_and_mul(gate_up);
+      }
       PROFILED("silu_and_mul");
       return silu_and_mul(gate_up);
     }();
-    x = x + layer.down(activated);
+    const at::Tensor mlp_out = layer.down(activated);
+    x = x + (layer.mlp_out_norm ? norm(mlp_out, *layer.mlp_out_norm, layer.eps) : mlp_out);
   }
   return x;
 }

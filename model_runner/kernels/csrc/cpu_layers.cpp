@@ -174,6 +174,31 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// gelu(gate) * up for x = [gate | up] of width 2 * I: out [n, I], gelu in its tanh form
+// (Gemma's gelu_pytorch_tanh) written as 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)),
+// u = sqrt(2 / pi) (g + 0.044715 g^3).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  check_rows(x, "gelu_tanh_and_mul");
+  TORCH_CHECK(x.size(1) % 16 == 0, "gelu_tanh_and_mul: width must be a multiple of 16");
+  const int64_t rows = x.size(0), half = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({rows, half}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * stride;
+      const float* up = gate + half;
+      for (int64_t i = 0; i < half; i += 8) {
+        const Vec8 g = load8(gate + i);
+        const Vec8 two_u = kTwoSqrtTwoOverPi * (g + 0.044715f * g * g * g);
+        store8(o + r * half + i, g / (1.f + exp8(-two_u)) * load8(up + i));
+      }
+    }
+  });
+  return out;
+}
+
 // Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
 // a power of two; Sylvester's order, as cpu_linear.hadamard builds it) with an in-place
 // fast Walsh-Hadamard transform, then divided by its largest magnitude: the int8 linear's

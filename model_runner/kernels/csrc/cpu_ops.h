@@ -32,6 +32,7 @@ void qk_norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    const at::Tensor& q_weight, const at::Tensor& k_weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
 
 // cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp
@@ -58,19 +59,24 @@ struct DecodeStack : torch::CustomClassHolder {
   DecodeStack(std::vector<std::string> kind_names, std::vector<int64_t> tensors_per_kind);
   ~DecodeStack() override;
 
-  // One layer, after those added before. norms: the input and post-attention norms' weights,
-  // then the per-head q and k norms' (both empty for none), all with one eps; shape:
-  // (num_heads, num_kv_heads, head_dim, window); kinds and rotation_blocks: qkv, o, gate_up,
-  // down's; weights: their tensors one after the other, biases: theirs (an empty tensor for
-  // none); sinks: empty for none.
+  // One layer, after those added before. norms: the weights (the scale the norm multiplies
+  // by) of the input norm, the attention output's norm (Gemma's sandwich; empty for none),
+  // the feed-forward input's norm, the feed-forward output's (empty for none), the per-head
+  // q and k norms (both empty for none), all with one eps; shape: (num_heads, num_kv_heads,
+  // head_dim, window, rope: its index in forward's cos and sin tables, activation: 0 SwiGLU,
+  // 1 gelu-tanh gated); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their
+  // tensors one after the other, biases: theirs (an empty tensor for none); sinks: empty for
+  // none.
   void add_layer(std::vector<at::Tensor> norms, double eps, std::vector<int64_t> shape,
                  double scale, double softcap, at::Tensor sinks, std::vector<int64_t> kinds,
                  std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
 
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
-  // stream before the final norm. cos and sin [n, head_dim / 2]; caches: one pair a layer.
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+  // stream before the final norm. cos and sin: the RoPE tables the layers read, each
+  // [n, head_dim / 2]; caches: one pair a layer.
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+                     at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens,
                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
 
