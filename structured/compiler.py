@@ -9,15 +9,22 @@ cached too: its future raises the ValueError again.
 
 A compile includes the first token mask (computed on the start-state matcher, whose
 lexer states its copies then share), and both run under llguidance's resource limits
-(`PARSER_LIMITS` of structured/grammars.py): a grammar too costly for them fails here,
-not in a step. The API process compiles each grammar before admitting its request
-(bounded in time by --grammar-timeout-s), the engine core again for its own matchers.
+(`PARSER_LIMITS` of structured/grammars.py): a grammar too costly for them, or that forces
+more than `MAX_FORCED_BYTES` at its start, fails here, not in a step. The API process
+compiles each grammar before admitting its request (bounded in time by
+--grammar-timeout-s), the engine core again for its own matchers.
+
+Memory: one compile holds what those limits allow (tens of MB at most, while it runs); the
+cache holds at most `cache_size` grammars and `cache_bytes` of their estimated memory
+(`grammar_cost`), the least recently used going first: a stream of distinct costly
+grammars cannot pile up. (A request's own copy of its matcher is freed with the request.)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -26,9 +33,10 @@ import llguidance.hf
 import numpy as np
 from llguidance import LLMatcher
 
-from structured.grammars import PARSER_LIMITS
+from structured.grammars import PARSER_LIMITS, forced_bytes_error, grammar_cost
 
 DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 64 * 1024**2
 
 
 def build_ll_tokenizer(
@@ -41,28 +49,38 @@ def build_ll_tokenizer(
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer on `num_threads` threads, LRU-cached."""
+    """Compiles grammars for one tokenizer on `num_threads` threads, LRU-cached: at most
+    `cache_size` grammars and `cache_bytes` of their estimated memory."""
 
     def __init__(
         self,
         tokenizer: llguidance.LLTokenizer,
         num_threads: int = 1,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         self.tokenizer = tokenizer
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="grammar-compile"
         )
         self._cache: OrderedDict[str, concurrent.futures.Future[LLMatcher]] = OrderedDict()
+        self._costs: dict[str, int] = {}  # the cached compiled grammars' estimated memory
         self._lock = threading.Lock()
         self.num_compiles = 0  # grammars compiled (cache misses)
 
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.vocab_size)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated memory of the compiled grammars in the cache."""
+        with self._lock:
+            return sum(self._costs.values())
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -78,19 +96,39 @@ class GrammarCompiler:
             future = self._pool.submit(self._compile, grammar)
             self._cache[grammar] = future
             self.num_compiles += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._evict()
             return future
 
     def _compile(self, grammar: str) -> LLMatcher:
+        started = time.thread_time()
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+        num_forced = 0
         if not matcher.is_error():
             words = (self.vocab_size + 31) // 32
             mask = np.empty(words, dtype=np.int32)
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
-        if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher_error(matcher)}")
+            num_forced = len(matcher.compute_ff_bytes())
+        error = matcher_error(matcher) if matcher.is_error() else forced_bytes_error(num_forced)
+        if error is not None:
+            # NOTE: the cached error's traceback holds this frame: not the matcher with it
+            del matcher
+            raise ValueError(f"the grammar does not compile: {error}")
+        cost = grammar_cost(grammar, num_forced, time.thread_time() - started)
+        with self._lock:
+            if grammar in self._cache:  # NOTE: not when evicted while it compiled
+                self._costs[grammar] = cost
+                self._evict()
         return matcher
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars until the cache is within its size and
+        its memory budget (the newest stays, whatever it costs). The caller holds the
+        lock."""
+        total = sum(self._costs.values())
+        while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                        or total > self.cache_bytes):
+            grammar, _ = self._cache.popitem(last=False)
+            total -= self._costs.pop(grammar, 0)
 
 
 def matcher_error(matcher: LLMatcher) -> str:
