@@ -1,9 +1,11 @@
 """Chat messages (and tools) through a chat template, bounded in time.
 
 A request's own template (`chat_template_kwargs.chat_template`) runs only with
---trust-request-chat-template; the server's (--chat-template) stands in for the model's;
-every template stops at --chat-template-timeout-s (`call_with_deadline`). Each refusal is
-a 400 naming why.
+--trust-request-chat-template, and then in a worker process killed at
+--chat-template-timeout-s whatever the template does (server/template_worker.py); the
+server's (--chat-template) stands in for the model's, and it and the model's, the
+operator's code, run in process, stopped at their first Python call past the deadline
+(`call_with_deadline`). Each refusal is a 400 naming why.
 """
 
 from __future__ import annotations
@@ -12,13 +14,20 @@ import gc
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from server.config import ServerConfig
-from server.errors import APIError
-from server.limits import flag_of, over_limit
+from server.errors import APIError, server_error
+from server.limits import RequestLimits, flag_of, over_limit
 from server.requests import ChatCompletionRequest
+from server.template_worker import (
+    TemplateFailed,
+    TemplateTimeout,
+    TemplateUnavailable,
+    TemplateWorkers,
+)
 
 _T = TypeVar("_T")
 
@@ -41,8 +50,10 @@ def apply_chat_template(
         )
     if body.effective_tool_choice != "none" and body.tools:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if "chat_template" in kwargs:
+        return _render_in_worker(tokenizer, messages, kwargs, add_generation_prompt, limits)
     if config.chat_template is not None:
-        kwargs.setdefault("chat_template", config.chat_template)
+        kwargs["chat_template"] = config.chat_template
     try:
         text: str = call_with_deadline(
             lambda: tokenizer.apply_chat_template(
@@ -52,13 +63,60 @@ def apply_chat_template(
             limits.chat_template_timeout_s,
         )
     except DeadlineExceeded as exc:
-        raise APIError(400, over_limit(
-            "the chat template took too long to render (seconds)",
-            limits.chat_template_timeout_s, "chat_template_timeout_s",
-        ), param="messages") from exc
+        raise _too_long(limits) from exc
     except Exception as exc:  # jinja errors: the messages do not fit the template
         raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
     return text
+
+
+def _render_in_worker(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                      add_generation_prompt: bool, limits: RequestLimits) -> str:
+    """A request's own (trusted) template, rendered by a worker process of `tokenizer`'s
+    pool, killed at the deadline."""
+    # NOTE: the messages came in a body of at most --max-body-bytes; a template that
+    # makes many times that of text is refused in the worker, before it is sent here
+    max_chars = _RENDERED_CHARS_PER_BODY_BYTE * limits.max_body_bytes
+    try:
+        return _workers_of(tokenizer).render(messages, add_generation_prompt, kwargs,
+                                             limits.chat_template_timeout_s, max_chars)
+    except TemplateTimeout as exc:
+        raise _too_long(limits) from exc
+    except TemplateFailed as exc:
+        raise APIError(400, f"Cannot apply the chat template: {exc}", param="messages") from exc
+    except TemplateUnavailable as exc:
+        raise server_error(503, f"The request's chat template cannot be rendered now: {exc}",
+                           code="template_worker_unavailable") from exc
+
+
+def _too_long(limits: RequestLimits) -> APIError:
+    return APIError(400, over_limit(
+        "the chat template took too long to render (seconds)",
+        limits.chat_template_timeout_s, "chat_template_timeout_s",
+    ), param="messages")
+
+
+_RENDERED_CHARS_PER_BODY_BYTE = 4
+_workers: dict[int, TemplateWorkers] = {}  # by id(tokenizer), while the tokenizer lives
+_workers_lock = threading.Lock()
+
+
+def _workers_of(tokenizer: Any) -> TemplateWorkers:
+    """The worker pool rendering with `tokenizer` (made at its first trusted template, closed
+    when the tokenizer is collected)."""
+    key = id(tokenizer)
+    with _workers_lock:
+        workers = _workers.get(key)
+        if workers is None:
+            workers = _workers[key] = TemplateWorkers(tokenizer)
+            weakref.finalize(tokenizer, _close_workers, key)
+        return workers
+
+
+def _close_workers(key: int) -> None:
+    with _workers_lock:
+        workers = _workers.pop(key, None)
+    if workers is not None:
+        workers.close()
 
 
 class DeadlineExceeded(BaseException):

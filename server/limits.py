@@ -96,9 +96,12 @@ LIMIT_FLAGS: dict[str, str] = {
     "(a 400 beyond)",
     "grammar_step_timeout_s": "seconds a step waits for the grammar masks of its requests; "
     "a request whose mask is later fails alone with an error, the step goes on",
-    "chat_template_timeout_s": "seconds a chat template may take to render (a 400 beyond)",
+    "chat_template_timeout_s": "seconds a chat template may take to render (a 400 beyond; "
+    "a request's own template, rendered in a worker process, is killed then whatever it "
+    "does)",
     "trust_request_chat_template": "accept a request's own chat template "
-    "(chat_template_kwargs.chat_template); refused by default",
+    "(chat_template_kwargs.chat_template), rendered in a worker process killed at "
+    "--chat-template-timeout-s; refused by default",
 }
 
 
