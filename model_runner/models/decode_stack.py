@@ -11,7 +11,7 @@ Python layers otherwise (prefill chunks, verifications, larger batches, other ba
 A layer is taken by what it declares, not by its type: its `decode_stack_form()` gives
 its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNorms, with
 Gemma's sandwich norms on the blocks' outputs or without; attention with full RoPE from the
-layer's own table, per-head q/k norms or none, any scale, window, soft cap and sinks; a
+layer's own table or none, per-head q/k norms or none, any scale, window, soft cap and sinks; a
 SwiGLU or gelu-tanh gated MLP; every projection on a small-batch path of
 cpu_kernel_table.py), or a reason why not, and so do its norms, attention and MLP. A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
@@ -50,8 +50,9 @@ class StackNorm:
 @dataclass(frozen=True)
 class StackAttention:
     """Self-attention as the stack runs it: q/k/v projected, each q and k head normed
-    (`q_norm`, `k_norm`: Qwen3's per-head norms, or None) and RoPE on its every dim, the KV
-    write and paged decode attention (window, soft cap, sinks), o projected."""
+    (`q_norm`, `k_norm`: Qwen3's per-head norms, or None) and RoPE on its every dim (none
+    where not `rotates`: a NoPE layer), the KV write and paged decode attention (window,
+    soft cap, sinks), o projected."""
 
     num_heads: int
     num_kv_heads: int
@@ -64,6 +65,7 @@ class StackAttention:
     o: DecodeForm
     q_norm: StackNorm | None = None
     k_norm: StackNorm | None = None
+    rotates: bool = True
 
 
 # the gated MLP's activations, by their index in csrc/cpu_decode_stack.cpp
@@ -87,8 +89,9 @@ DEFAULT_ROPE = "default"  # the RoPE table of a model with one for every layer
 class StackLayer:
     """A pre-norm decoder layer: x + attention(norm(x)), then x + mlp(norm(x)); with
     Gemma's sandwich norms, each block's output normed before it is added
-    (`attention_out_norm`, `mlp_out_norm`). `rope`: the name of the RoPE table its
-    attention reads (Gemma 3's local and global layers read their own)."""
+    (`attention_out_norm`, `mlp_out_norm`); each block's output times
+    `residual_multiplier` (Granite's) before it is added. `rope`: the name of the RoPE
+    table its attention reads (Gemma 3's local and global layers read their own)."""
 
     input_norm: StackNorm
     post_norm: StackNorm  # the feed-forward block's input norm
@@ -97,6 +100,7 @@ class StackLayer:
     attention_out_norm: StackNorm | None = None
     mlp_out_norm: StackNorm | None = None
     rope: str = DEFAULT_ROPE
+    residual_multiplier: float = 1.0
 
 
 Form = TypeVar("Form")
@@ -169,6 +173,8 @@ def build_decode_stack(
             return f"layer {i}: its norms' eps differ"
         if (form.attention.q_norm is None) != (form.attention.k_norm is None):
             return f"layer {i}: a q norm without a k norm, or a k norm without a q norm"
+        if form.attention.q_norm is not None and not form.attention.rotates:
+            return f"layer {i}: q/k norms on a layer without RoPE"
         if form.mlp.activation not in ACTIVATIONS:
             return f"layer {i}: the activation {form.mlp.activation!r}"
         forms.append(form)
@@ -177,7 +183,7 @@ def build_decode_stack(
     native = torch.classes.pagedserve.DecodeStack(list(PATHS), TENSORS_PER_KIND)
     empty = torch.empty(0)
     paths: set[KernelPath] = set()
-    ropes = list(dict.fromkeys(form.rope for form in forms))
+    ropes = list(dict.fromkeys(form.rope for form in forms if form.attention.rotates))
     for form in forms:
         attn = form.attention
         projections = (attn.qkv, attn.o, form.mlp.gate_up, form.mlp.down)
@@ -185,9 +191,11 @@ def build_decode_stack(
             [empty if norm is None else norm.weight for norm in _norms(form)],
             float(form.input_norm.eps),
             [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window,
-             ropes.index(form.rope), ACTIVATIONS.index(form.mlp.activation)],
+             ropes.index(form.rope) if attn.rotates else -1,
+             ACTIVATIONS.index(form.mlp.activation)],
             float(attn.scale),
             float(attn.softcap),
+            float(form.residual_multiplier),
             empty if attn.sinks is None else attn.sinks,
             [KIND_OF[p.path.name] for p in projections],
             [p.rotation_block for p in projections],

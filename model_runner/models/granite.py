@@ -5,6 +5,8 @@ head_dim ** -0.5), each block's output before it joins the residual
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -12,6 +14,7 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.models.decode_stack import StackLayer
 from model_runner.models.layers import Attention
 from model_runner.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -39,8 +42,11 @@ class GraniteDecoderLayer(DecoderLayer):
         h = self.mlp(self.post_attention_layernorm(x, ops), ops)
         return x + h * self.residual_multiplier
 
-    def decode_stack_form(self) -> str:
-        return "each block's output scaled by residual_multiplier (not in the C++ stack)"
+    def decode_stack_form(self) -> StackLayer | str:
+        form = super().decode_stack_form()
+        if isinstance(form, str):
+            return form
+        return replace(form, residual_multiplier=self.residual_multiplier)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -160,8 +160,10 @@ class Attention(nn.Module):
         """This attention as the C++ decode stack runs it (decode_stack.py), or why not."""
         if self.tp is not None:
             return "a tensor-parallel shard (its output is all-reduced)"
-        if self.rotary_dim != self.head_dim:
-            return f"RoPE on {self.rotary_dim} of {self.head_dim} dims (partial or none)"
+        if self.rotary_dim not in (0, self.head_dim):
+            return f"RoPE on {self.rotary_dim} of {self.head_dim} dims (partial)"
+        if self.qk_norm and not self.rotary_dim:
+            return "q/k norms without RoPE (the layer kernels norm them with RoPE)"
         if self.head_dim % 16:
             return f"head_dim {self.head_dim}, not a multiple of 16"
         qkv, o = self.qkv_proj.decode_form(), self.o_proj.decode_form()
@@ -181,6 +183,7 @@ class Attention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, options.sliding_window or 0,
             self.scale, options.softcap or 0.0,
             None if options.sinks is None else options.sinks.detach(), qkv, o, q_norm, k_norm,
+            rotates=self.rotary_dim > 0,
         )
 
     def qkv(

@@ -107,6 +107,9 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
         ("gemma3", "float16", False, "matvec"),
         ("gemma3", "int8", False, "int8_matvec"),
         ("gemma3", "auto", True, "q4_1_matvec"),
+        ("smollm3", "auto", False, "matvec"),  # a layer without RoPE (NoPE)
+        ("granite", "auto", False, "matvec"),  # each block's output scaled
+        ("granite", "int8", False, "int8_matvec"),
         ("smollm2", "auto", True, "q4_1_matvec"),  # exact Q4_1 blocks (the LM head stays rows)
         ("smollm2", "float16", False, "matvec"),
         # Q4_1 blocks times activations split in int8 planes
@@ -162,12 +165,10 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
 
 
-# layers without RoPE (smollm3), partial rotary (phi3), scaled residuals (granite),
-# post-norms (olmo2), experts: each a layer the stack does not repeat, and the reason it says
+# partial rotary (phi3), post-norms and q/k norms over the whole projection (olmo2),
+# experts: each a layer the stack does not repeat, and the reason it says
 NOT_STACKED = {
-    "smollm3": (FAMILY_CONFIGS["smollm3"], "layer 1: self_attn: RoPE on 0 of 16 dims"),
     "phi3": (FAMILY_CONFIGS["phi3"], "layer 0: self_attn: RoPE on 8 of 16 dims"),
-    "granite": (FAMILY_CONFIGS["granite"], "residual_multiplier"),
     "olmo2": (FAMILY_CONFIGS["olmo2"], "Olmo2DecoderLayer declares no decode-stack form"),
     "qwen3_moe": (CONFIGS["qwen3_moe"], "layer 0: mlp: MoE declares no decode-stack form"),
 }

@@ -1,5 +1,5 @@
 // A decoder's layers (Llama-style, Qwen3's q/k norms, Gemma's sandwich norms, gelu gate and
-// per-layer RoPE tables) for a decode step of a few rows, in one C++ call
+// per-layer RoPE tables, NoPE layers, Granite's residual multiplier) for a decode step of a few rows, in one C++ call
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
 // the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
@@ -99,9 +99,10 @@ struct DecodeStack::Layer {
   std::optional<at::Tensor> q_norm, k_norm;  // per head, before RoPE (Qwen3, Gemma 3)
   double eps;
   Projection qkv, o, gate_up, down;
-  int64_t num_heads, num_kv_heads, head_dim, window, rope;
+  int64_t num_heads, num_kv_heads, head_dim, window, rope;  // rope -1: a layer without (NoPE)
   Activation activation;
   double scale, softcap;
+  double residual_multiplier;  // each block's output times it (Granite's; 1: none)
   std::optional<at::Tensor> sinks;
 };
 
@@ -110,6 +111,11 @@ namespace {
 at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   PROFILED("rms_norm");
   return rms_norm(x, weight, eps);
+}
+
+// a block's output times the residual multiplier, as Python's `h * m` (none when 1)
+at::Tensor scaled(const at::Tensor& h, double multiplier) {
+  return multiplier == 1.0 ? h : h * multiplier;
 }
 
 }  // namespace
@@ -131,19 +137,21 @@ DecodeStack::~DecodeStack() = default;
 
 void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             std::vector<int64_t> shape, double scale, double softcap,
-                            at::Tensor sinks, std::vector<int64_t> kinds,
+                            double residual_multiplier, at::Tensor sinks, std::vector<int64_t> kinds,
                             std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
                             std::vector<at::Tensor> biases) {
   TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && kinds.size() == 4 &&
                   rotation_blocks.size() == 4 && biases.size() == 4,
               "DecodeStack.add_layer: six norms, four projections and a shape of six");
-  TORCH_CHECK(shape[4] >= 0 && (shape[5] == 0 || shape[5] == 1),
-              "DecodeStack.add_layer: a RoPE table's index and an activation of 0 or 1");
+  TORCH_CHECK(shape[4] >= -1 && (shape[5] == 0 || shape[5] == 1),
+              "DecodeStack.add_layer: a RoPE table's index (-1: none) and an activation of 0 or 1");
   const auto optional = [](const at::Tensor& t) {
     return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
   };
   TORCH_CHECK(optional(norms[4]).has_value() == optional(norms[5]).has_value(),
               "DecodeStack.add_layer: a q norm and a k norm, or neither");
+  TORCH_CHECK(shape[4] >= 0 || !optional(norms[4]).has_value(),
+              "DecodeStack.add_layer: q/k norms only on a layer with RoPE");
   Projection projections[4];
   size_t next = 0;
   for (int i = 0; i < 4; ++i) {
@@ -163,7 +171,7 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                           projections[0], projections[1], projections[2], projections[3],
                           shape[0], shape[1], shape[2], shape[3], shape[4],
                           static_cast<Activation>(shape[5]), scale, softcap,
-                          optional(sinks)});
+                          residual_multiplier, optional(sinks)});
 }
 
 at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
@@ -186,7 +194,9 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
     const int64_t q_size = layer.num_heads * layer.head_dim;
     const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
     at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
-    if (layer.q_norm) {
+    if (layer.rope < 0) {
+      // a layer without positions: q and k as projected
+    } else if (layer.q_norm) {
       PROFILED("qk_norm_rope_");
       qk_norm_rope_(qkv, cos[layer.rope], sin[layer.rope], layer.num_heads, layer.num_kv_heads, layer.head_dim,
                     *layer.q_norm, *layer.k_norm, layer.eps);
@@ -211,8 +221,10 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
                               layer.window, layer.softcap, layer.sinks);
     }();
     const at::Tensor attention_out = layer.o(attended.view({rows, q_size}));
-    x = x + (layer.attention_out_norm ? norm(attention_out, *layer.attention_out_norm, layer.eps)
-                                      : attention_out);
+    x = x + scaled(layer.attention_out_norm
+                       ? norm(attention_out, *layer.attention_out_norm, layer.eps)
+                       : attention_out,
+                   layer.residual_multiplier);
     const at::Tensor gate_up = layer.gate_up(norm(x, layer.mlp_norm, layer.eps));
     const at::Tensor activated = [&] {
       if (layer.activation == Activation::gelu_tanh) {
@@ -223,7 +235,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
       return silu_and_mul(gate_up);
     }();
     const at::Tensor mlp_out = layer.down(activated);
-    x = x + (layer.mlp_out_norm ? norm(mlp_out, *layer.mlp_out_norm, layer.eps) : mlp_out);
+    x = x + scaled(layer.mlp_out_norm ? norm(mlp_out, *layer.mlp_out_norm, layer.eps) : mlp_out,
+                   layer.residual_multiplier);
   }
   return x;
 }

@@ -63,13 +63,15 @@ struct DecodeStack : torch::CustomClassHolder {
   // by) of the input norm, the attention output's norm (Gemma's sandwich; empty for none),
   // the feed-forward input's norm, the feed-forward output's (empty for none), the per-head
   // q and k norms (both empty for none), all with one eps; shape: (num_heads, num_kv_heads,
-  // head_dim, window, rope: its index in forward's cos and sin tables, activation: 0 SwiGLU,
-  // 1 gelu-tanh gated); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their
+  // head_dim, window, rope: its index in forward's cos and sin tables or -1 for none,
+  // activation: 0 SwiGLU, 1 gelu-tanh gated); residual_multiplier: each block's output times
+  // it before it joins the residual (1: none); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their
   // tensors one after the other, biases: theirs (an empty tensor for none); sinks: empty for
   // none.
   void add_layer(std::vector<at::Tensor> norms, double eps, std::vector<int64_t> shape,
-                 double scale, double softcap, at::Tensor sinks, std::vector<int64_t> kinds,
-                 std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
+                 double scale, double softcap, double residual_multiplier, at::Tensor sinks,
+                 std::vector<int64_t> kinds, std::vector<int64_t> rotation_blocks,
+                 std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
 
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
