@@ -282,11 +282,12 @@ async def _in_flight_flood(context: Context) -> Answer:
 
 
 async def _tokenize_flood(context: Context) -> Answer:
-    """Twice the attacker's seats of /tokenize at once, each 330,000 CJK characters: the
-    ones beyond its seats are 429s. NOTE: half the issue's 660,000 (just within the
-    context's characters), whose one tokenizing alone peaks at ~300 MB in the API process,
-    near the 400 MB bound whatever the seats."""
-    body = {"prompt": "漢字" * 165_000}
+    """Twice the attacker's seats of /tokenize at once, each 66,000 CJK characters (~0.2 s
+    of the tokenizer thread): the ones beyond its seats are 429s. NOTE: a tenth of the
+    issue's 660,000 (just within the context's characters), one tokenizing of which peaks
+    at ~300 MB in the API process and takes a core for ~1.9 s whatever the seats (four in
+    a row starved the engine core of a loaded 2-core machine)."""
+    body = {"prompt": "漢字" * 33_000}
     responses = await asyncio.gather(*(
         context.clients["attacker"].post("/tokenize", json=body)
         for _ in range(2 * ATTACKER_MAX_IN_FLIGHT)))
