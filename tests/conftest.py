@@ -97,6 +97,32 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+class CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer, counting its work in `calls` ("encode", "decode", "template"),
+    shared by its copies: what a test reads to prove a request cost no work."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def __deepcopy__(self, memo: dict) -> CountingTokenizer:
+        return CountingTokenizer(self.calls)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append("encode")
+        return super().encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.calls.append("decode")
+        return super().decode(token_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = False,
+                            **template_kwargs: object) -> str:
+        self.calls.append("template")
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt,
+                                           **template_kwargs)
+
+
 class ComputedStep:
     """A step computed at launch: `result()` returns its output."""
 

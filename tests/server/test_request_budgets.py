@@ -25,7 +25,7 @@ from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.requests import ChatTool
 from server.tenants import TenantRegistry, TenantSpec
-from tests.conftest import ByteTokenizer
+from tests.conftest import ByteTokenizer, CountingTokenizer
 from tests.support.reliability_helpers import assert_openai_error
 
 USER = {"role": "user", "content": "hi"}
@@ -137,24 +137,6 @@ def test_the_schema_states_the_servers_own_limits(client) -> None:
 
 
 # ------------------------------------------------------------------ tenants
-
-
-class CountingTokenizer(ByteTokenizer):
-    """The byte tokenizer, counting its work in `calls` (shared by its copies)."""
-
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def __deepcopy__(self, memo: dict) -> CountingTokenizer:
-        return CountingTokenizer(self.calls)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.calls.append("encode")
-        return super().encode(text, add_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:
-        self.calls.append("template")
-        return super().apply_chat_template(messages, **kwargs)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from server.rendering import Choice
 from server.requests import CompletionRequest
 from server.responses_request import ResponsesRequest, chat_messages
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
-from tests.conftest import ByteTokenizer
+from tests.conftest import CountingTokenizer
 from tests.support.engine_helpers import step_faults
 from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
 
@@ -55,24 +55,6 @@ def test_spent_tokens_count_past_the_rate_and_expire_with_the_window() -> None:
 
 
 # ------------------------------------------------------------------ seats and charges
-
-
-class CountingTokenizer(ByteTokenizer):
-    """The byte tokenizer, counting its work in `calls` (shared by its copies)."""
-
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def __deepcopy__(self, memo: dict) -> CountingTokenizer:
-        return CountingTokenizer(self.calls)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.calls.append("encode")
-        return super().encode(text, add_special_tokens)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        self.calls.append("decode")
-        return super().decode(token_ids, skip_special_tokens)
 
 
 @pytest.fixture
