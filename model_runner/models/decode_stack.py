@@ -5,15 +5,17 @@ add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks.md, the batch-
 step). `DecodeStack` hands the layers' weights to csrc/cpu_decode_stack.cpp once, which
 then runs every layer of a decode step with the kernels the Python layers call on the
 "cpu" backend, in their order: the same hidden states to the bit (tests/runner/
-test_decode_stack.py). `LlamaForCausalLM.forward` runs it when `takes` says so, the
-Python layers otherwise (prefill chunks, verifications, larger batches, other backends).
+test_decode_stack.py). `LlamaForCausalLM.forward` (and Gemma's) runs it when `takes` says
+so, the Python layers otherwise (prefill chunks, verifications, larger batches, other
+backends).
 
 A layer is taken by what it declares, not by its type: its `decode_stack_form()` gives
 its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNorms, with
-Gemma's sandwich norms on the blocks' outputs or without; attention with full RoPE from the
-layer's own table or none, per-head q/k norms or none, any scale, window, soft cap and sinks; a
-SwiGLU or gelu-tanh gated MLP; every projection on a small-batch path of
-cpu_kernel_table.py), or a reason why not, and so do its norms, attention and MLP. A family
+Gemma's sandwich norms on the blocks' outputs or without, each block's output scaled or not;
+attention with full RoPE from the layer's own table or none, per-head q/k norms or none,
+any scale, window, soft cap and sinks; a SwiGLU or gelu-tanh gated MLP; every projection
+on a small-batch path of cpu_kernel_table.py), or a reason why not, and so do its norms,
+attention and MLP. A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
 (tests/runner/test_decode_stack.py holds every subclass here to that).
 """
