@@ -42,7 +42,11 @@ def apply_chat_template(
     limits = config.limits
     messages = [m.to_template_dict() for m in body.messages]
     kwargs = dict(body.chat_template_kwargs or {})
-    if "chat_template" in kwargs and not limits.trust_request_chat_template:
+    if limits.trust_request_chat_template:
+        # NOTE: at the first chat request, so that a request's own template seldom waits
+        # for a worker to start (seconds) on the tokenizer thread
+        _workers_of(tokenizer).start()
+    elif "chat_template" in kwargs:
         raise APIError(
             400, "chat_template_kwargs.chat_template: this server does not run a "
             "request's own chat template; its operator may allow it with "

@@ -65,7 +65,12 @@ class TemplateWorkers:
     def __init__(self, tokenizer: Any, num_workers: int = NUM_WORKERS,
                  start_timeout_s: float = START_TIMEOUT_S,
                  max_memory_bytes: int = MAX_WORKER_MEMORY_BYTES) -> None:
-        self._payload = pickle.dumps(tokenizer)
+        self._start_error = ""
+        self._payload: bytes | None = None
+        try:
+            self._payload = pickle.dumps(tokenizer)
+        except Exception as exc:  # no worker can have it: each render is unavailable
+            self._start_error = f"the tokenizer cannot be sent to a worker process: {exc!r}"
         self._num_workers = num_workers
         self._start_timeout_s = start_timeout_s
         self._max_memory_bytes = max_memory_bytes
@@ -76,7 +81,6 @@ class TemplateWorkers:
         self._workers: set[_Worker] = set()  # ready (those starting are only counted)
         self._num_alive = 0  # ready or starting
         self._num_started = 0
-        self._start_error = ""
         self._closed = False
         self._starts: queue.SimpleQueue[bool] = queue.SimpleQueue()  # False: stop
         self._starter: threading.Thread | None = None
@@ -109,6 +113,14 @@ class TemplateWorkers:
             raise TemplateFailed(value)
         return str(value)
 
+    def start(self) -> None:
+        """Start the first worker now (once; not waited for): the first request's own
+        template then need not wait for it."""
+        with self._lock:
+            if self._payload is None or self._num_started or self._closed:
+                return  # NOTE: once: a failed start is retried by the next render
+            self._start_soon()
+
     def close(self) -> None:
         """Kill every worker; `render` is not to be called after."""
         with self._lock:
@@ -122,7 +134,9 @@ class TemplateWorkers:
         with self._lock:
             if self._closed:
                 raise TemplateUnavailable("the chat template workers are closed")
-            if self._num_alive == 0:  # lazily, the first time
+            if self._payload is None:
+                raise TemplateUnavailable(self._start_error)
+            if self._num_alive == 0:  # lazily, if `start` was not called
                 self._start_soon()
         try:
             worker = self._idle.get(timeout=self._start_timeout_s)

@@ -107,6 +107,17 @@ def test_a_worker_that_cannot_start_is_unavailable_not_a_hang() -> None:
         pool.close()
 
 
+def test_a_tokenizer_that_cannot_be_sent_makes_only_own_templates_unavailable() -> None:
+    tokenizer = JinjaTokenizer()
+    tokenizer.hook = lambda: None  # type: ignore[attr-defined]  # not picklable
+    pool = TemplateWorkers(tokenizer)
+    pool.start()
+    assert pool.num_started == 0
+    with pytest.raises(TemplateUnavailable, match="cannot be sent to a worker process"):
+        pool.render([USER], False, {"chat_template": OWN}, 30.0, 1000)
+    pool.close()
+
+
 # ------------------------------------------------------------------ over HTTP
 
 
@@ -125,6 +136,8 @@ def trusting_server(make_fake_engine, live_servers):
 
 
 def test_a_trusted_template_renders_the_same_tokens_over_http(trusting_server) -> None:
+    plain = httpx.post(f"{trusting_server.url}/tokenize", json={"messages": [USER]}, timeout=30)
+    assert bytes(plain.json()["tokens"]) == b"<user>hi\n"  # the server's own, in process
     response = httpx.post(f"{trusting_server.url}/tokenize", timeout=120, json={
         "messages": [USER], "chat_template_kwargs": {"chat_template": OWN}})
     assert response.status_code == 200, response.text
