@@ -110,13 +110,6 @@ def served_or_refused(status: int, *needles: str,
     return Expect(frozenset({200, status}), needles, check)
 
 
-def _never_stop(answer: Answer) -> str:
-    """A grammar no text of max_tokens can complete: "stop" would hide its failure."""
-    if "stop" in answer.finish_reasons:
-        return 'finish_reason "stop" on a grammar that cannot finish'
-    return ""
-
-
 # ------------------------------------------------------------------ attacks
 
 
@@ -148,13 +141,14 @@ Body = dict[str, Any] | bytes
 class Attack:
     """One hostile request: POST `body` (or `body()`) to `route` as the attacker (read
     as a stream when the body asks for one); or `send(context)` for what is not one
-    POST."""
+    POST. `max_rss_growth_mb`: a bound tighter than the suite's on every server process."""
 
     name: str
     expect: Expect
     route: str = COMPLETIONS
     body: Body | Callable[[], Body] | None = None
     send: Callable[[Context], Awaitable[Answer]] | None = None
+    max_rss_growth_mb: float | None = None
 
     async def run(self, context: Context) -> Answer:
         if self.send is not None:
@@ -314,6 +308,17 @@ async def _echo_never_run(context: Context) -> Answer:
                   violation=f"{scored} logprob entries of prompts never run" if scored else "")
 
 
+async def _two_authorization_headers(context: Context) -> Answer:
+    """The attacker's key and the victim's, as two Authorization headers (a proxy in front
+    that checks one must not see the server act on the other)."""
+    headers = [("Authorization", f"Bearer {KEYS[tenant]}") for tenant in ("attacker", "victim")]
+    response = await context.clients["attacker"].post(  # NOTE: these replace the client's
+        COMPLETIONS, headers=headers, json={"prompt": "Hi", "max_tokens": 1})
+    if len(response.request.headers.get_list("Authorization")) != 2:
+        return Answer((0,), violation="the client did not send two Authorization headers")
+    return Answer((response.status_code,), _error_message(response))
+
+
 async def _unattacked(context: Context) -> Answer:
     await asyncio.sleep(context.config.baseline_s)
     return Answer((200,))
@@ -347,7 +352,7 @@ ATTACKS: tuple[Attack, ...] = (
     Attack("prompt_logprobs_amplification", refused(400, "--max-prompt-logprobs-entries"),
            body=lambda: {"prompt": [_ids(1500), _ids(1500, 1)], "n": 16, "prompt_logprobs": 20,
                          "max_tokens": 1}),
-    Attack("regex_blowup", served_or_refused(400, check=_never_stop),
+    Attack("regex_blowup", refused(400), max_rss_growth_mb=100,  # it forces 97,908 bytes
            body={"prompt": "a", "max_tokens": 8,
                  "structured_outputs": {"regex": "(a{1000}){1000}"}}),
     Attack("allowed_token_ids_flood", served_or_refused(400),
@@ -412,7 +417,18 @@ ATTACKS: tuple[Attack, ...] = (
         lambda a: "" if len(a.message) <= 1024 else f"a message of {len(a.message)} chars"),
         body=lambda: b'{"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": ['
         + b'"1",' * 1_999_999 + b'"1"]}'),
+    Attack("two_authorization_headers", refused(400, "more than one Authorization header"),
+           send=_two_authorization_headers),
     Attack("unknown_field_2_6m_empty_lists", served(),  # 7.8 MB never decoded
            body=lambda: b'{"prompt": "Hi", "max_tokens": 4, "x": [' + b"[]," * 2_599_999 + b"[]]}"),
 )
 UNATTACKED = Attack("unattacked", served(), send=_unattacked)
+
+# A server started with these flags too (the suite's refuses a request's own template).
+TRUSTED_TEMPLATE_FLAGS = ("--trust-request-chat-template",)
+TRUSTED_TEMPLATE_ATTACKS: tuple[Attack, ...] = (
+    # ~6.5 s in one C call holding the GIL: its worker is killed at the deadline
+    Attack("trusted_template_in_c", refused(400, "--chat-template-timeout-s"), CHAT,
+           {"messages": _HI, "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{{ (9 ** 10000000) > 1 }}"}}),
+)
