@@ -182,7 +182,8 @@ class TemplateWorkers:
         except (TemplateUnavailable, EOFError, OSError) as exc:
             _kill(worker)
             why = str(exc) if isinstance(exc, TemplateUnavailable) else _exit_of(worker)
-            logger.warning("a chat template worker did not start: %s", why)
+            if not self._closed:  # NOTE: closed, it was killed on purpose (at exit too)
+                logger.warning("a chat template worker did not start: %s", why)
             with self._lock:
                 self._num_alive -= 1
                 self._start_error = why
