@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from server.config import ServerConfig
 from server.limits import RequestLimits
 from server.requests import ChatCompletionRequest, CompletionRequest
 from server.structured_output import GrammarError, json_depth, lark_depth, request_grammar
@@ -138,16 +136,6 @@ def test_a_recursion_error_building_a_forced_tool_call_is_refused() -> None:
 # ------------------------------------------------------------------ over HTTP
 
 
-@pytest.fixture
-def serve(make_fake_engine, open_client) -> Callable[..., TestClient]:
-    def make(**limits: Any) -> TestClient:
-        engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
-                                  start=False)
-        return open_client(engine, ServerConfig(limits=RequestLimits(**limits)))
-
-    return make
-
-
 def _post(client: TestClient, **fields: Any) -> Any:
     return client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8, **fields})
 
@@ -158,15 +146,17 @@ def _post(client: TestClient, **fields: Any) -> Any:
     ({"json": '{"type":"array","items":' * 50_000 + "{}" + "}" * 50_000}, "--max-grammar"),
 ])
 def test_what_only_the_tokenizer_aware_compile_rejects_is_a_400(
-    serve, structured: dict[str, Any], needle: str
+    structured_client, structured: dict[str, Any], needle: str
 ) -> None:
-    response = _post(serve(), structured_outputs=structured)
+    response = _post(structured_client(), structured_outputs=structured)
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "structured_outputs"
     assert needle in error["message"]
 
 
-def test_a_grammar_not_compiled_in_time_is_a_400_naming_the_flag(serve, monkeypatch) -> None:
+def test_a_grammar_not_compiled_in_time_is_a_400_naming_the_flag(
+    structured_client, monkeypatch
+) -> None:
     slow, gate = regex_grammar("[a-c]{3}"), threading.Event()
     compile_grammar = GrammarCompiler._compile
 
@@ -176,7 +166,7 @@ def test_a_grammar_not_compiled_in_time_is_a_400_naming_the_flag(serve, monkeypa
         return compile_grammar(self, grammar)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", gated)
-    client = serve(grammar_timeout_s=0.05)
+    client = structured_client(grammar_timeout_s=0.05)
     try:
         response = _post(client, structured_outputs={"regex": "[a-c]{3}"})
     finally:
@@ -188,8 +178,8 @@ def test_a_grammar_not_compiled_in_time_is_a_400_naming_the_flag(serve, monkeypa
     assert response.status_code == 200 and response.json()["choices"][0]["text"] in ("yes", "no")
 
 
-def test_the_costly_regex_is_refused_or_fails_alone_with_an_error(serve) -> None:
-    client = serve()
+def test_the_costly_regex_is_refused_or_fails_alone_with_an_error(structured_client) -> None:
+    client = structured_client()
     response = _post(client, max_tokens=100, structured_outputs={"regex": "(a{1000}){1000}"})
     error = response.json()["error"]
     # a 400 before admission: it forces 97,908 bytes (37 MB of parser state), or its

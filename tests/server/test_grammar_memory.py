@@ -5,16 +5,10 @@ budget by the grammars' estimated cost (llguidance on a byte vocabulary)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
-from fastapi.testclient import TestClient
 from llguidance import LLMatcher
 
 import structured.compiler as compiler_module
-from server.config import ServerConfig
-from server.limits import RequestLimits
 from structured.compiler import GrammarCompiler
 from structured.grammars import (
     BYTES_PER_COMPILE_CPU_S,
@@ -24,7 +18,7 @@ from structured.grammars import (
     grammar_cost,
     regex_grammar,
 )
-from tests.support.structured_helpers import MaskedRandomRunner, byte_ll_tokenizer, make_structured
+from tests.support.structured_helpers import byte_ll_tokenizer
 
 
 def test_forced_bytes_at_the_limit_compile_and_one_past_is_refused() -> None:
@@ -81,18 +75,8 @@ def test_the_cache_stays_within_its_memory_budget(monkeypatch) -> None:
     assert len(compiler) == 1 and compiler.cached_bytes == 40
 
 
-@pytest.fixture
-def serve(make_fake_engine, open_client) -> Callable[..., TestClient]:
-    def make(**limits: Any) -> TestClient:
-        engine = make_fake_engine(runner=MaskedRandomRunner(), structured=make_structured(),
-                                  start=False)
-        return open_client(engine, ServerConfig(limits=RequestLimits(**limits)))
-
-    return make
-
-
-def test_a_grammar_forcing_too_much_is_a_400_before_admission(serve) -> None:
-    client = serve()
+def test_a_grammar_forcing_too_much_is_a_400_before_admission(structured_client) -> None:
+    client = structured_client()
     body = {"prompt": "x", "max_tokens": 4,
             "structured_outputs": {"regex": f"a{{{MAX_FORCED_BYTES + 1}}}"}}
     response = client.post("/v1/completions", json=body)

@@ -17,15 +17,13 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.app import build_app
 from server.chat_template import DeadlineExceeded, call_with_deadline
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.requests import ChatTool
-from server.tenants import TenantRegistry, TenantSpec
-from tests.conftest import ByteTokenizer, CountingTokenizer
+from tests.server.conftest import JinjaTokenizer
 from tests.support.reliability_helpers import assert_openai_error
 
 USER = {"role": "user", "content": "hi"}
@@ -139,18 +137,6 @@ def test_the_schema_states_the_servers_own_limits(client) -> None:
 # ------------------------------------------------------------------ tenants
 
 
-@pytest.fixture
-def tenant_client(make_fake_engine):
-    calls: list[str] = []
-    engine = make_fake_engine(start=False)
-    engine.info.tokenizer = CountingTokenizer(calls)
-    spec = TenantSpec.model_construct(name="default", api_key_sha256=[], max_in_flight=1,
-                                      tokens_per_minute=100, admin=True)
-    tenants = TenantRegistry([spec], keys_required=False)
-    with TestClient(build_app(engine, ServerConfig(), tenants)) as client:
-        yield client, tenants.identify(None), calls
-
-
 HOSTILE = [
     ("completions", {"prompt": "x" * 50, "max_tokens": 1}),
     ("chat", {"messages": [{"role": "user", "content": "x" * 50}], "max_tokens": 1}),
@@ -200,20 +186,6 @@ def test_the_seat_comes_back_on_every_failure_after_it_was_taken(tenant_client) 
 
 
 # ------------------------------------------------------------------ chat templates
-
-
-class JinjaTokenizer(ByteTokenizer):
-    """The byte tokenizer with a real (transformers) jinja chat template."""
-
-    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
-        rendered, _ = render_jinja_template(
-            [messages], chat_template=chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
-        return rendered[0]
 
 
 def jinja_app(make_fake_engine, **config: Any) -> TestClient:

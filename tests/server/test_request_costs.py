@@ -16,7 +16,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import build_app
 from server.completions import Completions
 from server.config import ServerConfig
 from server.limits import RequestLimits
@@ -24,7 +23,6 @@ from server.rendering import Choice
 from server.requests import CompletionRequest
 from server.responses_request import ResponsesRequest, chat_messages
 from server.tenants import TenantRefused, TenantRegistry, TenantSpec
-from tests.conftest import CountingTokenizer
 from tests.support.engine_helpers import step_faults
 from tests.support.reliability_helpers import assert_openai_error, assert_sse_body
 
@@ -55,19 +53,6 @@ def test_spent_tokens_count_past_the_rate_and_expire_with_the_window() -> None:
 
 
 # ------------------------------------------------------------------ seats and charges
-
-
-@pytest.fixture
-def tenant_client(make_fake_engine):
-    """A client of one tenant: 1 seat, 100 tokens a minute (the engine's context: 128)."""
-    calls: list[str] = []
-    engine = make_fake_engine(start=False)
-    engine.info.tokenizer = CountingTokenizer(calls)
-    spec = TenantSpec.model_construct(name="default", api_key_sha256=[], max_in_flight=1,
-                                      tokens_per_minute=100, admin=True)
-    tenants = TenantRegistry([spec], keys_required=False)
-    with TestClient(build_app(engine, ServerConfig(), tenants)) as client:
-        yield client, tenants.identify(None), calls
 
 
 UTILITY = [("/tokenize", {"prompt": "x" * 10}), ("/tokenize", {"messages": [USER]}),

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.limits import RequestLimits
 from server.template_worker import (
@@ -20,7 +19,7 @@ from server.template_worker import (
     TemplateUnavailable,
     TemplateWorkers,
 )
-from tests.conftest import ByteTokenizer
+from tests.server.conftest import JinjaTokenizer
 from tests.support.reliability_helpers import assert_openai_error
 
 USER = {"role": "user", "content": "hi"}
@@ -29,21 +28,6 @@ OWN = ("{% for m in messages %}[{{ m.role }}] {{ m.content | upper }}{% endfor %
 # ~6.5 s in one C call (a 31-million-digit power) that holds the GIL all along
 IN_C = "{{ (9 ** 10000000) > 1 }}"
 DEADLINE_S = 0.5
-
-
-class JinjaTokenizer(ByteTokenizer):
-    """The byte tokenizer with transformers' jinja chat templates (what a worker renders:
-    it is pickled to it)."""
-
-    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
-        rendered, _ = render_jinja_template(
-            [messages], chat_template=chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
-        return str(rendered[0])
 
 
 class Unpicklable(JinjaTokenizer):
