@@ -153,10 +153,14 @@ void qk_norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
   rope_(x, cos, sin, num_heads + num_kv_heads, head_dim);
 }
 
-// silu(gate) * up for x = [gate | up] of width 2 * I: out [n, I].
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul");
-  TORCH_CHECK(x.size(1) % 16 == 0, "silu_and_mul: width must be a multiple of 16");
+namespace {
+
+// act(gate) * up for x = [gate | up] of width 2 * I: out [n, I], act(g) * u computed by
+// `gated` on eight lanes at a time.
+template <typename Gated>
+at::Tensor gated_and_mul(const at::Tensor& x, const char* name, Gated gated) {
+  check_rows(x, name);
+  TORCH_CHECK(x.size(1) % 16 == 0, name, ": width must be a multiple of 16");
   const int64_t rows = x.size(0), half = x.size(1) / 2, stride = x.stride(0);
   at::Tensor out = at::empty({rows, half}, x.options());
   const float* in = x.data_ptr<float>();
@@ -166,37 +170,29 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float* gate = in + r * stride;
       const float* up = gate + half;
       for (int64_t i = 0; i < half; i += 8) {
-        const Vec8 g = load8(gate + i);
-        store8(o + r * half + i, g / (1.f + exp8(-g)) * load8(up + i));
+        store8(o + r * half + i, gated(load8(gate + i), load8(up + i)));
       }
     }
   });
   return out;
 }
 
-// gelu(gate) * up for x = [gate | up] of width 2 * I: out [n, I], gelu in its tanh form
-// (Gemma's gelu_pytorch_tanh) written as 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)),
-// u = sqrt(2 / pi) (g + 0.044715 g^3).
+}  // namespace
+
+// silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return gated_and_mul(x, "silu_and_mul",
+                       [](Vec8 g, Vec8 u) { return g / (1.f + exp8(-g)) * u; });
+}
+
+// gelu(gate) * up, gelu in its tanh form (Gemma's gelu_pytorch_tanh) written as
+// 0.5 g (1 + tanh(v)) = g / (1 + e^(-2v)), v = sqrt(2 / pi) (g + 0.044715 g^3).
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  check_rows(x, "gelu_tanh_and_mul");
-  TORCH_CHECK(x.size(1) % 16 == 0, "gelu_tanh_and_mul: width must be a multiple of 16");
-  const int64_t rows = x.size(0), half = x.size(1) / 2, stride = x.stride(0);
-  at::Tensor out = at::empty({rows, half}, x.options());
-  const float* in = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 sqrt(2 / pi)
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = in + r * stride;
-      const float* up = gate + half;
-      for (int64_t i = 0; i < half; i += 8) {
-        const Vec8 g = load8(gate + i);
-        const Vec8 two_u = kTwoSqrtTwoOverPi * (g + 0.044715f * g * g * g);
-        store8(o + r * half + i, g / (1.f + exp8(-two_u)) * load8(up + i));
-      }
-    }
+  return gated_and_mul(x, "gelu_tanh_and_mul", [](Vec8 g, Vec8 u) {
+    const Vec8 two_v = kTwoSqrtTwoOverPi * (g + 0.044715f * g * g * g);
+    return g / (1.f + exp8(-two_v)) * u;
   });
-  return out;
 }
 
 // Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
