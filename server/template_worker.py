@@ -15,7 +15,6 @@ and it dies with the API process.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -23,19 +22,19 @@ import pickle
 import queue
 import resource
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from model_runner.process_lifetime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 NUM_WORKERS = 2  # one renders while the other (re)starts
 START_TIMEOUT_S = 120.0  # a worker's start (not counted in a render's deadline)
 MAX_WORKER_MEMORY_BYTES = 1024**3  # address space a worker may add to what it starts with
-_PR_SET_PDEATHSIG = 1
 
 
 class TemplateTimeout(Exception):
@@ -230,9 +229,8 @@ def _exit_of(worker: _Worker) -> str:
 
 def _serve(conn: Connection, payload: bytes, parent_pid: int, max_memory_bytes: int) -> None:
     """A worker's main: render each (messages, add_generation_prompt, kwargs, max_chars)
-    it is sent, answer
-    ("ok", text) or ("error", why); exit when the API process closes its end."""
-    _die_with_parent(parent_pid)
+    it is sent, answer ("ok", text) or ("error", why); exit when the API process closes its end."""
+    die_with_parent(parent_pid)
     try:
         os.nice(10)  # NOTE: a template competes with no request's tokenizing
         tokenizer = pickle.loads(payload)
@@ -264,15 +262,6 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_promp
         return "error", (f"the template rendered {len(text)} characters, more than the "
                          f"{max_chars} a request's chat template may render")
     return "ok", text
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the API process dies (Linux: PR_SET_PDEATHSIG): a
-    template rendering for ever must not outlive it."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _cap_memory(max_memory_bytes: int) -> None:

@@ -30,10 +30,12 @@ ALLOWED = {
     "server": {"engine", "scheduler", "kvcache", "model_runner", "loadgen", "structured"},
 }
 SCHEDULER_CONTRACT = {"scheduler.output", "scheduler.sampling_params"}
-# What the API process reads of the layers under the engine: configs, the contract and
-# the request record admission builds.
+# What the API process reads of the layers under the engine: configs, the contract, the
+# request record admission builds, and how a child process dies with its parent (the
+# template workers, as the engine core).
 SERVER_READS_BELOW = SCHEDULER_CONTRACT | {"scheduler.placement", "scheduler.config",
-                                           "kvcache.config", "model_runner.config"}
+                                           "kvcache.config", "model_runner.config",
+                                           "model_runner.process_lifetime"}
 HTTP_MODULES = {"fastapi", "starlette", "uvicorn", "httpx"}
 
 
