@@ -42,7 +42,9 @@ def tenants_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tenants_path) -> ServerProcess:
     _require_default_model()
+    # one sequence at a time: a request behind another waits, deterministically
     server = ServerProcess("--scheduling-policy", "priority", "--num-kv-blocks", "64",
+                           "--max-num-seqs", "1",
                            "--tenants", str(tenants_path), env={"E2E_BETA_KEY": KEY_B})
     yield server
     server.stop()
@@ -61,7 +63,27 @@ def test_tenants_bound_priorities_and_keys(server) -> None:
     assert_openai_error(post(server, KEY_B, priority=-1), 403, "beta", "bound is 0")
     assert post(server, KEY_A, priority=-5).status_code == 200
     assert post(server, KEY_B).status_code == 200
+
+
+def test_a_deadline_passed_in_the_queue_is_a_504(server) -> None:
+    """beta's request waits behind alpha's running one (one sequence at a time, alpha's
+    priority better): its 1 ms deadline passes before anything is computed for it."""
+    first_token = threading.Event()
+
+    def stream_alpha() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True,
+                "priority": -5, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY_A}"}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    first_token.set()
+
+    alpha = threading.Thread(target=stream_alpha)
+    alpha.start()
+    assert first_token.wait(60), server.log_tail()
     assert_openai_error(post(server, KEY_B, deadline_ms=1, max_tokens=200), 504, "deadline")
+    alpha.join()
 
 
 def test_sighup_reloads_without_dropping_a_request(server, tenants_path) -> None:

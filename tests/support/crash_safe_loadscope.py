@@ -8,7 +8,10 @@ the run stalls at its end until CI kills it: one crashed worker cost a 90-minute
 instead of one failed test. Here a crashed worker's finished modules are dropped and the
 test it crashed on is marked done (xdist has reported it failed already; run again, it
 would take the replacement worker down too), so the rest of its module goes to another
-worker and the run ends with the crash in its summary.
+worker and the run ends with the crash in its summary. A send to a worker that died but
+whose death xdist has not yet processed (its pipe broken: an INTERNALERROR that ended the
+whole run) is dropped: the work it carried stays assigned to that worker, and goes back on
+the queue when xdist removes the worker.
 
 With CRASHED_TESTS_FILE set, each test a worker died on is also appended to that file:
 `make test` then runs the failed tests once more (a worker killed from outside, which no
@@ -54,14 +57,20 @@ class CrashSafeLoadScopeScheduling(LoadScopeScheduling):
         wait for ever); once the queue is empty every node is told to finish."""
         if node.shutting_down:
             return
-        if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
-            self._assign_work_unit(node)
-        while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
-            self._assign_work_unit(node)
+        try:
+            if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+                self._assign_work_unit(node)
+            while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)
+        except OSError:
+            return  # the worker died: remove_node requeues what it was given
         if not self.workqueue:
             for each in self.nodes:
                 if not each.shutting_down:
-                    each.shutdown()
+                    try:
+                        each.shutdown()
+                    except OSError:
+                        pass  # a dead worker needs no telling
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> LoadScopeScheduling | None:
