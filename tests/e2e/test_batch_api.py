@@ -2,13 +2,16 @@
 default model's tokenizer): a batch's outputs are the live routes' answers to the same
 requests, its error file holds exactly the lines the routes refuse; each batch and file
 is its tenant's alone; the limits are 4xx naming their flags; a cancelled batch leaves
-nothing in the engine. The durability test (SIGKILL, restart) is test_batch_durability.py.
+nothing in the engine; a server killed mid-batch (SIGKILL) and started again on its data
+directory completes it without running again a line done before the kill.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import sqlite3
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +22,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import ServerProcess
+from tests.support.metrics import metric
 from tests.support.model_helpers import CONFIGS, make_model_folder
 from tests.support.waits import wait_idle
 
@@ -50,15 +54,34 @@ def tiny_server(tmp: Path, *flags: str) -> ServerProcess:
                          "--data-dir", str(tmp / "data"), *flags)
 
 
+class Served:
+    """The module's server, which the durability test kills and starts again."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        tenants = tmp / "tenants.yaml"
+        tenants.write_text(tenants_yaml())
+        self.flags = ("--tenants", str(tenants), "--max-batch-lines", str(MAX_LINES),
+                      "--max-batch-file-bytes", str(MAX_FILE_BYTES))
+        self.server = tiny_server(tmp, *self.flags)
+
+    def kill_and_restart(self) -> None:
+        self.server.proc.send_signal(signal.SIGKILL)
+        self.server.proc.wait()
+        self.server.remove_log()
+        self.server = tiny_server(self.tmp, *self.flags)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerProcess]:
-    tmp = tmp_path_factory.mktemp("batch")
-    tenants = tmp / "tenants.yaml"
-    tenants.write_text(tenants_yaml())
-    server = tiny_server(tmp, "--tenants", str(tenants), "--max-batch-lines", str(MAX_LINES),
-                         "--max-batch-file-bytes", str(MAX_FILE_BYTES))
-    yield server
-    server.stop()
+def served(tmp_path_factory) -> Iterator[Served]:
+    served = Served(tmp_path_factory.mktemp("batch"))
+    yield served
+    served.server.stop()
+
+
+@pytest.fixture
+def server(served) -> ServerProcess:
+    return served.server
 
 
 def client(server: ServerProcess, key: str = KEY_A) -> openai.OpenAI:
@@ -149,11 +172,11 @@ def test_batch_outputs_equal_live_requests_and_errors_are_the_malformed_lines(se
         outputs, errors = lines_of(api, batch.output_file_id), lines_of(api, batch.error_file_id)
         assert set(outputs) == set(good) and set(errors) == set(bad)
         assert all(e["response"]["status_code"] == 400 for e in errors.values())
-        with ThreadPoolExecutor(8) as pool:
-            live = dict(zip(good, pool.map(
-                lambda b, url=url: httpx.post(server.url + url, json=b, timeout=60,
-                                              headers={"Authorization": f"Bearer {KEY_A}"}),
-                good.values()), strict=True))
+        with ThreadPoolExecutor(8) as pool, httpx.Client(
+                base_url=server.url, timeout=60,
+                headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+            live = dict(zip(good, pool.map(lambda b, url=url: http.post(url, json=b),
+                                           good.values()), strict=True))
         for cid, line in outputs.items():
             assert line["response"]["status_code"] == 200
             assert live[cid].status_code == 200, live[cid].text
@@ -233,3 +256,27 @@ def test_cancel_leaves_nothing_in_the_engine(server):
     outputs = lines_of(api, cancelled.output_file_id)
     assert len(errors) + len(outputs) == MAX_LINES
     assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+
+
+def test_a_batch_survives_sigkill_without_recomputing_its_done_lines(served):
+    api = client(served.server)
+    url = "/v1/completions"
+    lines = {f"d{i}": {**completion_body(i), "max_tokens": 32, "ignore_eos": True}
+             for i in range(MAX_LINES)}
+    upload = api.files.create(file=("durable.jsonl", jsonl(url, lines)), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
+    deadline = time.monotonic() + 120
+    while api.batches.retrieve(batch.id).request_counts.completed < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    served.kill_and_restart()
+    with sqlite3.connect(served.tmp / "data" / "batches.sqlite3") as store:
+        (num_done,) = store.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ? AND "
+                                    "status = 'done'", (batch.id,)).fetchone()
+    assert 20 <= num_done < MAX_LINES
+    api = client(served.server)
+    done = wait_batch(api, batch.id, ("completed",))
+    assert done.request_counts.completed == MAX_LINES
+    assert set(lines_of(api, done.output_file_id)) == set(lines)  # each custom_id once
+    # the engine of the new server ran exactly the lines not done before the kill
+    assert metric(served.server, "pagedserve_request_success_total") == MAX_LINES - num_done
