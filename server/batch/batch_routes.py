@@ -75,25 +75,8 @@ def install_batch_routes(app: FastAPI, admission: Admission, store: BatchStore,
     @app.post("/v1/batches")
     async def create(raw: Request) -> dict[str, Any]:
         body = await admission.parse_json(raw, CreateBatchRequest)
-        source = file_of(store, raw, body.input_file_id)
-        if source["purpose"] != "batch":
-            raise APIError(400, f"File {source['id']} has purpose {source['purpose']!r}, "
-                           "not 'batch'.", param="input_file_id")
-        lines = await asyncio.to_thread(_read, store, source["id"], body.endpoint)
-        if len(lines.lines) > config.max_lines:
-            raise APIError(400, over_limit(
-                f"The input file has {len(lines.lines)} lines", config.max_lines,
-                "max_batch_lines"), param="input_file_id", code="too_many_lines")
-        now = time.time()
-        row = {"id": new_id("batch_"), "tenant": tenant_name(raw), "endpoint": body.endpoint,
-               "input_file_id": source["id"], "created_at": int(now),
-               "expires_at": now + config.completion_window_s, "metadata": body.metadata}
-        try:
-            await asyncio.to_thread(store.create_batch, row,
-                                    None if lines.errors else lines.lines, lines.errors)
-        except StoreError as exc:
-            raise server_error(507, str(exc)) from exc
-        created = batch_of(raw, row["id"])
+        batch_id = await _create(store, config, file_of(store, raw, body.input_file_id), body)
+        created = batch_of(raw, batch_id)
         if created["status"] == "in_progress":
             feeder.add(created)
         return shown(created)
@@ -122,6 +105,29 @@ def install_batch_routes(app: FastAPI, admission: Admission, store: BatchStore,
             raise APIError(409, f"Batch {batch_id} is {row['status']}: it can no longer be "
                            "cancelled.", param="batch_id", code="batch_not_cancellable")
         return shown(batch_of(raw, batch_id))
+
+
+async def _create(store: BatchStore, config: BatchConfig, source: dict[str, Any],
+                  body: CreateBatchRequest) -> str:
+    """The batch of `source` (the tenant's file) stored, in progress or failed; its id."""
+    if source["purpose"] != "batch":
+        raise APIError(400, f"File {source['id']} has purpose {source['purpose']!r}, "
+                       "not 'batch'.", param="input_file_id")
+    lines = await asyncio.to_thread(_read, store, source["id"], body.endpoint)
+    if len(lines.lines) > config.max_lines:
+        raise APIError(400, over_limit(
+            f"The input file has {len(lines.lines)} lines", config.max_lines,
+            "max_batch_lines"), param="input_file_id", code="too_many_lines")
+    now = time.time()
+    row = {"id": new_id("batch_"), "tenant": source["tenant"], "endpoint": body.endpoint,
+           "input_file_id": source["id"], "created_at": int(now),
+           "expires_at": now + config.completion_window_s, "metadata": body.metadata}
+    try:
+        await asyncio.to_thread(store.create_batch, row,
+                                None if lines.errors else lines.lines, lines.errors)
+    except StoreError as exc:
+        raise server_error(507, str(exc)) from exc
+    return str(row["id"])
 
 
 def _read(store: BatchStore, file_id: str, endpoint: str) -> InputLines:
