@@ -112,7 +112,8 @@ class BatchStore:
                 try:
                     yield self._db
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    if self._db.in_transaction:  # NOTE: SQLITE_FULL rolls back on its own
+                        self._db.execute("ROLLBACK")
                     raise
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
