@@ -142,7 +142,8 @@ class Feeder:
                 await self._end(active, EXPIRED, "batch_expired",
                                 "This line was not run within the batch's completion "
                                 "window.", "expired")
-            elif active.exhausted and not active.queued and not active.tasks:
+            elif active.row["status"] == "finalizing" or (
+                    active.exhausted and not active.queued and not active.tasks):
                 self._store.set_status(active.id, "finalizing")
                 self._store.finalize(active.row, "completed")
                 del self._batches[active.id]

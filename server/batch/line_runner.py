@@ -3,8 +3,8 @@ own handler (`Serving.handle`: parse, budgets, tenant seat, structured outputs, 
 collect) as the body of a request of the batch's tenant, at the batch priority.
 
 A line ends as an output-file line (200), an error-file line (the route's 4xx or 5xx), or
-not at all: `Retry` when the server has no room for it now (429, 503), which leaves it
-pending for the feeder to send again.
+not at all: `Retry` when the server has no room for it now (429, 503) or aborted it (the
+server stopping), which leaves it pending for the feeder to send again.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class LineRunner:
             return LineResult(500, {"error": {"message": "The line failed on the server.",
                                               "type": "server_error", "param": None,
                                               "code": None}})
-        return LineResult(response.status_code, json.loads(bytes(response.body)))
+        body = json.loads(bytes(response.body))
+        if any(c.get("finish_reason") == "abort" for c in body.get("choices", ())):
+            raise Retry("aborted in the engine (the server is stopping)")
+        return LineResult(response.status_code, body)
 
     def _body(self, body_json: str) -> bytes:
         """The line's body at the batch priority (under FCFS: the one priority), never

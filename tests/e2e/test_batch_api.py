@@ -213,6 +213,19 @@ def test_another_tenant_sees_nothing_of_a_batch(server):
     assert batch.id in [b.id for b in alpha.batches.list(limit=100)]
 
 
+def test_responses_lines(server):
+    api = client(server)
+    url = "/v1/responses"
+    lines = {f"r{i}": {"input": f"Say {WORDS[i]}.", "max_output_tokens": 6, "temperature": 0}
+             for i in range(3)}
+    upload = api.files.create(file=("r.jsonl", jsonl(url, lines)), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
+    done = wait_batch(api, batch.id, ("completed",))
+    outputs = lines_of(api, done.output_file_id)
+    assert set(outputs) == set(lines)
+    assert {o["response"]["body"]["object"] for o in outputs.values()} == {"response"}
+
+
 def test_limits_are_4xx_naming_their_flags(server):
     api = client(server)
     url = "/v1/completions"

@@ -142,3 +142,27 @@ def test_expiry_aborts_the_lines_in_flight_and_lists_the_rest(tmp_path: Path) ->
         await asyncio.gather(task, return_exceptions=True)
 
     run(test)
+
+
+def test_a_restart_resumes_the_pending_lines_and_ends_a_finalizing_batch(tmp_path) -> None:
+    async def test() -> None:
+        store, runner, clock, feeder = setup(tmp_path, 2, [0])
+        runner.release.set()
+        add_batch(store, feeder, "a1", "alpha", 3, clock)
+        add_batch(store, feeder, "a2", "alpha", 2, clock)
+        for line in store.pending_lines("a1", -1, 10)[:2]:  # done before the "kill"
+            store.finish_line(line, "done", "{}")
+        store.set_status("a2", "finalizing")  # killed while writing its files
+        store.finish_line(store.pending_lines("a2", -1, 10)[0], "done", "{}")
+        store.finish_line(store.pending_lines("a2", -1, 10)[0], "done", "{}")
+        restarted = Feeder(store, runner, feeder._tenants, 2, lambda: 0,  # type: ignore[arg-type]
+                           BatchMetrics(CollectorRegistry()), clock)
+        restarted.resume()
+        task = asyncio.ensure_future(restarted.run())
+        await asyncio.sleep(TICK_S * 2)
+        assert runner.started == [("alpha", "a1-2")]  # only the line not done
+        assert [store.get_batch(b)["status"] for b in ("a1", "a2")] == ["completed"] * 2
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    run(test)
