@@ -30,7 +30,7 @@ class BatchAPI:
                  engine: EngineClient | DataParallelEngine) -> None:
         assert config.data_dir is not None
         self.store = BatchStore(config.data_dir)
-        metrics = BatchMetrics(engine.metrics.registry)
+        metrics = BatchMetrics(engine.metrics.registry, engine.info.model_name)
         runner = LineRunner(admission, routes, config.priority)
         self.feeder = Feeder(self.store, runner, tenants, config.max_in_flight,
                              lambda: engine.num_waiting, metrics)

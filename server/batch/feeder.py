@@ -158,7 +158,7 @@ class Feeder:
         await asyncio.gather(*tasks, return_exceptions=True)
         num_ended = self._store.end_pending(active.id, line_status,
                                             {"code": code, "message": message})
-        self._metrics.lines.labels(line_status).inc(num_ended)
+        self._metrics.ended(line_status, num_ended)
         self._store.finalize(active.row, batch_status)
         del self._batches[active.id]
 
@@ -239,4 +239,4 @@ class Feeder:
             logger.error("a batch line's result is not kept (it will run again): %s", exc)
             raise Retry(str(exc)) from exc
         if committed:
-            self._metrics.lines.labels(status).inc()
+            self._metrics.ended(status)

@@ -13,10 +13,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class BatchMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.lines = Counter("pagedserve_batch_lines", "Batch lines ended, by status.",
-                             ["status"], registry=registry)
-        self.in_flight = Gauge("pagedserve_batch_lines_in_flight",
-                               "Batch lines in the engine.", registry=registry)
+    """The series, each with the served model's `model_name` as every series has."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._model_name = model_name
+        self._lines = Counter("pagedserve_batch_lines", "Batch lines ended, by status.",
+                              ["model_name", "status"], registry=registry)
+        self.in_flight = Gauge("pagedserve_batch_lines_in_flight", "Batch lines in the engine.",
+                               ["model_name"], registry=registry).labels(model_name)
         self.pending = Gauge("pagedserve_batch_lines_pending",
-                             "Lines of the active batches not yet ended.", registry=registry)
+                             "Lines of the active batches not yet ended.", ["model_name"],
+                             registry=registry).labels(model_name)
+
+    def ended(self, status: str, num_lines: int = 1) -> None:
+        self._lines.labels(self._model_name, status).inc(num_lines)

@@ -181,6 +181,8 @@ def test_batch_outputs_equal_live_requests_and_errors_are_the_malformed_lines(se
             assert line["response"]["status_code"] == 200
             assert live[cid].status_code == 200, live[cid].text
             assert comparable(url, line["response"]["body"]) == comparable(url, live[cid].json())
+    assert metric(server, "pagedserve_batch_lines_total", status="done") == 2 * NUM_GOOD
+    assert metric(server, "pagedserve_batch_lines_total", status="failed") == 10
     chats = lines_of(api, api.batches.retrieve(batches["/v1/chat/completions"].id)
                      .output_file_id)
     structured = [chats[f"chat/completions-{i}"]["response"]["body"]["choices"][0]

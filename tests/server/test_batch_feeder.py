@@ -59,7 +59,7 @@ def setup(tmp_path: Path, max_in_flight: int, waiting: list[int]):
     tenants = TenantRegistry(specs, keys_required=False)
     runner, clock = HeldRunner(), Clock()
     feeder = Feeder(store, runner, tenants, max_in_flight, lambda: waiting[0],  # type: ignore[arg-type]
-                    BatchMetrics(CollectorRegistry()), clock)
+                    BatchMetrics(CollectorRegistry(), "m"), clock)
     return store, runner, clock, feeder
 
 
@@ -156,7 +156,7 @@ def test_a_restart_resumes_the_pending_lines_and_ends_a_finalizing_batch(tmp_pat
         store.finish_line(store.pending_lines("a2", -1, 10)[0], "done", "{}")
         store.finish_line(store.pending_lines("a2", -1, 10)[0], "done", "{}")
         restarted = Feeder(store, runner, feeder._tenants, 2, lambda: 0,  # type: ignore[arg-type]
-                           BatchMetrics(CollectorRegistry()), clock)
+                           BatchMetrics(CollectorRegistry(), "m"), clock)
         restarted.resume()
         task = asyncio.ensure_future(restarted.run())
         await asyncio.sleep(TICK_S * 2)
