@@ -276,7 +276,7 @@ def test_cancel_leaves_nothing_in_the_engine(server):
 def test_a_batch_survives_sigkill_without_recomputing_its_done_lines(served):
     api = client(served.server)
     url = "/v1/completions"
-    lines = {f"d{i}": {**completion_body(i), "max_tokens": 32, "ignore_eos": True}
+    lines = {f"d{i}": {**completion_body(i), "max_tokens": 24, "ignore_eos": True}
              for i in range(MAX_LINES)}
     upload = api.files.create(file=("durable.jsonl", jsonl(url, lines)), purpose="batch")
     batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
