@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.2  # the longest the feeder sleeps without news (the engine's queue drains)
 _RETRY_S = 1.0  # a line refused for room is sent again after this
-_STORE_ERROR_PAUSE_S = 5.0
+_ERROR_PAUSE_S = 5.0
 _READ_AHEAD = 64  # pending lines read from the store at once, per batch
 
 
@@ -117,7 +117,10 @@ class Feeder:
                     self._feed()
                 except StoreError as exc:
                     logger.error("batches paused: %s", exc)
-                    await asyncio.sleep(_STORE_ERROR_PAUSE_S)
+                    await asyncio.sleep(_ERROR_PAUSE_S)
+                except Exception:  # a bug must not end every batch: logged, then again
+                    logger.exception("the batch feeder failed; it goes on")
+                    await asyncio.sleep(_ERROR_PAUSE_S)
                 self._metrics.in_flight.set(self.num_in_flight)
                 self._wake.clear()
                 try:
