@@ -32,6 +32,7 @@ KEY_A, KEY_B = "batch-alpha-key", "batch-beta-key"
 MAX_LINES = 150
 MAX_FILE_BYTES = 256 * 1024
 NUM_GOOD = 95  # per endpoint, with 5 malformed: 200 lines in all
+NUM_DURABLE = 100
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}},
           "required": ["word"], "additionalProperties": False}
 WORDS = ["apple", "river", "stone", "cloud", "green", "north", "piano", "tiger", "lemon",
@@ -277,7 +278,7 @@ def test_a_batch_survives_sigkill_without_recomputing_its_done_lines(served):
     api = client(served.server)
     url = "/v1/completions"
     lines = {f"d{i}": {**completion_body(i), "max_tokens": 24, "ignore_eos": True}
-             for i in range(MAX_LINES)}
+             for i in range(NUM_DURABLE)}
     upload = api.files.create(file=("durable.jsonl", jsonl(url, lines)), purpose="batch")
     batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
     deadline = time.monotonic() + 120
@@ -288,10 +289,10 @@ def test_a_batch_survives_sigkill_without_recomputing_its_done_lines(served):
     with sqlite3.connect(served.tmp / "data" / "batches.sqlite3") as store:
         (num_done,) = store.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ? AND "
                                     "status = 'done'", (batch.id,)).fetchone()
-    assert 20 <= num_done < MAX_LINES
+    assert 20 <= num_done < NUM_DURABLE
     api = client(served.server)
     done = wait_batch(api, batch.id, ("completed",))
-    assert done.request_counts.completed == MAX_LINES
+    assert done.request_counts.completed == NUM_DURABLE
     assert set(lines_of(api, done.output_file_id)) == set(lines)  # each custom_id once
     # the engine of the new server ran exactly the lines not done before the kill
-    assert metric(served.server, "pagedserve_request_success_total") == MAX_LINES - num_done
+    assert metric(served.server, "pagedserve_request_success_total") == NUM_DURABLE - num_done
