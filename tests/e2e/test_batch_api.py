@@ -214,6 +214,9 @@ def test_another_tenant_sees_nothing_of_a_batch(server):
     with pytest.raises(openai.NotFoundError):
         beta.files.content(done.output_file_id)
     assert batch.id in [b.id for b in alpha.batches.list(limit=100)]
+    assert alpha.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alpha.files.retrieve(upload.id)
 
 
 def test_responses_lines(server):
