@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -99,9 +100,13 @@ class Feeder:
             active.row["status"] = "cancelling"
         self._wake.set()
 
-    def num_pending(self) -> int:
-        """Lines of the active batches not yet ended (read by the metrics at a scrape)."""
-        return sum(self._store.counts(b).get(PENDING, 0) for b in self._batches)
+    def num_pending(self) -> float:
+        """Lines of the active batches not yet ended (read by the metrics at a scrape; NaN
+        when the store cannot say, rather than a failed scrape)."""
+        try:
+            return sum(self._store.counts(b).get(PENDING, 0) for b in self._batches)
+        except StoreError:
+            return math.nan
 
     @property
     def num_in_flight(self) -> int:
