@@ -3,7 +3,8 @@
 Routes: POST /v1/completions (server/completions.py), POST /v1/chat/completions
 (server/chat.py), JSON or SSE streams ending in `data: [DONE]` (server/streaming.py);
 POST /v1/responses (server/responses_api.py), JSON or the Responses event stream;
-GET /v1/models, /health, /metrics, /scheduler/state, and the utility routes of
+GET /v1/models, /health, /metrics, /scheduler/state, OpenAI's Batch API (/v1/files,
+/v1/batches: server/batch/, with a data directory), and the utility routes of
 server/utility_routes.py (/tokenize, /detokenize, /version). Every error has OpenAI's shape
 (server/errors.py); invalid requests (bad JSON and schema errors included) are 400, never
 422. The middleware (server/middleware.py) checks the key and the body's size and arrival
@@ -25,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.client import EngineClient
 from engine.data_parallel import DataParallelEngine
 from engine.outputs import EngineDeadError
+from server.batch.api import MULTIPART_OVERHEAD_BYTES, BatchAPI
+from server.batch.line_runner import Route
 from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
@@ -71,10 +74,16 @@ def build_app(
     `tenants` says who may ask for what (server/tenants.py); by default the one tenant
     of `config.api_key` (or, without a key, everyone)."""
 
+    batch: BatchAPI | None = None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if batch is not None:
+            batch.start()
         yield
+        if batch is not None:
+            await batch.stop()
         engine.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
@@ -84,7 +93,9 @@ def build_app(
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest],
                     config.limits)
     serving = Serving(engine, config)
-    _install_openai_routes(app, serving)
+    routes = _install_openai_routes(app, serving)
+    if config.batch.data_dir is not None:
+        batch = BatchAPI(app, serving, routes, tenants, config.batch, engine)
     install_utility_routes(app, serving)
     _install_operations_routes(app, engine, config)
     return app
@@ -93,7 +104,9 @@ def build_app(
 def _install_middleware(app: FastAPI, config: ServerConfig, tenants: TenantRegistry) -> None:
     """The middleware, innermost first: body size, body time, tenant, request id, then
     the internal-error catcher, the outermost of ours."""
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
+    files_limit = config.batch.max_file_bytes + MULTIPART_OVERHEAD_BYTES
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes,
+                       path_limits={"/v1/files": (files_limit, "max_batch_file_bytes")})
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout_s)
     app.add_middleware(TenantAuthMiddleware, tenants=tenants,
                        metrics_key=config.metrics_api_key)
@@ -101,9 +114,10 @@ def _install_middleware(app: FastAPI, config: ServerConfig, tenants: TenantRegis
     app.add_middleware(InternalErrorMiddleware)  # the outermost of ours
 
 
-def _install_openai_routes(app: FastAPI, serving: Serving) -> None:
+def _install_openai_routes(app: FastAPI, serving: Serving) -> dict[str, Route]:
     """The generation routes (each through `serving.handle`, which releases the tenant's
-    seat unless the engine took the request) and GET /v1/models."""
+    seat unless the engine took the request) and GET /v1/models; the generation routes'
+    handlers by path (the batch lines run through them)."""
     completions_route = Completions(serving)
     chat_route = ChatCompletions(serving)
     responses_route = Responses(serving, chat_route)
@@ -131,6 +145,9 @@ def _install_openai_routes(app: FastAPI, serving: Serving) -> None:
         max_model_len = serving.engine.info.max_model_len
         return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
                                for name in serving.model_names])
+
+    return {"/v1/completions": completions_route, "/v1/chat/completions": chat_route,
+            "/v1/responses": responses_route}
 
 
 def _install_operations_routes(app: FastAPI, engine: AnyEngine, config: ServerConfig) -> None:

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -25,6 +25,8 @@ from loadgen import cli as bench_cli
 from loadgen.cli import API_KEY_ENV
 from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYPES, ModelConfig
 from scheduler.config import SchedulerConfig, SpeculativeConfig
+from server.batch.config import add_batch_arguments as _add_batch_arguments
+from server.batch.config import batch_config
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.reasoning import REASONING_PARSERS
@@ -202,6 +204,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug"))
     _add_limit_arguments(parser)
+    _add_batch_arguments(parser)
 
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,7 +234,7 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
     )
     model = _model_config(args, max_num_seqs, max_num_batched_tokens)
     scheduler = _scheduler_config(args, cuda, max_num_seqs, max_num_batched_tokens)
-    server = _server_config(args)
+    server = replace(_server_config(args), batch=batch_config(args, max_num_seqs))
     if args.simulate_step_ms is not None and args.simulate_step_ms < 0:
         raise ValueError("--simulate-step-ms must be >= 0")
     if args.simulate_step_ms is not None and args.tensor_parallel_size > 1:
@@ -401,6 +404,7 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     from engine.core_process import freeze_startup_objects
     from engine.data_parallel import DataParallelEngine, create_data_parallel_engine
     from server.app import GracefulServer, build_app
+    from server.batch.store import StoreError
 
     engine_kwargs: dict[str, Any] = dict(
         model_config=configs.model,
@@ -427,7 +431,13 @@ def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantReg
     # On SIGTERM: stop accepting, let in-flight requests run for the grace period, then
     # abort the rest (each client gets finish_reason "abort"), then exit.
     freeze_startup_objects()
-    server = GracefulServer(build_app(engine, configs.server, tenants), engine, configs.server)
+    try:
+        app = build_app(engine, configs.server, tenants)
+    except StoreError as exc:
+        logger.error("%s", exc)
+        engine.shutdown()
+        return 1
+    server = GracefulServer(app, engine, configs.server)
     logger.info("serving %s on http://%s:%d", engine.info.model_name,
                 configs.server.host, listener.getsockname()[1])
     # NOTE: once uvicorn has shut down gracefully it re-raises the signal that stopped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.batch.config import BatchConfig
 from server.limits import RequestLimits
 
 
@@ -27,7 +28,8 @@ class ServerConfig:
     body_timeout_s: a request body not fully received by then is a 408.
     limit_concurrency: uvicorn answers 503 beyond this many connections and tasks (None:
     no limit). tenants_file: the tenants, their keys and limits (server/tenants.py);
-    exclusive with api_key, reloaded on SIGHUP.
+    exclusive with api_key, reloaded on SIGHUP. batch: the Batch API (server/batch/config.py;
+    off without a data directory).
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +46,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     step_timeout_s: float | None = 300.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     retry_after_s: int = 1
     snapshot_timeout_s: float = 5.0
     body_timeout_s: float = 30.0

@@ -122,19 +122,23 @@ def _bearer_token(scope: Scope) -> bytes | None:
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over max_bytes, by Content-Length or as they stream in."""
+    """413 for request bodies over max_bytes (or a path's own limit in `path_limits`:
+    path -> (bytes, the limit's field name)), by Content-Length or as they stream in."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 path_limits: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self._max_bytes = max_bytes
+        self._path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, name = self._path_limits.get(scope["path"], (self._max_bytes, "max_body_bytes"))
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self._max_bytes:
-            await self._too_large().response()(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _too_large(limit, name).response()(scope, receive, send)
             return
         received = 0
 
@@ -143,18 +147,16 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self._max_bytes:
-                    raise self._too_large()
+                if received > limit:
+                    raise _too_large(limit, name)
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _too_large(self) -> APIError:
-        return APIError(
-            413, over_limit(f"Request body is larger than {self._max_bytes} bytes",
-                            self._max_bytes, "max_body_bytes"),
-            code="request_too_large",
-        )
+
+def _too_large(limit: int, name: str) -> APIError:
+    return APIError(413, over_limit(f"Request body is larger than {limit} bytes", limit, name),
+                    code="request_too_large")
 
 
 class BodyTimeoutMiddleware:

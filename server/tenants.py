@@ -350,6 +350,10 @@ class TenantRegistry:
     def names(self) -> list[str]:
         return list(self._by_name)
 
+    def by_name(self, name: str) -> Tenant | None:
+        """The tenant named `name` (None: no longer in the tenants file)."""
+        return self._by_name.get(name)
+
     def identify(self, key: bytes | None) -> Tenant | None:
         """The tenant of an API key (None: unknown); without keys, the open tenant."""
         if not self.keys_required:

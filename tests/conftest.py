@@ -54,6 +54,7 @@ LONGEST_MODULES = (
     "tests/e2e/test_reliability_server.py",
     "tests/e2e/test_structured_outputs.py",
     "tests/e2e/test_server_openai.py",
+    "tests/e2e/test_batch_api.py",
     "tests/server/test_request_budgets.py",
 )
 

@@ -6,6 +6,7 @@ Shared by the benchmarks (bench/compare.py, bench/soak.py) and the end-to-end te
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,9 +72,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
         cmd = list(command) if command is not None else pagedserve_command(self.port, flags)
+        # NOTE: the batch store's default directory is one server's: each its own here
+        self.data_home = tempfile.mkdtemp(prefix=log_prefix + "data-")
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "XDG_DATA_HOME": self.data_home,
+                 **(env or {})},
         )
         self.pid = self.proc.pid
 
@@ -118,5 +122,7 @@ class ServerProcess:
             return self.proc.wait()
 
     def remove_log(self) -> None:
+        """The log and the default data directory."""
         self.log.close()
         os.unlink(self.log.name)
+        shutil.rmtree(self.data_home, ignore_errors=True)
