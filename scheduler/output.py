@@ -82,11 +82,15 @@ class SchedulerOutput:
     `grammar_bitmask` is set by the engine core when sampling rows are constrained by a
     grammar: it is filled while the forward runs, and the runner waits for it before
     sampling.
+    `lora_loads`: LoRA adapters the engine core is to load (off the step, on a thread);
+    `lora_evictions`: those the runner drops before this step (scheduler/lora_slots.py).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    lora_loads: list[str] = field(default_factory=list)
+    lora_evictions: list[str] = field(default_factory=list)
     grammar_bitmask: Future[GrammarBitmask] | None = None
 
     @property
