@@ -57,6 +57,7 @@ class EngineInfo:
     # None without structured outputs
     grammar_tokenizer: Any = field(default=None, repr=False)
     cache_config: CacheConfig | None = None  # the core's KV pool (None: not told)
+    loras: dict[str, str] | None = None  # LoRA adapters served, name -> path (None: off)
 
 
 class CoreClient(Protocol):
@@ -281,6 +282,7 @@ class EngineStart:
             structured_outputs=core_info.structured_outputs,
             grammar_tokenizer=grammar_tokenizer,
             cache_config=core_info.cache_config,
+            loras=core_info.loras,
         )
         engine = EngineClient(self._client, info, step_timeout_s=self._step_timeout_s,
                               stream_interval=self._stream_interval,

@@ -92,6 +92,7 @@ class CoreInfo(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     cache_config: CacheConfig  # the KV pool the runner allocated
     structured_outputs: bool = False  # grammars can be compiled (structured/)
+    loras: dict[str, str] | None = None  # LoRA adapters served, name -> path (None: off)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -34,6 +34,11 @@ _REFUSED_OPTIONS = {
     "modules_to_save": "whole saved modules (modules_to_save)",
     "rank_pattern": "per-module ranks (rank_pattern)",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
+    "layer_replication": "replicated layers (layer_replication)",
+    "target_parameters": "adapted parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
 }
 
 

@@ -83,11 +83,13 @@ class LoRAProjection:
 
 
 class LoRAModel:
-    """The adapters a model holds and the step's grouping of its rows by adapter."""
+    """The adapters a model holds (`adapters`), those it may load (`paths`), and the
+    step's grouping of its rows by adapter."""
 
     def __init__(self, model: nn.Module, max_rank: int) -> None:
         self.model = model
         self.max_rank = max_rank
+        self.paths: dict[str, str] = {}  # every adapter it may load: name -> PEFT folder
         self.step = LoRAStep()
         self.adapters: dict[str, LoRAAdapter] = {}
         self.projections: list[tuple[int, LoRAProjection]] = []

@@ -274,6 +274,9 @@ class ModelRunner:
         self.block_tables.forget(freed)
         if self.workers is not None:
             self.workers.forget(freed)
+        if self.loras is not None:
+            for name in scheduler_output.lora_evictions:
+                self.loras.remove(name)
         if scheduler_output.is_empty:
             return LaunchedStep.nothing()
         # decodes first (stable, so the scheduler's order holds within each group)

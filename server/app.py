@@ -129,8 +129,11 @@ def _install_openai_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
         max_model_len = serving.engine.info.max_model_len
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
-                               for name in serving.model_names])
+        adapters = [ModelCard(id=name, root=path, parent=serving.model_name,
+                              max_model_len=max_model_len)
+                    for name, path in serving.loras.items()]
+        return ModelList(data=[*(ModelCard(id=name, max_model_len=max_model_len)
+                                 for name in serving.model_names), *adapters])
 
 
 def _install_operations_routes(app: FastAPI, engine: AnyEngine, config: ServerConfig) -> None:

@@ -27,6 +27,8 @@ from model_runner.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, WEIGHT_DTYP
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
+from server.lora import add_lora_arguments as _add_lora_arguments
+from server.lora import lora_config
 from server.reasoning import REASONING_PARSERS
 from server.tenants import TenantRegistry, TenantsFileError
 from server.tool_parsers import TOOL_PARSERS
@@ -69,6 +71,7 @@ class ServeConfigs:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagedserve serve`."""
+    _add_lora_arguments(parser)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -264,6 +267,7 @@ def _model_config(
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora=lora_config(args),
     )
 
 

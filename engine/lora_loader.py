@@ -1,0 +1,74 @@
+"""LoRA adapters loaded off the step: read and checked on a thread, handed to the runner
+between steps.
+
+The scheduler asks for an adapter (`SchedulerOutput.lora_loads`); `LoRALoader.start`
+reads its PEFT folder on one worker thread while steps go on; at the start of a later
+step `take_done` gives the runner the adapters read (a quick copy onto the device) and
+says which failed. A runner without adapters (the simulated one) loads nothing: its
+adapters are ready at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from model_runner.lora_adapters import LoRAAdapter
+
+
+class LoRAHolder(Protocol):
+    """The runner's adapters (model_runner/lora_layers.py's `LoRAModel`)."""
+
+    paths: dict[str, str]
+
+    def read(self, name: str, path: str) -> LoRAAdapter: ...
+
+    def add(self, adapter: LoRAAdapter) -> None: ...
+
+
+class LoRALoader:
+    """Adapters being read on a thread, for the core's step loop."""
+
+    def __init__(self, holder: LoRAHolder | None) -> None:
+        self.holder = holder
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self._loading: dict[str, Future[LoRAAdapter | None]] = {}
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def start(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self._loading:
+                self._loading[name] = self._pool.submit(self._read, name)
+
+    def _read(self, name: str) -> LoRAAdapter | None:
+        if self.holder is None:
+            return None
+        path = self.holder.paths.get(name)
+        if path is None:
+            raise ValueError(f"LoRA adapter {name!r} is not known (it was unloaded)")
+        return self.holder.read(name, path)
+
+    def take_done(self) -> tuple[list[str], dict[str, str]]:
+        """The adapters read since the last call, now held by the runner, and those that
+        failed, with why."""
+        loaded, failed = [], {}
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            try:
+                adapter = future.result()
+            except Exception as exc:  # the folder's fault: its requests fail, alone
+                failed[name] = f"LoRA adapter {name!r} failed to load: {exc}"
+                continue
+            if adapter is not None and self.holder is not None:
+                self.holder.add(adapter)
+            loaded.append(name)
+        return loaded, failed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
