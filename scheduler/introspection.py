@@ -36,6 +36,7 @@ class SchedulerStats:
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)
+    max_loras: int = 0  # 0: no adapters
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
 
@@ -87,6 +88,7 @@ def stats(state: SchedulerState) -> SchedulerStats:
         num_running_by_priority=dict(Counter(r.priority for r in state.running)),
         num_preemptions_by_priority=dict(state._num_preemptions_by_priority),
         spec_decode=None if state.speculation is None else state.speculation.stats,
+        max_loras=0 if state.loras is None else state.loras.max_loras,
         running_loras=running_loras,
         waiting_loras=waiting_loras,
     )
