@@ -26,7 +26,14 @@ from engine.core import EngineCore, Runner
 from engine.core_client import ProcessCoreClient
 from engine.core_process import CoreConfig
 from engine.in_process import InProcessCoreClient
-from engine.messages import AddRequests, Command, CoreMessage, FinishRequests, SnapshotQuery
+from engine.messages import (
+    AddRequests,
+    Command,
+    CoreMessage,
+    FinishRequests,
+    SnapshotQuery,
+    UpdateLoRA,
+)
 from engine.metrics import ServerMetrics
 from engine.output_processor import CoreDied, OutputProcessor
 from engine.outputs import EngineDeadError, RequestStream
@@ -245,6 +252,20 @@ class EngineClient:
                 f"the engine core did not answer within {timeout_s:g} s "
                 "(a step is running long)"
             ) from None
+        finally:
+            self._processor.forget_snapshot(query_id)
+
+    async def update_lora(self, name: str, path: str | None) -> str | None:
+        """Have the core serve the LoRA adapter in `path` as `name`, or stop serving it
+        (`path` None): why not, or None. EngineDeadError when the core is gone."""
+        if self._dead is not None or not self._client.is_running:
+            raise EngineDeadError(self.unavailable_reason())
+        self._processor.bind()
+        query_id, reply = self._processor.expect_snapshot()
+        self._client.send(UpdateLoRA(query_id, name, path))
+        try:
+            error: str | None = (await reply)["error"]
+            return error
         finally:
             self._processor.forget_snapshot(query_id)
 

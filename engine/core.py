@@ -46,6 +46,7 @@ from engine.messages import (
     SnapshotReply,
     StepOutputs,
     StepScheduled,
+    UpdateLoRA,
 )
 from scheduler.introspection import SchedulerStats
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -174,6 +175,11 @@ class EngineCore:
             return SnapshotReply(command.query_id, self.snapshot(command.check_integrity))
         elif isinstance(command, Shutdown):
             self.abort_all()
+        elif isinstance(command, UpdateLoRA):
+            error: str | None = "LoRA adapters are off: start the server with --enable-lora"
+            if self.lora_loader is not None and self.scheduler.loras is not None:
+                error = self.lora_loader.update(command.name, command.path, self.scheduler.loras)
+            return SnapshotReply(command.query_id, {"error": error})
         return None
 
     def _add(self, command: AddRequests) -> None:

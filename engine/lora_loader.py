@@ -5,7 +5,8 @@ The scheduler asks for an adapter (`SchedulerOutput.lora_loads`); `LoRALoader.st
 reads its PEFT folder on one worker thread while steps go on; at the start of a later
 step `take_done` gives the runner the adapters read (a quick copy onto the device) and
 says which failed. A runner without adapters (the simulated one) loads nothing: its
-adapters are ready at once.
+adapters are ready at once. `update` serves a new adapter or stops serving one at run
+time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from model_runner.lora_adapters import LoRAAdapter
+from model_runner.lora_adapters import AdapterError, LoRAAdapter
+from scheduler.lora_slots import LoRASlots
 
 
 class LoRAHolder(Protocol):
@@ -25,6 +27,8 @@ class LoRAHolder(Protocol):
     def read(self, name: str, path: str) -> LoRAAdapter: ...
 
     def add(self, adapter: LoRAAdapter) -> None: ...
+
+    def remove(self, name: str) -> None: ...
 
 
 class LoRALoader:
@@ -69,6 +73,33 @@ class LoRALoader:
                 self.holder.add(adapter)
             loaded.append(name)
         return loaded, failed
+
+    def update(self, name: str, path: str | None, slots: LoRASlots) -> str | None:
+        """Serve the adapter in `path` as `name` (its folder checked now, read again when
+        its requests come), or stop serving `name` (`path` None): why not, or None. An
+        adapter its unfinished requests want is not unloaded."""
+        holder = self.holder
+        known = holder is None or name in holder.paths
+        if path is not None:
+            if holder is None:
+                return None
+            if known:
+                return f"The LoRA adapter {name!r} has already been loaded."
+            try:
+                holder.read(name, path)
+            except AdapterError as exc:
+                return str(exc)
+            holder.paths[name] = path
+            return None
+        if not known:
+            return f"The LoRA adapter {name!r} cannot be found."
+        if name in slots.wanted() or name in self._loading:
+            return f"The LoRA adapter {name!r} is in use by requests: unload it once they end."
+        if holder is not None:
+            del holder.paths[name]
+            holder.remove(name)
+        slots.evicted(name)
+        return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -79,7 +79,17 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequests | FinishRequests | SnapshotQuery | Shutdown
+class UpdateLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Serve the LoRA adapter in the PEFT folder `path` under `name` from now on (checked
+    against the model), or stop serving it (`path` None): answered by a `SnapshotReply`
+    whose state is {"error": why not, or None}."""
+
+    query_id: int
+    name: str
+    path: str | None = None
+
+
+Command = AddRequests | FinishRequests | SnapshotQuery | Shutdown | UpdateLoRA
 
 
 class CoreInfo(msgspec.Struct, array_like=True):

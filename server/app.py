@@ -29,6 +29,7 @@ from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers, server_error
+from server.lora import install_lora_routes
 from server.middleware import (
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
@@ -85,6 +86,8 @@ def build_app(
                     config.limits)
     serving = Serving(engine, config)
     _install_openai_routes(app, serving)
+    if config.runtime_lora_updating:
+        install_lora_routes(app, serving)
     install_utility_routes(app, serving)
     _install_operations_routes(app, engine, config)
     return app

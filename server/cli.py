@@ -327,6 +327,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         body_timeout_s=args.body_timeout_s,
         limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
+        runtime_lora_updating=args.enable_runtime_lora_updating,
         limits=RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
     )
 

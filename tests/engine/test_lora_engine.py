@@ -3,7 +3,8 @@ PEFT adapters and one slot (--max-loras 1, --max-cpu-loras 1): a request names i
 adapter in `model` and gets PeftModel.generate's tokens, the cold adapter loading off
 the step and evicting the idle one; /v1/models lists the adapters under their parent;
 an unknown adapter is a 404, one the tenant may not use a 403, one whose folder broke
-after the start fails its own request alone; the metrics the gateway reads."""
+after the start fails its own request alone; the metrics the gateway reads; adapters
+loaded and unloaded at run time."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def served(tmp_path_factory):
                                lora=lora)
     scheduler, runner, core_info, _ = build_core_parts(
         model_config, SchedulerConfig(policy="priority", max_model_len=128))
+    spare = {"gamma": make_adapter(root / "gamma", hf, "gamma", 7, **ADAPTER_SPECS["attn"]),
+             "wide": make_adapter(root / "wide", hf, "wide", 8, r=32, lora_alpha=8,
+                                  target_modules=["q_proj"])}
     shutil.rmtree(root / "broken")  # checked at the start, gone when its request comes
     tokenizer = build_tokenizer(root / "model")
     info = EngineInfo(model_name="tiny", max_model_len=scheduler.max_request_len,
@@ -49,10 +53,12 @@ def served(tmp_path_factory):
                       loras=core_info.loras)
     engine = EngineClient.in_process(scheduler, runner, info)
     specs = [TenantSpec(name=name, api_key_sha256=[hashlib.sha256(key.encode()).hexdigest()],
-                        loras=["alpha"] if name == "alpha-only" else None)
+                        loras=["alpha"] if name == "alpha-only" else None,
+                        admin=name == "everything")
              for name, key in KEYS.items()]
-    with TestClient(build_app(engine, ServerConfig(), TenantRegistry(specs))) as client:
-        yield client, hf, adapters, tokenizer
+    config = ServerConfig(runtime_lora_updating=True)
+    with TestClient(build_app(engine, config, TenantRegistry(specs))) as client:
+        yield client, hf, {**adapters, **spare}, tokenizer
 
 
 def build_tokenizer(folder):
@@ -120,3 +126,28 @@ def test_an_adapter_that_fails_to_load_fails_its_request_alone(served):
     assert "'broken' failed to load" in response.json()["error"]["message"]
     assert complete(client, "tiny", [5, 6, 7]).status_code == 200
     assert complete(client, "alpha", [5, 6, 7]).status_code == 200
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(served):
+    client, hf, adapters, tokenizer = served
+    admin = {"Authorization": f"Bearer {KEYS['everything']}"}
+
+    def post(route: str, headers=admin, **body):
+        return client.post(f"/v1/{route}_lora_adapter", headers=headers, json=body)
+
+    gamma = adapters["gamma"]
+    assert post("load", headers={"Authorization": f"Bearer {KEYS['alpha-only']}"},
+                lora_name="gamma", lora_path=gamma.path).status_code == 403
+    wide = post("load", lora_name="wide", lora_path=adapters["wide"].path)
+    assert wide.status_code == 400 and "over --max-lora-rank 16" in wide.text
+    assert post("load", lora_name="gamma", lora_path=gamma.path).status_code == 200
+    assert post("load", lora_name="gamma", lora_path=gamma.path).status_code == 400
+    models = [c["id"] for c in client.get("/v1/models", headers=admin).json()["data"]]
+    assert "gamma" in models and "wide" not in models
+    (prompt,) = prompts([9], seed=13)
+    response = complete(client, "gamma", prompt)
+    assert response.json()["choices"][0]["text"] == tokenizer.decode(
+        greedy_margin(gamma.peft, prompt, 8)[0])
+    assert post("unload", lora_name="gamma").status_code == 200
+    assert complete(client, "gamma", prompt).status_code == 404
+    assert post("unload", lora_name="gamma").status_code == 404
