@@ -17,14 +17,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import EngineClient, EngineInfo
 from engine.core_setup import build_core_parts
+from engine.metrics import ServerMetrics
 from model_runner.config import LoRAConfig, ModelConfig
 from scheduler.config import SchedulerConfig
+from scheduler.placement import Placement
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
 from server.app import build_app
 from server.config import ServerConfig
 from server.tenants import TenantRegistry, TenantSpec
 from tests.support.lora_helpers import ADAPTER_SPECS, make_adapter
 from tests.support.metrics import metric_in
 from tests.support.model_helpers import CONFIGS, greedy_margin, make_model_folder, prompts
+from tests.support.scheduler_helpers import make_scheduler, step
 
 KEYS = {"everything": "key-everything", "alpha-only": "key-alpha"}
 
@@ -151,3 +156,24 @@ def test_adapters_loaded_and_unloaded_at_run_time(served):
     assert post("unload", lora_name="gamma").status_code == 200
     assert complete(client, "gamma", prompt).status_code == 404
     assert post("unload", lora_name="gamma").status_code == 404
+
+
+def test_the_gateway_reads_the_adapters_running_and_waiting():
+    """`vllm:lora_requests_info` as the endpoint picker parses it (the newest sample's
+    labels), from the scheduler's stats of one adapter running and two waiting."""
+    scheduler = make_scheduler(policy="priority", max_loras=1, max_cpu_loras=2)
+    scheduler.lora_loaded("sql")
+    for request_id, lora, priority in [("r0", "sql", 0), ("r1", "chat", 1), ("r2", "math", 2)]:
+        scheduler.add_request(Request(request_id, [1, 2, 3], SamplingParams(max_tokens=4),
+                                      placement=Placement(priority=priority, lora_name=lora)))
+    step(scheduler)
+    stats = scheduler.stats
+    assert (stats.running_loras, stats.waiting_loras) == (("sql",), ("chat", "math"))
+    metrics = ServerMetrics("tiny")
+    metrics.set_lora_info(stats.max_loras, stats.running_loras, stats.waiting_loras)
+    text = metrics.render().decode()
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "vllm:lora_requests_info"]
+    newest = max(family.samples, key=lambda sample: sample.value)
+    assert newest.labels == {"running_lora_adapters": "sql", "max_lora": "1",
+                             "waiting_lora_adapters": "chat,math"}
