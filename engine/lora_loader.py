@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from model_runner.lora_adapters import AdapterError, LoRAAdapter
+from model_runner.lora_adapters import AdapterError
+from model_runner.lora_layers import ReadyAdapter
 from scheduler.lora_slots import LoRASlots
 
 
@@ -24,9 +25,9 @@ class LoRAHolder(Protocol):
 
     paths: dict[str, str]
 
-    def read(self, name: str, path: str) -> LoRAAdapter: ...
+    def read(self, name: str, path: str) -> ReadyAdapter: ...
 
-    def add(self, adapter: LoRAAdapter) -> None: ...
+    def add(self, ready: ReadyAdapter) -> None: ...
 
     def remove(self, name: str) -> None: ...
 
@@ -37,7 +38,7 @@ class LoRALoader:
     def __init__(self, holder: LoRAHolder | None) -> None:
         self.holder = holder
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
-        self._loading: dict[str, Future[LoRAAdapter | None]] = {}
+        self._loading: dict[str, Future[ReadyAdapter | None]] = {}
 
     @property
     def num_loading(self) -> int:
@@ -48,7 +49,7 @@ class LoRALoader:
             if name not in self._loading:
                 self._loading[name] = self._pool.submit(self._read, name)
 
-    def _read(self, name: str) -> LoRAAdapter | None:
+    def _read(self, name: str) -> ReadyAdapter | None:
         if self.holder is None:
             return None
         path = self.holder.paths.get(name)

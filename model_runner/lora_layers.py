@@ -2,17 +2,20 @@
 one step, each projection's delta computed grouped by adapter after the base projection.
 
 `LoRAModel.attach` gives every fused projection of the decoder layers (qkv_proj, o_proj,
-gate_up_proj, down_proj) a `LoRAProjection`; all of them read one `LoRAStep`: the rows of
-the step grouped by adapter. For each adapter in the step, a projection shrinks its rows
-to the adapter's rank (x @ A.T, the fused parts' A matrices stacked) and expands them
-(@ B.T, the parts' B matrices at their rows of the fused output, scale folded in), added
-to the base output at those rows. A step without adapter rows costs each projection one
+gate_up_proj, down_proj) a `LoRAProjection`; all of them read one `LoRAStep`: the
+step's runs of consecutive rows of one adapter (the runner orders a step's requests by
+adapter). For each run, a projection shrinks its rows to the adapter's rank (x @ A.T,
+the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matrices at
+their rows of the fused output, scale folded in), added to the base output at those
+rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
+between two steps only installs it. A step without adapter rows costs each projection one
 check. Such a step runs the Python layers (not the C++ decode stack, nor CUDA graphs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,27 +32,40 @@ _FUSED = {
 
 
 class LoRAStep:
-    """The step's rows of each adapter: (adapter name, row indices [n] int64), or None for
-    every row of the step. Empty: no adapter in the step."""
+    """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
+    Empty: no adapter in the step."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[str, torch.Tensor | None]] = []
+        self.runs: list[tuple[str, int, int]] = []
+
+
+# One projection's weights of an adapter: A [R, in] and B [out, R] (None: not targeted)
+ProjectionWeights = tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class ReadyAdapter:
+    """An adapter read, checked and laid out for every projection of the model (in
+    `LoRAModel.projections` order): what `LoRAModel.add` installs at once."""
+
+    adapter: LoRAAdapter
+    weights: list[ProjectionWeights]
 
 
 class LoRAProjection:
     """One fused projection's adapters: name -> (A [R, in], B [out, R]), R the sum of the
     ranks of the parts the adapter targets (a part it skips has no rows in A and B)."""
 
-    def __init__(self, step: LoRAStep, parts: tuple[str, ...], sizes: tuple[int, ...],
-                 in_size: int) -> None:
+    def __init__(self, step: LoRAStep, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
         self.step = step
         self.parts = parts
         self.sizes = sizes  # the parts' output rows
-        self.in_size = in_size
         self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
-            device: torch.device) -> None:
+    def lay_out(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
+                device: torch.device) -> ProjectionWeights:
+        """`adapter`'s A matrices of this layer's parts stacked, its B matrices at their
+        parts' rows of the fused output (None: it targets none of them)."""
         shrinks, expands, offset = [], [], 0
         out_size = sum(self.sizes)
         for part, size in zip(self.parts, self.sizes, strict=True):
@@ -61,30 +77,26 @@ class LoRAProjection:
                 shrinks.append(a)
                 expands.append(expand)
             offset += size
-        if shrinks:
-            self.adapters[adapter.name] = (
-                torch.cat(shrinks).to(device=device, dtype=dtype),
-                torch.cat(expands, dim=1).to(device=device, dtype=dtype),
-            )
+        if not shrinks:
+            return None
+        return (torch.cat(shrinks).to(device=device, dtype=dtype),
+                torch.cat(expands, dim=1).to(device=device, dtype=dtype))
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
-        on its rows of the step (in place)."""
-        for name, rows in self.step.groups:
+        on its runs of rows of the step (in place)."""
+        for name, start, stop in self.step.runs:
             pair = self.adapters.get(name)
             if pair is None:  # the adapter does not target this projection
                 continue
             shrink, expand = pair
-            if rows is None:
-                out += (x @ shrink.T) @ expand.T
-            else:
-                out.index_add_(0, rows, (x[rows] @ shrink.T) @ expand.T)
+            out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
         return out
 
 
 class LoRAModel:
     """The adapters a model holds (`adapters`), those it may load (`paths`), and the
-    step's grouping of its rows by adapter."""
+    step's runs of rows by adapter."""
 
     def __init__(self, model: nn.Module, max_rank: int) -> None:
         self.model = model
@@ -107,23 +119,28 @@ class LoRAModel:
             if linear is None or not hasattr(linear, "lora"):
                 continue
             sizes = _part_sizes(owner, fused)
-            projection = LoRAProjection(self.step, parts, sizes, linear.in_features)
+            projection = LoRAProjection(self.step, parts, sizes)
             linear.lora = projection
             self.projections.append((layer_id, projection))
             for part, size in zip(parts, sizes, strict=True):
                 self.shapes[part] = (size, linear.in_features)
 
-    def read(self, name: str, path: str) -> LoRAAdapter:
-        """The adapter in the PEFT folder `path`, checked against this model (no state
-        changes: it may run on a thread)."""
-        return read_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
+    def read(self, name: str, path: str) -> ReadyAdapter:
+        """The adapter in the PEFT folder `path`, checked against this model and laid out
+        for its projections (no state changes: it runs on the loader thread)."""
+        adapter = read_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
+        return ReadyAdapter(adapter, [projection.lay_out(adapter, layer, self.dtype, self.device)
+                                      for layer, projection in self.projections])
 
-    def add(self, adapter: LoRAAdapter) -> None:
-        """Hold `adapter` on the model's device (replacing one of the same name)."""
-        self.remove(adapter.name)
-        for layer_id, projection in self.projections:
-            projection.add(adapter, layer_id, self.dtype, self.device)
-        self.adapters[adapter.name] = adapter
+    def add(self, ready: ReadyAdapter) -> None:
+        """Hold an adapter read (replacing one of the same name): dict entries only, between
+        two steps."""
+        name = ready.adapter.name
+        self.remove(name)
+        for (_, projection), weights in zip(self.projections, ready.weights, strict=True):
+            if weights is not None:
+                projection.adapters[name] = weights
+        self.adapters[name] = ready.adapter
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
@@ -131,21 +148,22 @@ class LoRAModel:
             projection.adapters.pop(name, None)
 
     def begin_step(self, names: Sequence[str | None], num_rows: Sequence[int]) -> bool:
-        """Group the step's rows by adapter: the i-th request's `num_rows[i]` rows (laid
-        out in order) run adapter `names[i]` (None: the base model). Whether any does."""
-        groups: dict[str, list[int]] = {}
+        """The step's runs of rows by adapter: the i-th request's `num_rows[i]` rows (laid
+        out in order) run adapter `names[i]` (None: the base model); the runner orders
+        the requests by adapter so that the runs are few. Whether any adapter runs."""
+        runs: list[tuple[str, int, int]] = []
         start = 0
         for name, n in zip(names, num_rows, strict=True):
             if name is not None:
                 if name not in self.adapters:
                     raise ValueError(f"LoRA adapter {name!r} is not loaded")
-                groups.setdefault(name, []).extend(range(start, start + n))
+                if runs and runs[-1][0] == name and runs[-1][2] == start:
+                    runs[-1] = (name, runs[-1][1], start + n)
+                else:
+                    runs.append((name, start, start + n))
             start += n
-        self.step.groups = [
-            (name, None if len(rows) == start else torch.tensor(rows, device=self.device))
-            for name, rows in groups.items()
-        ]
-        return bool(groups)
+        self.step.runs = runs
+        return bool(runs)
 
 
 def _part_sizes(owner: nn.Module, fused: str) -> tuple[int, ...]:

@@ -279,8 +279,10 @@ class ModelRunner:
                 self.loras.remove(name)
         if scheduler_output.is_empty:
             return LaunchedStep.nothing()
-        # decodes first (stable, so the scheduler's order holds within each group)
-        requests = sorted(scheduler_output.scheduled, key=lambda r: r.num_new_tokens != 1)
+        # decodes first (stable, so the scheduler's order holds within each group), each
+        # group's rows by LoRA adapter (runs of one adapter's rows; the base's first)
+        requests = sorted(scheduler_output.scheduled, key=lambda r: (
+            r.num_new_tokens != 1, r.lora_name is not None, r.lora_name or ""))
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")

@@ -55,7 +55,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
         lora = self.lora
-        if lora is not None and lora.step.groups:
+        if lora is not None and lora.step.runs:
             return lora.apply_(x, out)
         return out
 

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         backend with its layer kernels (those the Python layers then run), with no LoRA
         adapter in the step (the Python layers add their deltas)."""
         stack = self.decode_stack
-        if self.lora_step is not None and self.lora_step.groups:
+        if self.lora_step is not None and self.lora_step.runs:
             return False
         return (stack is not None and ops is not None and attn.name == "cpu"
                 and stack.takes(meta, x.shape[0]))
