@@ -22,7 +22,6 @@ recently run among equals (a paused running request of it waits for its reload).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 
 from scheduler.request import Request
 from scheduler.request_queue import RequestQueue
@@ -33,10 +32,10 @@ _NONE_WANTS_IT = 1 << 62  # the rank of an adapter no unfinished request wants
 class LoRASlots:
     """The adapters' state for the scheduler: wanted, loaded, loading, in this step."""
 
-    def __init__(self, max_loras: int, max_cpu_loras: int, loaded: Iterable[str] = ()) -> None:
+    def __init__(self, max_loras: int, max_cpu_loras: int) -> None:
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
-        self.loaded: dict[str, int] = dict.fromkeys(loaded, -1)  # name -> step it last ran
+        self.loaded: dict[str, int] = {}  # name -> the step it last ran
         self.loading: set[str] = set()
         self.slots: frozenset[str] = frozenset()
         self.held: dict[str, list[Request]] = {}  # waiting requests off the slots, by adapter
