@@ -95,11 +95,16 @@ def test_the_least_urgent_least_recently_run_adapter_is_evicted():
     scheduler.add_request(lora_request("z0", "z", priority=0))
     out, _ = step(scheduler)
     assert out.lora_loads == ["z"] and out.lora_evictions == ["x"]
-    # a waiting request makes y worth more than nothing, but an urgent one's adapter
-    # without a slot is kept over it
     scheduler.lora_loaded("z")
     run_until_done(scheduler)
     assert set(scheduler.loras.loaded) == {"y", "z"}
+    # x again, wanted by a waiting request while y's and z's are not: the one of the
+    # worst priority goes first (z's request is less urgent than y's), whatever ran last
+    scheduler.add_request(lora_request("y1", "y", priority=2, max_tokens=8))
+    scheduler.add_request(lora_request("z1", "z", priority=6, max_tokens=8))
+    scheduler.add_request(lora_request("x1", "x", priority=-1, max_tokens=8))
+    out, _ = step(scheduler)
+    assert out.lora_loads == ["x"] and out.lora_evictions == ["z"]
 
 
 def test_a_running_request_pauses_while_its_adapter_has_no_slot():
