@@ -26,7 +26,14 @@ from engine.core import EngineCore, Runner
 from engine.core_client import ProcessCoreClient
 from engine.core_process import CoreConfig
 from engine.in_process import InProcessCoreClient
-from engine.messages import AddRequests, Command, CoreMessage, FinishRequests, SnapshotQuery
+from engine.messages import (
+    AddRequests,
+    Command,
+    CoreMessage,
+    FinishRequests,
+    SnapshotQuery,
+    UpdateLoRA,
+)
 from engine.metrics import ServerMetrics
 from engine.output_processor import CoreDied, OutputProcessor
 from engine.outputs import EngineDeadError, RequestStream
@@ -57,6 +64,7 @@ class EngineInfo:
     # None without structured outputs
     grammar_tokenizer: Any = field(default=None, repr=False)
     cache_config: CacheConfig | None = None  # the core's KV pool (None: not told)
+    loras: dict[str, str] | None = None  # LoRA adapters served, name -> path (None: off)
 
 
 class CoreClient(Protocol):
@@ -247,6 +255,20 @@ class EngineClient:
         finally:
             self._processor.forget_snapshot(query_id)
 
+    async def update_lora(self, name: str, path: str | None) -> str | None:
+        """Have the core serve the LoRA adapter in `path` as `name`, or stop serving it
+        (`path` None): why not, or None. EngineDeadError when the core is gone."""
+        if self._dead is not None or not self._client.is_running:
+            raise EngineDeadError(self.unavailable_reason())
+        self._processor.bind()
+        query_id, reply = self._processor.expect_snapshot()
+        self._client.send(UpdateLoRA(query_id, name, path))
+        try:
+            error: str | None = (await reply)["error"]
+            return error
+        finally:
+            self._processor.forget_snapshot(query_id)
+
 
 class EngineStart:
     """An engine whose core process `start_engine` started and is loading: `wait` for
@@ -281,6 +303,7 @@ class EngineStart:
             structured_outputs=core_info.structured_outputs,
             grammar_tokenizer=grammar_tokenizer,
             cache_config=core_info.cache_config,
+            loras=core_info.loras,
         )
         engine = EngineClient(self._client, info, step_timeout_s=self._step_timeout_s,
                               stream_interval=self._stream_interval,

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from engine.lora_loader import LoRALoader
 from engine.messages import (
     AddRequests,
     Command,
@@ -45,6 +46,7 @@ from engine.messages import (
     SnapshotReply,
     StepOutputs,
     StepScheduled,
+    UpdateLoRA,
 )
 from scheduler.introspection import SchedulerStats
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -132,6 +134,9 @@ class EngineCore:
         if structured is not None and scheduler.speculation is not None:
             scheduler.speculation.check_drafts = structured.num_valid_drafts
         self.runner = runner
+        # LoRA adapters the scheduler asks for, read on a thread (engine/lora_loader.py)
+        self.lora_loader = None if scheduler.loras is None else LoRALoader(
+            getattr(runner, "loras", None))
         self.eos_token_ids = eos_token_ids
         # NOTE: not `step_clock or ...`: a ctypes double of 0.0 is falsy.
         self.step_clock: StepClock = LocalStepClock() if step_clock is None else step_clock
@@ -170,6 +175,11 @@ class EngineCore:
             return SnapshotReply(command.query_id, self.snapshot(command.check_integrity))
         elif isinstance(command, Shutdown):
             self.abort_all()
+        elif isinstance(command, UpdateLoRA):
+            error: str | None = "LoRA adapters are off: start the server with --enable-lora"
+            if self.lora_loader is not None and self.scheduler.loras is not None:
+                error = self.lora_loader.update(command.name, command.path, self.scheduler.loras)
+            return SnapshotReply(command.query_id, {"error": error})
         return None
 
     def _add(self, command: AddRequests) -> None:
@@ -210,6 +220,18 @@ class EngineCore:
         for request, error in failed:
             self._pending.append(_request_error(request.request_id, error))
             self._forget(request.request_id)
+
+    def _take_loaded_loras(self) -> None:
+        """Hand the scheduler the adapters loaded since the last step; the requests of an
+        adapter that failed to load fail alone (a 400 naming why)."""
+        if self.lora_loader is None or not self.lora_loader.num_loading:
+            return
+        loaded, failed = self.lora_loader.take_done()
+        for name in loaded:
+            self.scheduler.lora_loaded(name)
+        for name, error in failed.items():
+            ids = self.scheduler.lora_failed(name)
+            self._pending += self._abort_with_errors(dict.fromkeys(ids, error), 400)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -290,6 +312,7 @@ class EngineCore:
         start = time.monotonic()
         self.step_clock.value = start
         self._schedule_compiled()
+        self._take_loaded_loras()
         deltas, self._pending = self._pending, []
         return start, deltas
 
@@ -297,6 +320,8 @@ class EngineCore:
         """The scheduler's plan, with the masks of its grammar rows (filled while the step
         runs), announced to `on_scheduled`."""
         plan = self.scheduler.schedule()
+        if plan.lora_loads and self.lora_loader is not None:
+            self.lora_loader.start(plan.lora_loads)
         if self.structured is not None:
             plan.grammar_bitmask = self.structured.bitmask(plan)
         first = self._first_scheduled(plan)

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.messages import CoreInfo
 from kvcache.config import CacheConfig
-from model_runner.config import ModelConfig
+from model_runner.config import LoRAConfig, ModelConfig
 from model_runner.distributed.tp_workers import start_tensor_parallel
 from model_runner.loader import LoadedModel, ModelSpec, load_model, load_model_spec
 from model_runner.models.sliding_windows import model_window
@@ -56,8 +56,13 @@ def build_core_parts(
         # NOTE: only a model windowed in every layer frees a request's blocks early
         sliding_window=model_window(model.hf_config),
     )
-    scheduler_config = replace(scheduler_config, max_model_len=model_len)
+    lora = model_config.lora
+    scheduler_config = replace(scheduler_config, max_model_len=model_len,
+                               max_loras=None if lora is None else lora.max_loras,
+                               max_cpu_loras=None if lora is None else lora.cpu_loras)
     scheduler = Scheduler(scheduler_config, cache_config)
+    if lora is not None:
+        _load_loras(lora, runner, scheduler)
     # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
     # lone request can always run to its end; the HTTP checks use that same limit.
     max_model_len = scheduler.max_request_len
@@ -73,6 +78,7 @@ def build_core_parts(
         policy=scheduler_config.policy,
         eos_token_ids=sorted(model.eos_token_ids),
         cache_config=cache_config,
+        loras=None if lora is None else dict(lora.modules),
     )
     structured = _structured_outputs(model.tokenizer, info, grammar_step_timeout_s)
     info.structured_outputs = structured is not None
@@ -100,6 +106,26 @@ def _load_runner(
                                    max_model_len=loaded.max_model_len))
         logger.info("draft model %s loaded", draft.model_path)
     return ModelRunner(loaded, model_config, draft=draft), loaded
+
+
+def _load_loras(
+    config: LoRAConfig, runner: ModelRunner | SimulatedRunner, scheduler: Scheduler
+) -> None:
+    """Check every --lora-modules folder against the model (a bad one fails the start,
+    naming it: AdapterError); the first --max-cpu-loras stay loaded, the others load when
+    their requests come. The simulated runner has no weights to check: its adapters are
+    only names."""
+    holder = getattr(runner, "loras", None)
+    for index, (name, path) in enumerate(config.modules):
+        keep = index < config.cpu_loras
+        if holder is not None:
+            holder.paths[name] = path
+            adapter = holder.read(name, path)
+            if keep:
+                holder.add(adapter)
+        if keep:
+            scheduler.lora_loaded(name)
+    logger.info("LoRA adapters: %s", ", ".join(name for name, _ in config.modules) or "none")
 
 
 def _structured_outputs(

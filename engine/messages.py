@@ -79,7 +79,17 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-Command = AddRequests | FinishRequests | SnapshotQuery | Shutdown
+class UpdateLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Serve the LoRA adapter in the PEFT folder `path` under `name` from now on (checked
+    against the model), or stop serving it (`path` None): answered by a `SnapshotReply`
+    whose state is {"error": why not, or None}."""
+
+    query_id: int
+    name: str
+    path: str | None = None
+
+
+Command = AddRequests | FinishRequests | SnapshotQuery | Shutdown | UpdateLoRA
 
 
 class CoreInfo(msgspec.Struct, array_like=True):
@@ -92,6 +102,7 @@ class CoreInfo(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     cache_config: CacheConfig  # the KV pool the runner allocated
     structured_outputs: bool = False  # grammars can be compiled (structured/)
+    loras: dict[str, str] | None = None  # LoRA adapters served, name -> path (None: off)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

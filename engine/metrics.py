@@ -12,11 +12,13 @@ handlers count tenant rejections; /metrics reads through `render()`.
 
 Beside them, `VllmAliases` exposes what the Gateway API Inference Extension's endpoint
 picker (llm-d's router) reads by default, under vLLM's names: `vllm:num_requests_waiting`,
-`vllm:num_requests_running`, `vllm:kv_cache_usage_perc` and `vllm:cache_config_info`.
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:cache_config_info` and,
+with LoRA adapters, `vllm:lora_requests_info`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +136,9 @@ SERIES = (
            (*_T, "reason")),
     Series("tenant_queue_time", Histogram, "pagedserve_tenant_request_queue_time_seconds",
            "Arrival to first scheduled.", _T, _REQUEST_BUCKETS),
+    Series("lora_requests", Counter, "pagedserve_lora_requests",
+           "Finished requests by the LoRA adapter they ran and finish reason.",
+           ("lora_name", "finished_reason")),
 )
 
 
@@ -147,6 +152,20 @@ VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # The labels of vLLM's CacheConfig that we have (vLLM lists every field; the endpoint
 # picker reads block_size and num_gpu_blocks), with `engine`, as vLLM's.
 VLLM_CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "engine")
+# vLLM's gauge of the adapters running and waiting: its value the time they last changed
+# (the endpoint picker reads the newest sample's labels, names joined by commas).
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+VLLM_LORA_LABELS = ("running_lora_adapters", "max_lora", "waiting_lora_adapters")
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """What `vllm:lora_requests_info` says of one core: its adapters, at `when` (time.time)."""
+
+    max_lora: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    when: float
 
 
 class VllmAliases(Collector):
@@ -158,9 +177,11 @@ class VllmAliases(Collector):
     is 1 per core, its KV pool in the labels, with no `model_name` (as vLLM's).
     """
 
-    def __init__(self, families: dict[str, Any], cache_configs: dict[str, CacheConfig]) -> None:
+    def __init__(self, families: dict[str, Any], cache_configs: dict[str, CacheConfig],
+                 loras: dict[str, LoRAInfo]) -> None:
         self._families = families
         self._cache_configs = cache_configs  # engine label -> its core's KV pool
+        self._loras = loras  # engine label -> its adapters (none without LoRA)
 
     def collect(self) -> Iterator[Metric]:
         for key, name in VLLM_GAUGES:
@@ -178,6 +199,14 @@ class VllmAliases(Collector):
             info.add_metric((str(config.block_size), str(config.num_blocks),
                              str(config.enable_prefix_caching), engine), 1)
         yield info
+        if self._loras:
+            lora = GaugeMetricFamily(VLLM_LORA_REQUESTS_INFO, "Running and waiting LoRA "
+                                     "adapters (vLLM's name and labels).",
+                                     labels=VLLM_LORA_LABELS)
+            for state in self._loras.values():
+                lora.add_metric((",".join(state.running), str(state.max_lora),
+                                 ",".join(state.waiting)), state.when)
+            yield lora
 
 
 class PriorityLabels:
@@ -215,13 +244,16 @@ class ServerMetrics:
             self.priority_label = shared.priority_label
             self._families: dict[str, Any] = shared._families
             self._cache_configs: dict[str, CacheConfig] = shared._cache_configs
+            self._loras: dict[str, LoRAInfo] = shared._loras
         else:
             self.registry = CollectorRegistry()
             self.priority_label = PriorityLabels()
             base_labels = ["model_name"] if engine is None else ["model_name", "engine"]
             self._families = {s.key: s.create(base_labels, self.registry) for s in SERIES}
             self._cache_configs = {}
-            self.registry.register(VllmAliases(self._families, self._cache_configs))
+            self._loras = {}
+            self.registry.register(VllmAliases(self._families, self._cache_configs,
+                                               self._loras))
         self._engine_label = engine or "0"
         # NOTE: `.labels()` costs a lock and a dict lookup per call: the hot paths (every
         # token) use the children of the series without labels of their own, made once
@@ -257,6 +289,16 @@ class ServerMetrics:
     def inc_request_success(self, finished_reason: str, tenant: str) -> None:
         self._child("request_success", finished_reason).inc()
         self._child("tenant_requests", tenant, finished_reason).inc()
+
+    def inc_lora_request(self, lora_name: str, finished_reason: str) -> None:
+        self._child("lora_requests", lora_name, finished_reason).inc()
+
+    def set_lora_info(self, max_lora: int, running: tuple[str, ...],
+                      waiting: tuple[str, ...]) -> None:
+        """This core's adapters for `vllm:lora_requests_info`, stamped now when changed."""
+        last = self._loras.get(self._engine_label)
+        if last is None or (last.running, last.waiting) != (running, waiting):
+            self._loras[self._engine_label] = LoRAInfo(max_lora, running, waiting, time.time())
 
     def inc_tenant_rejection(self, tenant: str, reason: str) -> None:
         self._child("tenant_rejections", tenant, reason).inc()

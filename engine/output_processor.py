@@ -411,7 +411,10 @@ class OutputProcessor:
                 if on_done is not None:
                     on_done()
         if finish_reason is not None:
-            self.metrics.inc_request_success(finish_reason, choice.request.placement.tenant)
+            placement = choice.request.placement
+            self.metrics.inc_request_success(finish_reason, placement.tenant)
+            if placement.lora_name is not None:
+                self.metrics.inc_lora_request(placement.lora_name, finish_reason)
             self.metrics.observe_e2e_latency(now - choice.request.arrival_time)
             first_token, first_scheduled = choice.first_token_time, choice.first_scheduled_time
             self.metrics.observe_request_phases(
@@ -441,6 +444,8 @@ class OutputProcessor:
         )
         if stats.spec_decode is not None:
             metrics.inc_spec_decode(stats.spec_decode, seen.spec_decode or SpecDecodeStats())
+        if stats.max_loras:
+            metrics.set_lora_info(stats.max_loras, stats.running_loras, stats.waiting_loras)
         self._stats = stats
         self._num_waiting = stats.num_waiting
 

@@ -10,6 +10,35 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/selection.p
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (`--enable-lora`): the PEFT folders served from the start
+    (`modules`: (name, path) pairs), at most `max_loras` distinct adapters in one step,
+    none of rank over `max_lora_rank`, at most `max_cpu_loras` kept loaded (the least
+    recently used of the worst priority evicted first)."""
+
+    modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError("two LoRA modules share a name")
+
+    @property
+    def cpu_loras(self) -> int:
+        """How many adapters stay loaded at most."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model to load, where, in what dtype, and how big a KV cache to give it.
 
@@ -41,6 +70,7 @@ class ModelConfig:
     seed: int = 0
     # ranks the model is sharded over (model_runner/distributed/tp_workers.py); 1: one process
     tensor_parallel_size: int = 1
+    lora: LoRAConfig | None = None  # None: no adapters (no --enable-lora)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -65,3 +95,5 @@ class ModelConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")

@@ -27,6 +27,7 @@ from model_runner.kv_cache import (
     profile_cuda_num_blocks,
 )
 from model_runner.loader import LoadedModel
+from model_runner.lora_layers import LoRAModel
 from model_runner.prompt_logprobs import compute_prompt_logprobs
 from model_runner.sampler import Sampler
 from model_runner.spec_decode import Verification
@@ -240,6 +241,9 @@ class ModelRunner:
         self.decode_graphs = None if draft is not None else create_decode_graph_runner(
             self.model, self.attn, config, self.max_model_len, self.device
         )
+        self.loras = None if config.lora is None else LoRAModel(
+            self.model, config.lora.max_lora_rank
+        )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
         if self.draft is not None:
@@ -270,10 +274,15 @@ class ModelRunner:
         self.block_tables.forget(freed)
         if self.workers is not None:
             self.workers.forget(freed)
+        if self.loras is not None:
+            for name in scheduler_output.lora_evictions:
+                self.loras.remove(name)
         if scheduler_output.is_empty:
             return LaunchedStep.nothing()
-        # decodes first (stable, so the scheduler's order holds within each group)
-        requests = sorted(scheduler_output.scheduled, key=lambda r: r.num_new_tokens != 1)
+        # decodes first (stable, so the scheduler's order holds within each group), each
+        # group's rows by LoRA adapter (runs of one adapter's rows; the base's first)
+        requests = sorted(scheduler_output.scheduled, key=lambda r: (
+            r.num_new_tokens != 1, r.lora_name is not None, r.lora_name or ""))
         too_long = [r.request_id for r in requests if r.context_len > self.max_model_len]
         if too_long:
             raise ValueError(f"requests {too_long} exceed max_model_len {self.max_model_len}")
@@ -402,6 +411,10 @@ class ModelRunner:
         through the graph runner when there is one. `placeholders`: flat positions of
         the input ids to overwrite, and their tokens."""
         graphs = self.decode_graphs
+        if self.loras is not None and self.loras.begin_step(
+            [r.lora_name for r in requests], [r.num_new_tokens for r in requests]
+        ):
+            graphs = None  # the adapters' deltas run eagerly
         if graphs is not None and graphs.can_run(requests):
             return graphs.forward(requests, self.block_tables, self.kv_cache.layers,
                                   placeholders)

@@ -19,6 +19,7 @@ from kvcache.kv_cache_manager import KVCacheManager, cdiv
 from scheduler.budget import StepBudget
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
+from scheduler.lora_slots import LoRASlots
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import PriorityRequestQueue, RequestQueue, SchedulingPolicy
@@ -71,6 +72,7 @@ class AdmissionAndPreemption:
     running: list[Request]
     requests: dict[str, Request]
     sharing: PromptSharing
+    loras: LoRASlots | None
     fair_share: FairShare | None
     num_preemptions_total: int
     _num_preemptions_by_priority: Counter[int]
@@ -98,8 +100,12 @@ class AdmissionAndPreemption:
         return candidate
 
     def _consider(self, request: Request, step: Step) -> None:
-        """Try to admit a waiting request; park it (and narrow admission) when it fails."""
+        """Try to admit a waiting request; park it (and narrow admission) when it fails.
+        One whose adapter cannot run in this step is held aside, parking nobody."""
         self.waiting.remove(request)
+        if self.loras is not None and not self.loras.runs(request):
+            self.loras.hold(request)
+            return
         urgent_enough = step.must_beat is None or request.priority < step.must_beat
         if step.parked_head is None:
             admitted = urgent_enough and self._admit(request, step)

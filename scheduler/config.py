@@ -107,7 +107,9 @@ class SchedulerConfig:
     (scheduler/fair_share.py) instead of by arrival.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
     (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
-    or a draft model (None: off).
+    or a draft model (None: off). max_loras: LoRA adapters in one step (None: no
+    adapters), max_cpu_loras: adapters kept loaded (None: max_loras); the slots go by
+    priority (scheduler/lora_slots.py).
     """
 
     policy: str = "fcfs"
@@ -124,6 +126,8 @@ class SchedulerConfig:
     whole_prompt_slack: float = 1.5
     attention_cost_context: int = 2048
     speculative: SpeculativeConfig | None = None
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -4,15 +4,17 @@ asked."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
+from scheduler.lora_slots import LoRASlots
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import RequestQueue, SchedulingPolicy
-from scheduler.speculation import SpecDecodeStats
+from scheduler.speculation import SpecDecodeStats, Speculation
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class SchedulerStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+    # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)
+    max_loras: int = 0  # 0: no adapters
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class SchedulerState(Protocol):
@@ -46,10 +52,46 @@ class SchedulerState(Protocol):
     running: list[Request]
     requests: dict[str, Request]
     sharing: PromptSharing
+    loras: LoRASlots | None
     num_preemptions_total: int
+    speculation: Speculation | None
+    _num_preemptions_by_priority: Counter[int]
 
     @property
     def num_waiting(self) -> int: ...
+
+
+def stats(state: SchedulerState) -> SchedulerStats:
+    """The scheduler's counters and gauges; O(running + held), not O(waiting)."""
+    kv = state.kv_cache
+    # NOTE: outside schedule() skipped_waiting is empty: waiting and held are all.
+    waiting_by_priority = Counter(state.waiting.count_by_priority())
+    waiting_by_priority.update(r.priority for r in state.sharing)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    if state.loras is not None:
+        waiting_by_priority.update(r.priority for r in state.loras.held_requests())
+        running = {r.lora_name for r in state.running if r.lora_name is not None}
+        running_loras = tuple(sorted(running))
+        waiting_loras = tuple(sorted(state.loras.wanted() - running))
+    return SchedulerStats(
+        num_running=len(state.running),
+        num_waiting=state.num_waiting,
+        num_preemptions_total=state.num_preemptions_total,
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
+        num_free_blocks=kv.num_free_blocks,
+        num_cached_blocks=kv.num_cached_blocks,
+        num_blocks=kv.num_blocks,
+        num_waiting_by_priority=dict(waiting_by_priority),
+        num_running_by_priority=dict(Counter(r.priority for r in state.running)),
+        num_preemptions_by_priority=dict(state._num_preemptions_by_priority),
+        spec_decode=None if state.speculation is None else state.speculation.stats,
+        max_loras=0 if state.loras is None else state.loras.max_loras,
+        running_loras=running_loras,
+        waiting_loras=waiting_loras,
+    )
 
 
 def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, Any]:
@@ -80,6 +122,8 @@ def check_integrity(state: SchedulerState) -> None:
     state.kv_cache.check_integrity()
     running_ids = [r.request_id for r in state.running]
     waiting = [*state.waiting, *state.skipped_waiting, *state.sharing]
+    if state.loras is not None:
+        waiting += state.loras.held_requests()
     all_ids = running_ids + [r.request_id for r in waiting]
     if len(set(all_ids)) != len(all_ids):
         raise RuntimeError("a request is queued twice")

@@ -40,6 +40,8 @@ class ScheduledRequest:
     that many draft tokens to follow the request's newest token, into
     `ModelRunnerOutput.draft_token_ids` (the block table already covers their KV slots:
     the newest token's position and the lookahead ones after it).
+    `lora_name`: the LoRA adapter its rows run (None: the base model); the scheduler
+    schedules only adapters the runner holds.
     """
 
     request_id: str
@@ -53,6 +55,7 @@ class ScheduledRequest:
     prompt_logprob_rows: tuple[int, int] = (0, 0)
     num_draft_tokens: int = 0
     num_lookahead_tokens: int = 0
+    lora_name: str | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -79,11 +82,15 @@ class SchedulerOutput:
     `grammar_bitmask` is set by the engine core when sampling rows are constrained by a
     grammar: it is filled while the forward runs, and the runner waits for it before
     sampling.
+    `lora_loads`: LoRA adapters the engine core is to load (off the step, on a thread);
+    `lora_evictions`: those the runner drops before this step (scheduler/lora_slots.py).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    lora_loads: list[str] = field(default_factory=list)
+    lora_evictions: list[str] = field(default_factory=list)
     grammar_bitmask: Future[GrammarBitmask] | None = None
 
     @property

@@ -22,7 +22,8 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit
     `priority_bound` is its tenant's most urgent priority (aging stops there; None:
     none). `deadline` (time.monotonic(), the same clock in both processes), when set,
     finishes it with "deadline" once passed. `cache_salt` keys its prefix-cache blocks
-    apart from those of any other salt.
+    apart from those of any other salt. `lora_name`: the LoRA adapter it runs (None: the
+    base model); its prefix-cache blocks are keyed apart from any other adapter's.
 
     NOTE: a msgspec struct, not a dataclass like SamplingParams: it crosses the process
     boundary in every `NewRequest`, and array_like sends its fields by position, not by
@@ -35,6 +36,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit
     priority_bound: int | None = None
     deadline: float | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight <= 0:

@@ -122,8 +122,18 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        """Its placement's prefix-cache salt."""
-        return self.placement.cache_salt
+        """Its placement's prefix-cache salt, and its LoRA adapter's: two adapters never
+        share KV. NOTE: the adapter's part first (admission's salts start with the
+        tenant's, from the tenants file, so no request's own salt reproduces it)."""
+        lora = self.placement.lora_name
+        if lora is None:
+            return self.placement.cache_salt
+        return f"lora\x01{lora}\x01{self.placement.cache_salt or ''}"
+
+    @property
+    def lora_name(self) -> str | None:
+        """Its placement's LoRA adapter (None: the base model)."""
+        return self.placement.lora_name
 
     @property
     def all_token_ids(self) -> list[int]:

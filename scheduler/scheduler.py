@@ -56,6 +56,7 @@ from scheduler.budget import prefill_cap
 from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
 from scheduler.introspection import SchedulerStats
+from scheduler.lora_slots import LoRAScheduling, LoRASlots
 from scheduler.output import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
@@ -68,13 +69,14 @@ from scheduler.request_queue import SchedulingPolicy, create_request_queue
 from scheduler.speculation import Speculation
 
 
-class Scheduler(AdmissionAndPreemption):
+class Scheduler(AdmissionAndPreemption, LoRAScheduling):
     """FCFS or priority continuous batching over a paged KV cache, with preemption.
 
     `running` is in admission order under fcfs and in priority order under priority.
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
     Admission and preemption are the `AdmissionAndPreemption` methods
-    (scheduler/admission.py); the step's budget and prefill cost model are
+    (scheduler/admission.py), the LoRA adapters' slots `LoRAScheduling`'s
+    (scheduler/lora_slots.py); the step's budget and prefill cost model are
     scheduler/budget.py.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
@@ -113,6 +115,9 @@ class Scheduler(AdmissionAndPreemption):
         self.sharing = PromptSharing(self.kv_cache)  # n > 1: choices held back
         speculative = scheduler_config.speculative
         self.speculation = Speculation(speculative) if speculative is not None else None
+        max_loras = scheduler_config.max_loras
+        self.loras = None if max_loras is None else LoRASlots(
+            max_loras, scheduler_config.max_cpu_loras or max_loras)
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
@@ -159,6 +164,8 @@ class Scheduler(AdmissionAndPreemption):
             request.num_speculative_tokens = self.speculation.limit(request.sampling_params)
         if self.fair_share is not None:
             self.fair_share.tag(request)
+        if self.loras is not None:
+            self.loras.want(request)
         deadline = request.placement.deadline
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, request.request_id))
@@ -203,6 +210,7 @@ class Scheduler(AdmissionAndPreemption):
         """Decide this step's batch: decodes first, then prefill work in policy order."""
         step = Step(self.config, now=self._clock())
         self._expire_deadlines(step.now)
+        loads, evictions = self._begin_lora_step()
         self._schedule_decodes(step)
         step.prefill_room = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
         if self.speculation is not None:
@@ -212,7 +220,7 @@ class Scheduler(AdmissionAndPreemption):
             self.speculation.grant_after_prefills(self, step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
-        return self._build_output(step)
+        return self._build_output(step, loads, evictions)
 
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -305,25 +313,7 @@ class Scheduler(AdmissionAndPreemption):
     @property
     def stats(self) -> SchedulerStats:
         """Counters and gauges for metrics; O(running + held), not O(waiting)."""
-        kv = self.kv_cache
-        # NOTE: outside schedule() skipped_waiting is empty: waiting and held are all.
-        waiting_by_priority = Counter(self.waiting.count_by_priority())
-        waiting_by_priority.update(r.priority for r in self.sharing)
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_preemptions_total=self.num_preemptions_total,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries_tokens=kv.prefix_cache_queries_tokens,
-            prefix_cache_hits_tokens=kv.prefix_cache_hits_tokens,
-            num_free_blocks=kv.num_free_blocks,
-            num_cached_blocks=kv.num_cached_blocks,
-            num_blocks=kv.num_blocks,
-            num_waiting_by_priority=dict(waiting_by_priority),
-            num_running_by_priority=dict(Counter(r.priority for r in self.running)),
-            num_preemptions_by_priority=dict(self._num_preemptions_by_priority),
-            spec_decode=None if self.speculation is None else self.speculation.stats,
-        )
+        return introspection.stats(self)
 
     def snapshot(self, max_waiting: int = 100) -> dict[str, Any]:
         """JSON-ready view for GET /scheduler/state: policy, running requests, the first
@@ -348,6 +338,8 @@ class Scheduler(AdmissionAndPreemption):
                 continue
             if request.num_output_placeholders and self._pending_token_ends(request):
                 continue
+            if self.loras is not None and not self.loras.runs(request):
+                continue  # its adapter has no slot in this step
             self._allocate_or_preempt(request, 1, step, decode=True)
 
     def _pending_token_ends(self, request: Request) -> bool:
@@ -397,13 +389,14 @@ class Scheduler(AdmissionAndPreemption):
             ):
                 step.prefill_level = level
 
-    @staticmethod
-    def _can_chunk(request: Request, step: Step) -> bool:
-        """False for a chunk candidate preempted (and maybe readmitted) in this step."""
+    def _can_chunk(self, request: Request, step: Step) -> bool:
+        """False for a chunk candidate preempted (and maybe readmitted) in this step, or
+        whose adapter has no slot in it."""
         return (
             request.status is RequestStatus.RUNNING
             and request.request_id not in step.num_scheduled_tokens
             and request not in step.preempted
+            and (self.loras is None or self.loras.runs(request))
         )
 
     def _goes_first(self, chunk: Request, candidate: Request, step: Step) -> bool:
@@ -417,7 +410,8 @@ class Scheduler(AdmissionAndPreemption):
         )
         return _effective_key(chunk) < waiting_key
 
-    def _build_output(self, step: Step) -> SchedulerOutput:
+    def _build_output(self, step: Step, loads: list[str], evictions: list[str]
+                      ) -> SchedulerOutput:
         scheduled = []
         for request_id, num_new in step.num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -443,6 +437,7 @@ class Scheduler(AdmissionAndPreemption):
                     prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
                     num_draft_tokens=len(drafts),
                     num_lookahead_tokens=step.num_lookahead_tokens.get(request_id, 0),
+                    lora_name=request.lora_name,
                 )
             )
             request.num_computed_tokens = end
@@ -453,6 +448,8 @@ class Scheduler(AdmissionAndPreemption):
             scheduled=scheduled,
             preempted_ids=[r.request_id for r in step.preempted],
             finished_ids=finished_ids,
+            lora_loads=loads,
+            lora_evictions=evictions,
         )
 
     def _release_held(self, leader: Request) -> None:
@@ -465,7 +462,7 @@ class Scheduler(AdmissionAndPreemption):
             self.waiting.remove(request)
         elif request in self.skipped_waiting:
             self.skipped_waiting.remove(request)
-        else:
+        elif self.loras is None or not self.loras.unhold(request):
             self.sharing.remove(request)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
@@ -476,6 +473,8 @@ class Scheduler(AdmissionAndPreemption):
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self._release_held(request)
+        if self.loras is not None:
+            self.loras.forget(request)
 
 
 _NO_DRAFTS: list[int] = []  # read only

@@ -62,6 +62,8 @@ class Admission:
         self.engine = engine
         self.config = config
         self.model_names = (engine.info.model_name, *config.model_aliases)
+        # the LoRA adapters served: name -> PEFT folder (server/lora.py)
+        self.loras: dict[str, str] = dict(engine.info.loras or {})
         self.max_prompt_chars = _max_prompt_chars(engine.info.tokenizer,
                                                   engine.info.max_model_len)
 
@@ -121,9 +123,15 @@ class Admission:
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
 
+    def reported_model(self, requested: str | None) -> str:
+        """The `model` a response reports: the LoRA adapter it ran, or the base model."""
+        return requested if requested is not None and requested in self.loras \
+            else self.model_name
+
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is None or a name this server serves."""
-        if model is not None and model not in self.model_names:
+        """404 unless `model` is None or a name this server serves (its LoRA adapters'
+        included)."""
+        if model is not None and model not in self.model_names and model not in self.loras:
             raise APIError(
                 404, f"The model `{model}` does not exist; this server serves "
                 f"`{self.model_name}`.", param="model", code="model_not_found",
@@ -131,6 +139,10 @@ class Admission:
 
     def _place(self, tenant: Tenant, body: SamplingRequest, arrival: float) -> Admitted:
         """The request's placement, built here once for the engine, and its tenant's seat."""
+        lora_name = body.model if body.model in self.loras else None
+        if lora_name is not None and not tenant.may_use_lora(lora_name):
+            raise APIError(403, f"The tenant `{tenant.name}` may not use the LoRA adapter "
+                           f"`{lora_name}`.", param="model", code="lora_not_allowed")
         requested = body.priority if "priority" in body.model_fields_set else None
         try:
             priority = tenant.priority(requested)
@@ -150,6 +162,7 @@ class Admission:
             priority=priority, tenant=tenant.name, weight=tenant.weight,
             priority_bound=tenant.spec.max_priority,
             deadline=tenant.deadline(arrival, body.deadline_ms), cache_salt=salt,
+            lora_name=lora_name,
         )
         return Admitted(placement, tenant, seat)
 

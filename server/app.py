@@ -32,6 +32,7 @@ from server.chat import ChatCompletions
 from server.completions import Completions
 from server.config import ServerConfig
 from server.errors import APIError, install_error_handlers, server_error
+from server.lora import install_lora_routes
 from server.middleware import (
     BodyLimitMiddleware,
     BodyTimeoutMiddleware,
@@ -96,6 +97,8 @@ def build_app(
     routes = _install_openai_routes(app, serving)
     if config.batch.data_dir is not None:
         batch = BatchAPI(app, serving, routes, tenants, config.batch, engine)
+    if config.runtime_lora_updating:
+        install_lora_routes(app, serving)
     install_utility_routes(app, serving)
     _install_operations_routes(app, engine, config)
     return app
@@ -143,8 +146,11 @@ def _install_openai_routes(app: FastAPI, serving: Serving) -> dict[str, Route]:
     @app.get("/v1/models")
     async def models() -> ModelList:
         max_model_len = serving.engine.info.max_model_len
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len)
-                               for name in serving.model_names])
+        adapters = [ModelCard(id=name, root=path, parent=serving.model_name,
+                              max_model_len=max_model_len)
+                    for name, path in serving.loras.items()]
+        return ModelList(data=[*(ModelCard(id=name, max_model_len=max_model_len)
+                                 for name in serving.model_names), *adapters])
 
     return {"/v1/completions": completions_route, "/v1/chat/completions": chat_route,
             "/v1/responses": responses_route}

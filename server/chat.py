@@ -73,7 +73,7 @@ class ChatCompletions:
         def render() -> bytes:
             response = ChatCompletionResponse(
                 id=request_id,
-                model=serving.model_name,
+                model=serving.reported_model(body.model),
                 choices=[self._choice(i, c, body, self.output_parser(body, tool_parser))
                          for i, c in enumerate(choices)],
                 usage=usage([prompt], choices),
@@ -142,7 +142,7 @@ class ChatCompletions:
         tool_parser: ToolParser | None,
     ) -> Response:
         created = int(time.time())
-        model = self.serving.model_name
+        model = self.serving.reported_model(body.model)
         choices = {i: Choice() for i in range(body.n)}
         parsers = {i: self.output_parser(body, tool_parser) for i in choices}
         head = chunk_head(request_id, "chat.completion.chunk", created, model)

@@ -29,6 +29,8 @@ from server.batch.config import add_batch_arguments as _add_batch_arguments
 from server.batch.config import batch_config
 from server.config import ServerConfig
 from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
+from server.lora import add_lora_arguments as _add_lora_arguments
+from server.lora import lora_config
 from server.reasoning import REASONING_PARSERS
 from server.tenants import TenantRegistry, TenantsFileError
 from server.tool_parsers import TOOL_PARSERS
@@ -71,6 +73,7 @@ class ServeConfigs:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagedserve serve`."""
+    _add_lora_arguments(parser)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -267,6 +270,7 @@ def _model_config(
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora=lora_config(args),
     )
 
 
@@ -326,6 +330,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         body_timeout_s=args.body_timeout_s,
         limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
+        runtime_lora_updating=args.enable_runtime_lora_updating,
         limits=RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
     )
 

@@ -90,7 +90,7 @@ class Completions:
         def render() -> bytes:
             response = CompletionResponse(
                 id=request_id,
-                model=serving.model_name,
+                model=serving.reported_model(body.model),
                 choices=[
                     self._choice(i, c, body, prompts[i // body.n], echo)
                     for i, c in enumerate(choices)
@@ -112,7 +112,7 @@ class Completions:
         echo: list[str] | None,
     ) -> Response:
         created = int(time.time())
-        model = self.serving.model_name
+        model = self.serving.reported_model(body.model)
         n = body.n
         num_choices = len(prompts) * n
         # the echoes yet to send, by choice (each in its choice's first chunk)

@@ -52,6 +52,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     limit_concurrency: int | None = None
     log_level: str = "info"
+    runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, unload (server/lora.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -179,6 +179,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
 
 
 class ModelList(BaseModel):

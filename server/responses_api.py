@@ -49,7 +49,7 @@ class Responses:
         body = chat_request(request)
         admitted = serving.admit(raw, body, arrival)
         prompt, params, tool_parser = await self.chat.prepare(body, admitted)
-        head = response_head(request, item_id("resp"), serving.model_name)
+        head = response_head(request, item_id("resp"), serving.reported_model(body.model))
         stream = serving.submit(head.id, [prompt], params, body, admitted, arrival)
         parser = self.chat.output_parser(body, tool_parser)
         if request.stream:

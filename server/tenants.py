@@ -69,6 +69,8 @@ class TenantSpec(BaseModel):
     deadline_ms: int | None = Field(default=None, ge=1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     share_cache: bool = False
+    # The LoRA adapters its requests may name (None: every adapter served).
+    loras: list[str] | None = None
     # May read what the server knows of every tenant's requests (GET /scheduler/state).
     admin: bool = False
 
@@ -180,6 +182,10 @@ class Tenant:
         if spec.cache_salt is not None or spec.share_cache:
             return spec.cache_salt
         return spec.name
+
+    def may_use_lora(self, name: str) -> bool:
+        """Whether its requests may run the LoRA adapter `name`."""
+        return self.spec.loras is None or name in self.spec.loras
 
     @property
     def is_admin(self) -> bool:

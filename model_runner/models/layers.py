@@ -12,6 +12,8 @@ the ranks (one all-reduce each).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,24 +32,32 @@ from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linea
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
 from model_runner.models.rope import apply_rope
 
+if TYPE_CHECKING:
+    from model_runner.lora_layers import LoRAProjection
+
 
 class Linear(nn.Linear):
     """nn.Linear that may run on a packed copy of its weight (CPU, see cpu_linear.py).
 
     `pack` is called once after the weights are loaded; the packed copy is then the only
-    one (the plain weight is dropped, so the weights are not held twice).
+    one (the plain weight is dropped, so the weights are not held twice). `lora`: its
+    LoRA adapters (model_runner/lora_layers.py), whose deltas follow the base projection
+    on the rows of the step's adapters.
     """
 
     packed: PackedLinear | None = None
+    lora: LoRAProjection | None = None
 
     def pack(self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE) -> None:
         self.packed = pack_linear(self.weight, self.bias, weight_dtype, table)
         self.weight = dropped(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.packed(x)
+        out = F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+        lora = self.lora
+        if lora is not None and lora.step.runs:
+            return lora.apply_(x, out)
+        return out
 
     def decode_form(self) -> DecodeForm | str:
         """Its small-batch copy as the C++ decode stack holds it, or why there is none."""

@@ -28,6 +28,7 @@ from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
+from model_runner.lora_layers import LoRAStep
 from model_runner.models.decode_stack import (
     DEFAULT_ROPE,
     DecodeStack,
@@ -137,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
         # or why not
         self.decode_stack: DecodeStack | None = None
         self.decode_stack_off: str | None = "not packed"
+        # the step's rows by LoRA adapter, once adapters are attached (lora_layers.py)
+        self.lora_step: LoRAStep | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -193,8 +196,11 @@ class LlamaForCausalLM(nn.Module):
         ops: LayerOps | None,
     ) -> bool:
         """Whether this step's layers run in the decode stack: one it takes, on the "cpu"
-        backend with its layer kernels (those the Python layers then run)."""
+        backend with its layer kernels (those the Python layers then run), with no LoRA
+        adapter in the step (the Python layers add their deltas)."""
         stack = self.decode_stack
+        if self.lora_step is not None and self.lora_step.runs:
+            return False
         return (stack is not None and ops is not None and attn.name == "cpu"
                 and stack.takes(meta, x.shape[0]))
 

@@ -49,6 +49,7 @@ SPEC_METRICS = {
     "pagedserve_tenant_generation_tokens_total": "counter",
     "pagedserve_tenant_rejections_total": "counter",
     "pagedserve_tenant_request_queue_time_seconds": "histogram",
+    "pagedserve_lora_requests_total": "counter",  # by LoRA adapter (none without)
 }
 # What the Gateway API Inference Extension's endpoint picker reads, by vLLM's names
 VLLM_METRICS = {

@@ -233,3 +233,26 @@ def test_speculative_model_is_a_draft_model_in_the_speculative_config() -> None:
 def test_a_bad_speculative_config_says_why(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         configs("--speculative-config", text)
+
+
+def test_lora_flags_reach_the_model_and_server_configs() -> None:
+    served = configs("--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat",
+                         "--max-loras", "2", "--max-lora-rank", "32", "--max-cpu-loras", "3",
+                         "--enable-runtime-lora-updating")
+    lora = served.model.lora
+    assert lora is not None and lora.modules == (("sql", "/a/sql"), ("chat", "/a/chat"))
+    assert (lora.max_loras, lora.max_lora_rank, lora.cpu_loras) == (2, 32, 3)
+    assert served.server.runtime_lora_updating
+    assert configs().model.lora is None
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--lora-modules", "sql=/a"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql"], "expected NAME=PATH"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "share a name"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras"),
+    (["--enable-lora", "-tp", "2"], "tensor_parallel_size > 1"),
+])
+def test_bad_lora_flags_are_refused_naming_them(flags: list[str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        configs(*flags)

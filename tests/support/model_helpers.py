@@ -389,6 +389,7 @@ class Seq:
     output: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def tokens(self) -> list[int]:
@@ -430,6 +431,7 @@ class RunnerLoop:
                     sampling_params=s.params,
                     prompt_token_ids=s.prompt,
                     output_token_ids=s.output,
+                    lora_name=s.lora_name,
                 )
             )
             s.num_computed = end

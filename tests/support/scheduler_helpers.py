@@ -42,6 +42,8 @@ def make_scheduler(
     fair_share: bool = False,
     clock: Callable[[], float] | None = None,
     speculative: SpeculativeConfig | None = None,
+    max_loras: int | None = None,
+    max_cpu_loras: int | None = None,
 ) -> Scheduler:
     """A scheduler on a small pool (defaults: 32 blocks of 4 tokens, budget 64, 16 seats)."""
     return Scheduler(
@@ -56,6 +58,8 @@ def make_scheduler(
             long_prefill_token_threshold=long_prefill_token_threshold,
             fair_share=fair_share,
             speculative=speculative,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
         ),
         CacheConfig(
             num_blocks=num_blocks,

@@ -1,0 +1,176 @@
+"""LoRA adapters on a loaded model: rows of different adapters and of the base model in
+one step, each projection's delta computed grouped by adapter after the base projection.
+
+`LoRAModel.attach` gives every fused projection of the decoder layers (qkv_proj, o_proj,
+gate_up_proj, down_proj) a `LoRAProjection`; all of them read one `LoRAStep`: the
+step's runs of consecutive rows of one adapter (the runner orders a step's requests by
+adapter). For each run, a projection shrinks its rows to the adapter's rank (x @ A.T,
+the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matrices at
+their rows of the fused output, scale folded in), added to the base output at those
+rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
+between two steps only installs it. A step without adapter rows costs each projection one
+check. Such a step runs the Python layers (not the C++ decode stack, nor CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_runner.lora_adapters import LoRAAdapter, read_adapter
+
+# our fused projection -> the PEFT projections it holds, in their order of rows
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+class LoRAStep:
+    """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
+    Empty: no adapter in the step."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int, int]] = []
+
+
+# One projection's weights of an adapter: A [R, in] and B [out, R] (None: not targeted)
+ProjectionWeights = tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class ReadyAdapter:
+    """An adapter read, checked and laid out for every projection of the model (in
+    `LoRAModel.projections` order): what `LoRAModel.add` installs at once."""
+
+    adapter: LoRAAdapter
+    weights: list[ProjectionWeights]
+
+
+class LoRAProjection:
+    """One fused projection's adapters: name -> (A [R, in], B [out, R]), R the sum of the
+    ranks of the parts the adapter targets (a part it skips has no rows in A and B)."""
+
+    def __init__(self, step: LoRAStep, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+        self.step = step
+        self.parts = parts
+        self.sizes = sizes  # the parts' output rows
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def lay_out(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
+                device: torch.device) -> ProjectionWeights:
+        """`adapter`'s A matrices of this layer's parts stacked, its B matrices at their
+        parts' rows of the fused output (None: it targets none of them)."""
+        shrinks, expands, offset = [], [], 0
+        out_size = sum(self.sizes)
+        for part, size in zip(self.parts, self.sizes, strict=True):
+            pair = adapter.weights.get((layer, part))
+            if pair is not None:
+                a, b = pair
+                expand = torch.zeros(out_size, a.shape[0])
+                expand[offset : offset + size] = b
+                shrinks.append(a)
+                expands.append(expand)
+            offset += size
+        if not shrinks:
+            return None
+        return (torch.cat(shrinks).to(device=device, dtype=dtype),
+                torch.cat(expands, dim=1).to(device=device, dtype=dtype))
+
+    def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
+        on its runs of rows of the step (in place)."""
+        for name, start, stop in self.step.runs:
+            pair = self.adapters.get(name)
+            if pair is None:  # the adapter does not target this projection
+                continue
+            shrink, expand = pair
+            out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
+        return out
+
+
+class LoRAModel:
+    """The adapters a model holds (`adapters`), those it may load (`paths`), and the
+    step's runs of rows by adapter."""
+
+    def __init__(self, model: nn.Module, max_rank: int) -> None:
+        self.model = model
+        self.max_rank = max_rank
+        self.paths: dict[str, str] = {}  # every adapter it may load: name -> PEFT folder
+        self.step = LoRAStep()
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.projections: list[tuple[int, LoRAProjection]] = []
+        self.shapes: dict[str, tuple[int, int]] = {}
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        for layer_id, layer in enumerate(model.layers):
+            for owner in (layer.self_attn, layer.mlp):
+                self._attach(layer_id, owner)
+        model.lora_step = self.step
+
+    def _attach(self, layer_id: int, owner: nn.Module) -> None:
+        for fused, parts in _FUSED.items():
+            linear = getattr(owner, fused, None)
+            if linear is None or not hasattr(linear, "lora"):
+                continue
+            sizes = _part_sizes(owner, fused)
+            projection = LoRAProjection(self.step, parts, sizes)
+            linear.lora = projection
+            self.projections.append((layer_id, projection))
+            for part, size in zip(parts, sizes, strict=True):
+                self.shapes[part] = (size, linear.in_features)
+
+    def read(self, name: str, path: str) -> ReadyAdapter:
+        """The adapter in the PEFT folder `path`, checked against this model and laid out
+        for its projections (no state changes: it runs on the loader thread)."""
+        adapter = read_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
+        return ReadyAdapter(adapter, [projection.lay_out(adapter, layer, self.dtype, self.device)
+                                      for layer, projection in self.projections])
+
+    def add(self, ready: ReadyAdapter) -> None:
+        """Hold an adapter read (replacing one of the same name): dict entries only, between
+        two steps."""
+        name = ready.adapter.name
+        self.remove(name)
+        for (_, projection), weights in zip(self.projections, ready.weights, strict=True):
+            if weights is not None:
+                projection.adapters[name] = weights
+        self.adapters[name] = ready.adapter
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        for _, projection in self.projections:
+            projection.adapters.pop(name, None)
+
+    def begin_step(self, names: Sequence[str | None], num_rows: Sequence[int]) -> bool:
+        """The step's runs of rows by adapter: the i-th request's `num_rows[i]` rows (laid
+        out in order) run adapter `names[i]` (None: the base model); the runner orders
+        the requests by adapter so that the runs are few. Whether any adapter runs."""
+        runs: list[tuple[str, int, int]] = []
+        start = 0
+        for name, n in zip(names, num_rows, strict=True):
+            if name is not None:
+                if name not in self.adapters:
+                    raise ValueError(f"LoRA adapter {name!r} is not loaded")
+                if runs and runs[-1][0] == name and runs[-1][2] == start:
+                    runs[-1] = (name, runs[-1][1], start + n)
+                else:
+                    runs.append((name, start, start + n))
+            start += n
+        self.step.runs = runs
+        return bool(runs)
+
+
+def _part_sizes(owner: nn.Module, fused: str) -> tuple[int, ...]:
+    """The output rows of each part of a fused projection of `owner` (attention or MLP)."""
+    if fused == "qkv_proj":
+        return (owner.q_size, owner.kv_size, owner.kv_size)
+    if fused == "gate_up_proj":
+        return (owner.intermediate_size, owner.intermediate_size)
+    linear = getattr(owner, fused)
+    return (linear.out_features,)
