@@ -12,6 +12,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import RequestQueue, SchedulingPolicy
+from scheduler.slo import SloPlanner
 from scheduler.speculation import SpecDecodeStats
 
 
@@ -33,6 +34,12 @@ class SchedulerStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+    # The step-cost model (seconds: per step, per decode row, per unit of prefill cost)
+    # and, under slo, the steps whose decodes alone exceeded their tightest tpot target
+    # and the waiting requests refused once late (cumulative).
+    step_cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    num_steps_over_tpot: int = 0
+    num_rejected_late: int = 0
 
 
 class SchedulerState(Protocol):
@@ -47,6 +54,7 @@ class SchedulerState(Protocol):
     requests: dict[str, Request]
     sharing: PromptSharing
     num_preemptions_total: int
+    slo: SloPlanner
 
     @property
     def num_waiting(self) -> int: ...
@@ -70,6 +78,8 @@ def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, A
             "usage": kv.usage,
         },
         "num_preemptions_total": state.num_preemptions_total,
+        "step_cost": {**state.slo.cost.as_dict(),
+                      "num_steps_observed": state.slo.model.num_observed},
     }
 
 
