@@ -6,8 +6,9 @@ cost is the weighted prefill tokens of scheduler/budget.py (`prefill_cost`: a po
 at context c counts 1 + c / attention_cost_context). The engine core reports the time
 of each step it ran (`observe`); the coefficients are refitted by least squares over the
 last `window` steps, held toward the seed (a ridge prior): so a window of decode-only
-steps, which says nothing of the prefill coefficient, leaves that one at its seed, and a
-handful of steps cannot swing the model. Plain Python, O(1) per step (running sums of a
+steps, which says nothing of the prefill coefficient, leaves that one at its seed (and
+steps of one batch size, which cannot tell the fixed part from the per-row part, split
+them as the seed does). Plain Python, O(1) per step (running sums of a
 3x3 system).
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-# How much the seed weighs in the fit, in steps' worth of evidence per coefficient.
-PRIOR_STEPS = 4.0
+# How much the seed weighs in the fit, in steps' worth of evidence per coefficient: a
+# tie-breaker for what the window's steps leave undetermined, not a brake on the data.
+PRIOR_STEPS = 0.05
 
 
 @dataclass(frozen=True)
@@ -88,14 +90,16 @@ class StepCostModel:
 
     def _fit(self) -> StepCost:
         """Ridge least squares toward the seed, each coefficient's prior scaled to its
-        feature's size so that the prior counts as PRIOR_STEPS typical steps."""
+        feature's spread so that the prior counts as PRIOR_STEPS steps of evidence."""
         seed = (self.seed.fixed_s, self.seed.per_decode_s, self.seed.per_prefill_s)
         n = len(self._samples)
         a = [row[:] for row in self._xtx]
         b = self._xty[:]
         for i in range(3):
-            scale = max(a[i][i] / n, 1.0)  # mean square of the feature (1 for the constant)
-            lam = PRIOR_STEPS * scale
+            # NOTE: the feature's variance, not its mean square: a row count is never far
+            # from its mean, and a prior on its scale would outweigh the data's spread.
+            variance = a[i][i] / n - (a[0][i] / n) ** 2
+            lam = PRIOR_STEPS * (1.0 if i == 0 else max(variance, 1.0))
             a[i][i] += lam
             b[i] += lam * seed[i]
         theta = _solve3(a, b)
