@@ -196,6 +196,13 @@ class OutputProcessor:
         """Requests waiting for a seat (as of the last step) plus those not yet queued."""
         return self._num_waiting + self._num_pending_adds
 
+    def soonest_first_token_s(self) -> float:
+        """The predicted step of a new one-token prompt beside the running batch (the
+        fitted step-cost model as of the last step; 0 before any)."""
+        stats = self._stats
+        fixed, per_decode, per_prefill = stats.step_cost
+        return fixed + per_decode * stats.num_running + per_prefill
+
     def load(self, priority: int) -> tuple[int, float]:
         """What a request of `priority` would queue behind: the waiting requests of equal
         or better priority (as of the last step, counting those not yet queued as such)
@@ -410,8 +417,14 @@ class OutputProcessor:
                 on_done = self._on_done.pop(group_id, None)
                 if on_done is not None:
                     on_done()
+        placement = choice.request.placement
+        if finish_reason == "rejected":
+            self.metrics.inc_slo_refused(placement.priority, placement.tenant)
+        elif finish_reason in ("stop", "length"):
+            self.metrics.observe_slo(placement, choice.first_token_time, choice.last_token_time,
+                                     choice.num_output_tokens)
         if finish_reason is not None:
-            self.metrics.inc_request_success(finish_reason, choice.request.placement.tenant)
+            self.metrics.inc_request_success(finish_reason, placement.tenant)
             self.metrics.observe_e2e_latency(now - choice.request.arrival_time)
             first_token, first_scheduled = choice.first_token_time, choice.first_scheduled_time
             self.metrics.observe_request_phases(
@@ -439,6 +452,8 @@ class OutputProcessor:
             {p: n - seen_preemptions.get(p, 0)
              for p, n in stats.num_preemptions_by_priority.items()},
         )
+        metrics.set_step_cost(stats.step_cost,
+                              stats.num_steps_over_tpot - seen.num_steps_over_tpot)
         if stats.spec_decode is not None:
             metrics.inc_spec_decode(stats.spec_decode, seen.spec_decode or SpecDecodeStats())
         self._stats = stats

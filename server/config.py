@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.limits import RequestLimits
+from server.slo import MAX_TARGET_MS
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class ServerConfig:
     body_timeout_s: a request body not fully received by then is a 408.
     limit_concurrency: uvicorn answers 503 beyond this many connections and tasks (None:
     no limit). tenants_file: the tenants, their keys and limits (server/tenants.py);
-    exclusive with api_key, reloaded on SIGHUP.
+    exclusive with api_key, reloaded on SIGHUP. default_slo_ttft_ms,
+    default_slo_tpot_ms: latency targets of requests that (and whose tenant) give none
+    (server/slo.py).
     """
 
     host: str = "127.0.0.1"
@@ -49,6 +52,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     limit_concurrency: int | None = None
     log_level: str = "info"
+    default_slo_ttft_ms: int | None = None
+    default_slo_tpot_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -75,5 +80,9 @@ class ServerConfig:
             raise ValueError("snapshot_timeout_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError("retry_after_s must be >= 1")
+        for name in ("default_slo_ttft_ms", "default_slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= MAX_TARGET_MS:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [1, {MAX_TARGET_MS}]")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log level {self.log_level!r}")

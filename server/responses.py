@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length", "abort", "deadline", "tool_calls"]
+FinishReason = Literal["stop", "length", "abort", "deadline", "rejected", "tool_calls"]
 
 
 def random_id(prefix: str) -> str:
