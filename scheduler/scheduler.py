@@ -207,7 +207,8 @@ class Scheduler(AdmissionAndPreemption):
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
         if self.policy is SchedulingPolicy.SLO:
-            self.slo.begin_step([r for r in self.running if r.request_id in step.decode_ids])
+            decodes = [r for r in self.running if r.request_id in step.decode_ids]
+            self.slo.begin_step(self.running, decodes)
         if self.speculation is not None:
             self.speculation.grant_before_prefills(self, step)
         cap = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
@@ -393,7 +394,7 @@ class Scheduler(AdmissionAndPreemption):
         """
         chunks = [r for r in self.running if _num_left(r) > 1]
         if self.policy.ranks:
-            chunks.sort(key=_effective_key)
+            chunks.sort(key=self._prefill_key(step))
         next_chunk = 0
         while step.has_prefill_room():
             while next_chunk < len(chunks) and not self._can_chunk(chunks[next_chunk], step):
@@ -435,12 +436,22 @@ class Scheduler(AdmissionAndPreemption):
         """Whether a running request's prefill chunk comes before a waiting request."""
         if self.policy is SchedulingPolicy.FCFS:
             return True
+        if self.policy is SchedulingPolicy.SLO:
+            key = self._prefill_key(step)
+            return key(chunk) <= key(candidate)
         waiting_key = (
             self.waiting.effective_priority(candidate, step.now),
             candidate.arrival_time,
             candidate.request_id,
         )
         return _effective_key(chunk) < waiting_key
+
+    def _prefill_key(self, step: Step) -> Callable[[Request], tuple[Any, ...]]:
+        """The order of prefill work: by effective priority (and arrival), under slo by
+        priority then slack (scheduler/slo.py `prefill_key`)."""
+        if self.policy is SchedulingPolicy.SLO:
+            return lambda request: self.slo.prefill_key(request, step.now)
+        return _effective_key
 
     def _build_output(self, step: Step) -> SchedulerOutput:
         finished_ids, self._finished_ids = self._finished_ids, []

@@ -5,9 +5,12 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
 
   - a waiting request's latest start: its TTFT deadline less the predicted step of its
     whole prompt (the waiting queue orders a level by it, least slack first, and serves
-    those past it after the others: scheduler/request_queue.py `SloRequestQueue`);
+    those past it after the others: scheduler/request_queue.py `SloRequestQueue`); the
+    step's prefill work (running chunks and admissions) goes in the same order;
+  - the seats: no more running requests than keep a decode step within DECODE_SHARE of
+    the tightest `tpot_s` among them (the rest of the step is for prompts);
   - the prefill room beside the step's decodes: the prefill cost that keeps the
-    predicted step within the tightest `tpot_s` among them (counted in
+    predicted step within PLAN_SHARE of the tightest `tpot_s` among them (counted in
     `num_steps_over_tpot` when even the decodes alone exceed it);
   - the draft room of a decode: drafts of a worse priority only while the predicted
     step stays within the tightest `tpot_s` among the better ones' decodes;
@@ -26,6 +29,13 @@ from dataclasses import dataclass
 from scheduler.budget import StepBudget, prefill_cost
 from scheduler.request import Request
 from scheduler.step_cost import StepCost, StepCostModel
+
+# The share of the tightest TPOT target a step is planned to: the rest absorbs the
+# model's error and the steps' jitter (a step planned to the target exactly overruns it
+# half the time).
+PLAN_SHARE = 0.9
+# The share of the tightest TPOT target a step's decodes may fill (slo admission).
+DECODE_SHARE = 0.7
 
 
 @dataclass
@@ -61,6 +71,7 @@ class SloPlanner:
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
+        self._running_tightest: float | None = None
 
     @property
     def cost(self) -> StepCost:
@@ -79,8 +90,12 @@ class SloPlanner:
         work = prefill_cost(0, request.num_prompt_tokens, self.attention_cost_context)
         return deadline - self.cost.predict(0, work)
 
-    def begin_step(self, decodes: Sequence[Request]) -> None:
-        """Note this step's decodes (in priority order) for the rooms below."""
+    def begin_step(self, running: Sequence[Request], decodes: Sequence[Request]) -> None:
+        """Note the running requests and this step's decodes (in priority order) for the
+        rooms below."""
+        self._running_tightest = min(
+            (r.placement.tpot_s for r in running if r.placement.tpot_s is not None),
+            default=None)
         self._tightest = None
         self._bounds = []
         last_priority: int | None = None
@@ -94,18 +109,33 @@ class SloPlanner:
                 self._tightest = tpot
 
     def prefill_room(self, num_decode_rows: int, cap: int | None) -> int | None:
-        """The prefill cost the step may carry beside its decodes: within the tightest
-        tpot_s among them (and `cap`, the policy-free cap), None when neither bounds it.
+        """The prefill cost the step may carry beside its decodes: what keeps the
+        predicted step within the tightest tpot_s among them, in place of `cap` (the
+        fixed factor of the batch other policies use, kept when no decode has a target).
         When even the decodes exceed the target, one token (prefills still progress) and
         the step is counted over."""
         if self._tightest is None:
             return cap
-        room = self.cost.prefill_room(self._tightest, num_decode_rows)
+        room = self.cost.prefill_room(PLAN_SHARE * self._tightest, num_decode_rows)
         if room < 1:
             self.num_steps_over_tpot += 1
             return 1
-        bounded = int(min(room, 1 << 40))
-        return bounded if cap is None else min(cap, bounded)
+        return int(min(room, 1 << 40))
+
+    def num_seats(self, request: Request, max_num_seqs: int) -> int:
+        """The most running requests with `request` among them whose decode step stays
+        within DECODE_SHARE of the tightest tpot_s of the running and its own (at least 1),
+        the rest left to prefills: a batch whose decodes alone fill the target would
+        starve every prompt (one token a step)."""
+        targets = [t for t in (self._running_tightest, request.placement.tpot_s)
+                   if t is not None]
+        if not targets:
+            return max_num_seqs
+        cost = self.cost
+        spare = DECODE_SHARE * min(targets) - cost.fixed_s
+        if cost.per_decode_s <= 0:
+            return max_num_seqs if spare > 0 else 1
+        return max(1, min(max_num_seqs, int(spare / cost.per_decode_s)))
 
     def draft_room(self, request: Request, work: StepWork) -> int:
         """The draft tokens `request`'s decode may add to a step with `work` while the
@@ -113,7 +143,8 @@ class SloPlanner:
         bound = self._bound_for(request.priority)
         if bound is None:
             return 1 << 30
-        spare = bound - self.cost.predict(work.num_decode_rows, work.prefill_cost)
+        spare = PLAN_SHARE * bound - self.cost.predict(work.num_decode_rows,
+                                                       work.prefill_cost)
         per_row = self.cost.per_decode_s
         if spare <= 0:
             return 0
@@ -126,6 +157,20 @@ class SloPlanner:
                 break
             bound = tightest
         return bound
+
+    def prefill_key(self, request: Request, now: float) -> tuple[int, int, float, float]:
+        """The order of prefill work (a running prompt's next chunk, a waiting request's
+        admission) within the step: priority, then those whose first token can still be
+        on time by their TTFT deadline, then the late ones by arrival."""
+        deadline = request.placement.ttft_deadline
+        if deadline is None or request.first_token_time is not None:
+            return (request.priority, 0, math.inf, request.arrival_time)
+        k = self.attention_cost_context
+        left = prefill_cost(request.num_computed_tokens,
+                            request.num_prompt_tokens - request.num_computed_tokens, k)
+        if now + self.cost.predict(0, left) > deadline:
+            return (request.priority, 1, request.arrival_time, request.arrival_time)
+        return (request.priority, 0, deadline, request.arrival_time)
 
     def pick_victim(self, requests: Iterable[Request], now: float) -> Request:
         """The victim: the worst priority, and among equals the one with the most slack."""
