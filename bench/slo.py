@@ -216,7 +216,7 @@ def simulate(cost: StepCost, duration_s: float, seed: int, loads: tuple[float, .
                   f"{100 * s['interactive_tpot']:.1f}% | {100 * s['standard_ttft']:.1f}% |")
 
 
-def real_step_rule(policies: list[str]) -> None:
+def real_step_rule(policies: list[str], tpot_ms: int) -> None:
     """The step-size rule on the default model (see the module docstring)."""
     from engine.core import EngineCore
     from engine.core_setup import build_core_parts
@@ -230,13 +230,18 @@ def real_step_rule(policies: list[str]) -> None:
                                            long_prefill_token_threshold=32)
         scheduler, runner, info, _ = build_core_parts(model_config, scheduler_config)
         core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))
-        tpot = Placement(tpot_s=0.1)
+        tpot = Placement(tpot_s=tpot_ms / 1000)
         params = SamplingParams(max_tokens=400, ignore_eos=True)
         core.apply(AddRequests([NewRequest(request_id=f"d{i}", placement=tpot,
                                            prompt_token_ids=[100 + i + j for j in range(32)],
                                            sampling_params=params) for i in range(16)]))
+        steady = []
         for _ in range(12):  # prompts, then steady decoding (and the model's first fit)
+            start = time.monotonic()
             core.step_fn()
+            steady.append(time.monotonic() - start)
+        print(f"{policy}: 16 decodes alone, median step "
+              f"{1000 * statistics.median(steady[4:]):.0f} ms", flush=True)
         long = NewRequest(request_id="long", prompt_token_ids=[(7 * j) % 5000 + 200
                                                                for j in range(2000)],
                           sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
@@ -255,8 +260,9 @@ def real_step_rule(policies: list[str]) -> None:
         p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
         print(f"{policy}: {len(gaps)} decode steps while the prompt was computed; gap p50 "
               f"{1000 * statistics.median(gaps):.0f} ms, p99 {1000 * p99:.0f} ms, max "
-              f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; fitted "
-              f"{scheduler.slo.cost}")
+              f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; steps "
+              f"over target {scheduler.slo.num_steps_over_tpot}; fitted {scheduler.slo.cost}",
+              flush=True)
 
 
 def main() -> None:
@@ -270,9 +276,10 @@ def main() -> None:
     parser.add_argument("--real", action="store_true",
                         help="the step-size rule on the real default model instead")
     parser.add_argument("--policies", default="priority,slo", help="for --real")
+    parser.add_argument("--tpot-ms", type=int, default=100, help="for --real")
     args = parser.parse_args()
     if args.real:
-        real_step_rule(args.policies.split(","))
+        real_step_rule(args.policies.split(","), args.tpot_ms)
         return
     fixed, decode, prefill = (float(x) for x in args.step_cost.split(","))
     loads = tuple(float(x) for x in args.loads.split(","))

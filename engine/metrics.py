@@ -27,7 +27,6 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvcache.config import CacheConfig
-from scheduler.placement import Placement
 from scheduler.speculation import SpecDecodeStats
 
 MAX_PRIORITY_LABELS = 16
@@ -365,22 +364,14 @@ class ServerMetrics:
         self._child("request_queue_time", self.priority_label(priority)).observe(seconds)
         self._child("tenant_queue_time", tenant).observe(seconds)
 
-    def observe_slo(self, placement: Placement, first_token: float | None,
-                    last_token: float | None, num_output_tokens: int) -> None:
-        """A finished request's latency targets, each met or missed, and goodput (every
-        target it carries met; one without targets counts)."""
-        labels = (self.priority_label(placement.priority), placement.tenant)
-        met_all = True
-        if placement.ttft_deadline is not None:
-            met = first_token is not None and first_token <= placement.ttft_deadline
-            self._child("slo_ttft_met" if met else "slo_ttft_missed", *labels).inc()
-            met_all = met
-        if placement.tpot_s is not None and first_token is not None and last_token is not None:
-            gaps = max(num_output_tokens - 1, 1)
-            met = (last_token - first_token) / gaps <= placement.tpot_s
-            self._child("slo_tpot_met" if met else "slo_tpot_missed", *labels).inc()
-            met_all = met_all and met
-        if met_all:
+    def observe_slo(self, priority: int, tenant: str, verdict: dict[str, bool] | None) -> None:
+        """A finished request's latency targets, each met or missed (`verdict`, None
+        without targets), and goodput (every target it carries met)."""
+        labels = (self.priority_label(priority), tenant)
+        for target, met in (verdict or {}).items():
+            name = target.removesuffix("_met")
+            self._child(f"slo_{name}_met" if met else f"slo_{name}_missed", *labels).inc()
+        if verdict is None or all(verdict.values()):
             self._child("slo_goodput_requests", *labels).inc()
 
     def inc_slo_refused(self, priority: int, tenant: str) -> None:

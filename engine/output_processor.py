@@ -37,7 +37,7 @@ from engine.messages import (
     StepScheduled,
 )
 from engine.metrics import ServerMetrics
-from engine.outputs import EngineDeadError, RequestOutput, RequestStream
+from engine.outputs import EngineDeadError, RequestOutput, RequestStream, slo_verdict
 from engine.request import EngineRequest
 from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
@@ -339,15 +339,19 @@ class OutputProcessor:
             choice.prompt.prompt_logprobs = prompt_logprobs
         elif delta.shares_prompt_logprobs:
             prompt_logprobs = choice.prompt.prompt_logprobs
+        verdict = None
+        if finish_reason in ("stop", "length"):
+            verdict = slo_verdict(choice.request.placement, choice.first_token_time,
+                                  choice.last_token_time, choice.num_output_tokens)
         output = self._hold_back(choice, self._output(
             choice, text, delta.new_token_ids, delta.logprobs, finish_reason,
             num_preemptions=delta.num_preemptions, num_cached_tokens=delta.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, slo=verdict,
         ))
         if output is not None:
             choice.stream.push(output)
         if finish_reason is not None:
-            self._forget(choice, finish_reason, now)
+            self._forget(choice, finish_reason, now, verdict)
         return text_delta.stopped and delta.finish_reason is None
 
     def _hold_back(self, choice: _Choice, output: RequestOutput) -> RequestOutput | None:
@@ -387,6 +391,7 @@ class OutputProcessor:
         num_preemptions: int | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: PromptLogprobs | None = None,
+        slo: dict[str, bool] | None = None,
     ) -> RequestOutput:
         held = choice.held
         if num_preemptions is None:
@@ -403,10 +408,13 @@ class OutputProcessor:
             error=error,
             error_status=error_status,
             prompt_logprobs=prompt_logprobs,
+            slo=slo,
         )
 
-    def _forget(self, choice: _Choice, finish_reason: str | None, now: float) -> None:
-        """Drop an ended choice; count it in the metrics unless `finish_reason` is None."""
+    def _forget(self, choice: _Choice, finish_reason: str | None, now: float,
+                verdict: dict[str, bool] | None = None) -> None:
+        """Drop an ended choice; count it in the metrics unless `finish_reason` is None
+        (with `verdict`, its latency targets met or missed)."""
         del self._choices[choice.request_id]
         group_id = choice.request.request_id
         group = self._groups.get(group_id)
@@ -421,8 +429,7 @@ class OutputProcessor:
         if finish_reason == "rejected":
             self.metrics.inc_slo_refused(placement.priority, placement.tenant)
         elif finish_reason in ("stop", "length"):
-            self.metrics.observe_slo(placement, choice.first_token_time, choice.last_token_time,
-                                     choice.num_output_tokens)
+            self.metrics.observe_slo(placement.priority, placement.tenant, verdict)
         if finish_reason is not None:
             self.metrics.inc_request_success(finish_reason, placement.tenant)
             self.metrics.observe_e2e_latency(now - choice.request.arrival_time)

@@ -112,14 +112,15 @@ class SloPlanner:
         """The prefill cost the step may carry beside its decodes: what keeps the
         predicted step within the tightest tpot_s among them, in place of `cap` (the
         fixed factor of the batch other policies use, kept when no decode has a target).
-        When even the decodes exceed the target, one token (prefills still progress) and
-        the step is counted over."""
+        When even the decodes exceed the target, no size can keep it: the step is
+        counted over and takes `cap` (one token without one), so that prompts still
+        progress at the rate other policies give them."""
         if self._tightest is None:
             return cap
         room = self.cost.prefill_room(PLAN_SHARE * self._tightest, num_decode_rows)
         if room < 1:
             self.num_steps_over_tpot += 1
-            return 1
+            return 1 if cap is None else cap
         return int(min(room, 1 << 40))
 
     def num_seats(self, request: Request, max_num_seqs: int) -> int:

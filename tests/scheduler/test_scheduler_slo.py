@@ -23,12 +23,13 @@ SEED = (0.010, 0.001, 0.0001)
 
 
 def slo_scheduler(clock: FakeClock, *, max_num_seqs: int = 16, budget: int = 4096,
-                  num_blocks: int = 1024, speculative: SpeculativeConfig | None = None
-                  ) -> Scheduler:
+                  num_blocks: int = 1024, speculative: SpeculativeConfig | None = None,
+                  threshold: int = 0) -> Scheduler:
     return Scheduler(
         SchedulerConfig(policy="slo", max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=budget, max_model_len=4096,
-                        step_cost_seed=SEED, speculative=speculative),
+                        step_cost_seed=SEED, speculative=speculative,
+                        long_prefill_token_threshold=threshold),
         CacheConfig(num_blocks=num_blocks, block_size=16),
         clock=clock,
     )
@@ -164,7 +165,7 @@ def test_prefill_beside_decodes_stays_within_the_tightest_tpot() -> None:
 
 def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
     clock = FakeClock(0.0)
-    scheduler = slo_scheduler(clock, max_num_seqs=17)
+    scheduler = slo_scheduler(clock, max_num_seqs=17, threshold=32)
     _sixteen_decodes(clock, scheduler, tpot_s=0.1)
     scheduler.add_request(slo_request("long", 2000))
     step(scheduler)  # admitted: its first chunk
@@ -172,7 +173,8 @@ def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
     scheduler.slo.model.cost = StepCost(0.05, 0.005, 0.0001)
     over = scheduler.stats.num_steps_over_tpot
     scheduler.schedule()
-    assert 0 < scheduler.last_step_work.prefill_cost <= 2  # one token: progress still made
+    # no size keeps it: the prompt goes on at the policy-free cap, max(32, 2 x 17)
+    assert 30 <= scheduler.last_step_work.prefill_cost <= 34
     assert scheduler.stats.num_steps_over_tpot == over + 1
 
 

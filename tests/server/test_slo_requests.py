@@ -4,6 +4,7 @@ Retry-After, nothing held: no seat, no tokens, no tenant charge)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,8 +72,13 @@ def test_slo_travels_in_the_placement_on_every_route(slo_client, route: str) -> 
     (placement,) = placements
     assert placement.tpot_s == pytest.approx(0.08) and placement.ttft_deadline is not None
     assert placement.reject_late is False
+    if route != "/v1/responses":  # each choice says whether its targets were met
+        assert response.json()["choices"][0]["slo"]["ttft_met"] is True
+        assert set(response.json()["choices"][0]["slo"]) == {"ttft_met", "tpot_met"}
     plain = client.post(route, json=ROUTES[route])
     assert plain.status_code == 200
+    if route != "/v1/responses":
+        assert "slo" not in plain.json()["choices"][0]
     assert (placements[1].ttft_deadline, placements[1].tpot_s) == (None, None)
 
 
@@ -132,3 +138,16 @@ def test_a_request_that_cannot_be_on_time_is_refused_at_the_door(slo_client) -> 
     roomy = client.post("/v1/chat/completions",
                         json={**body, "slo": {"ttft_ms": 900, "on_miss": "reject"}})
     assert roomy.status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_says_in_its_last_chunk_whether_its_targets_were_met(slo_client,
+                                                                      route: str) -> None:
+    client, _, _, _ = slo_client()
+    body = {**ROUTES[route], "stream": True, "slo": {"ttft_ms": 60_000}}
+    with client.stream("POST", route, json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert last and last[-1]["choices"][0]["slo"] == {"ttft_met": True}
+    assert all("slo" not in c["choices"][0] for c in chunks if c not in last)
