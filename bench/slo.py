@@ -6,8 +6,8 @@ step-cost model (seconds per step, per decode row, per unit of prefill cost: the
 runner standing in for the device, with +-5% noise), the CPU server's defaults (128 seats,
 512 tokens a step, prefill cap 32). Capacity is the fcfs throughput (requests/s) of a
 backlog; then Poisson arrivals at 0.5x, 1x, 1.5x and 2x it, three classes in one load:
-interactive (priority 0, ttft 500 ms, tpot 100 ms, 30%), standard (priority 0, ttft 3 s,
-40%) and background (priority 10, no target, 30%), under each policy in the same run.
+interactive (priority 0, ttft 500 ms, tpot 100 ms), standard (priority 0, ttft 3 s) and
+background (priority 10, no target), a third each, under each policy in the same run.
 Goodput: requests/s meeting every target they carry; attainment per class; throughput.
 
 `python -m bench.slo --real [--policies priority,slo]` runs the step-size rule on the
@@ -50,9 +50,9 @@ class RequestClass:
 
 
 CLASSES = (
-    RequestClass("interactive", 0.3, 0, 500, 100, (64, 256), (32, 96)),
-    RequestClass("standard", 0.4, 0, 3000, None, (128, 512), (64, 192)),
-    RequestClass("background", 0.3, 10, None, None, (256, 768), (128, 256)),
+    RequestClass("interactive", 1 / 3, 0, 500, 100, (64, 256), (32, 96)),
+    RequestClass("standard", 1 / 3, 0, 3000, None, (128, 512), (64, 192)),
+    RequestClass("background", 1 / 3, 10, None, None, (256, 768), (128, 256)),
 )
 
 
@@ -95,7 +95,7 @@ def arrivals(rate: float, duration_s: float, seed: int) -> list[Arrival]:
     """Poisson arrivals at `rate` requests/s over `duration_s` (rate 0: a backlog of
     duration_s x 10 requests at time 0)."""
     rng = random.Random(seed)
-    kinds = [c for c in CLASSES for _ in range(int(c.share * 10))]
+    kinds = [c for c in CLASSES for _ in range(round(c.share * 12))]
     out, now = [], 0.0
     count = int(duration_s * 10) if rate == 0 else None
     while True:
@@ -277,8 +277,14 @@ def main() -> None:
                         help="the step-size rule on the real default model instead")
     parser.add_argument("--policies", default="priority,slo", help="for --real")
     parser.add_argument("--tpot-ms", type=int, default=100, help="for --real")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="for --real: torch.set_num_threads")
     args = parser.parse_args()
     if args.real:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         real_step_rule(args.policies.split(","), args.tpot_ms)
         return
     fixed, decode, prefill = (float(x) for x in args.step_cost.split(","))
