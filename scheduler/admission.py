@@ -159,7 +159,7 @@ class AdmissionAndPreemption:
         self._num_preemptions_by_priority[request.priority] += 1
 
     def _admit(self, request: Request, step: Step) -> bool:
-        if len(self.running) < self._num_seats(request) and self._try_admit(request, step):
+        if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
             return True
         return self.policy.ranks and self._admit_by_preempting(
             request, step
@@ -242,13 +242,6 @@ class AdmissionAndPreemption:
             victim = self._pick_victim(candidates, step)
             candidates.remove(victim)
             self._preempt(victim, step)
-            if len(self.running) < self._num_seats(request) and self._try_admit(request, step):
+            if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
                 return True
         return False
-
-    def _num_seats(self, request: Request) -> int:
-        """The seats `request` may be admitted within: max_num_seqs, and under slo no more
-        than keep a decode step within the tightest tpot_s of the running and its own."""
-        if self.policy is SchedulingPolicy.SLO:
-            return self.slo.num_seats(request, self.config.max_num_seqs)
-        return self.config.max_num_seqs

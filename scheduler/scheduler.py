@@ -207,8 +207,7 @@ class Scheduler(AdmissionAndPreemption):
         self._expire_deadlines(step.now)
         self._schedule_decodes(step)
         if self.policy is SchedulingPolicy.SLO:
-            decodes = [r for r in self.running if r.request_id in step.decode_ids]
-            self.slo.begin_step(self.running, decodes)
+            self.slo.begin_step([r for r in self.running if r.request_id in step.decode_ids])
         if self.speculation is not None:
             self.speculation.grant_before_prefills(self, step)
         cap = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))

@@ -7,8 +7,6 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
     whole prompt (the waiting queue orders a level by it, least slack first, and serves
     those past it after the others: scheduler/request_queue.py `SloRequestQueue`); the
     step's prefill work (running chunks and admissions) goes in the same order;
-  - the seats: no more running requests than keep a decode step within DECODE_SHARE of
-    the tightest `tpot_s` among them (the rest of the step is for prompts);
   - the prefill room beside the step's decodes: the prefill cost that keeps the
     predicted step within PLAN_SHARE of the tightest `tpot_s` among them (counted in
     `num_steps_over_tpot` when even the decodes alone exceed it);
@@ -34,8 +32,6 @@ from scheduler.step_cost import StepCost, StepCostModel
 # model's error and the steps' jitter (a step planned to the target exactly overruns it
 # half the time).
 PLAN_SHARE = 0.9
-# The share of the tightest TPOT target a step's decodes may fill (slo admission).
-DECODE_SHARE = 0.7
 
 
 @dataclass
@@ -71,7 +67,6 @@ class SloPlanner:
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
-        self._running_tightest: float | None = None
 
     @property
     def cost(self) -> StepCost:
@@ -90,12 +85,8 @@ class SloPlanner:
         work = prefill_cost(0, request.num_prompt_tokens, self.attention_cost_context)
         return deadline - self.cost.predict(0, work)
 
-    def begin_step(self, running: Sequence[Request], decodes: Sequence[Request]) -> None:
-        """Note the running requests and this step's decodes (in priority order) for the
-        rooms below."""
-        self._running_tightest = min(
-            (r.placement.tpot_s for r in running if r.placement.tpot_s is not None),
-            default=None)
+    def begin_step(self, decodes: Sequence[Request]) -> None:
+        """Note this step's decodes (in priority order) for the rooms below."""
         self._tightest = None
         self._bounds = []
         last_priority: int | None = None
@@ -122,21 +113,6 @@ class SloPlanner:
             self.num_steps_over_tpot += 1
             return 1 if cap is None else cap
         return int(min(room, 1 << 40))
-
-    def num_seats(self, request: Request, max_num_seqs: int) -> int:
-        """The most running requests with `request` among them whose decode step stays
-        within DECODE_SHARE of the tightest tpot_s of the running and its own (at least 1),
-        the rest left to prefills: a batch whose decodes alone fill the target would
-        starve every prompt (one token a step)."""
-        targets = [t for t in (self._running_tightest, request.placement.tpot_s)
-                   if t is not None]
-        if not targets:
-            return max_num_seqs
-        cost = self.cost
-        spare = DECODE_SHARE * min(targets) - cost.fixed_s
-        if cost.per_decode_s <= 0:
-            return max_num_seqs if spare > 0 else 1
-        return max(1, min(max_num_seqs, int(spare / cost.per_decode_s)))
 
     def draft_room(self, request: Request, work: StepWork) -> int:
         """The draft tokens `request`'s decode may add to a step with `work` while the
