@@ -50,7 +50,7 @@ class RequestClass:
 
 
 CLASSES = (
-    RequestClass("interactive", 1 / 3, 0, 500, 100, (64, 256), (32, 96)),
+    RequestClass("interactive", 1 / 3, 0, 500, 100, (32, 128), (32, 96)),
     RequestClass("standard", 1 / 3, 0, 3000, None, (128, 512), (64, 192)),
     RequestClass("background", 1 / 3, 10, None, None, (256, 768), (128, 256)),
 )
