@@ -102,27 +102,48 @@ class StepCostModel:
             lam = PRIOR_STEPS * (1.0 if i == 0 else max(variance, 1.0))
             a[i][i] += lam
             b[i] += lam * seed[i]
-        theta = _solve3(a, b)
+        theta = _nonnegative(a, b)
         if theta is None:
             return self.cost
-        fixed, per_decode, per_prefill = (max(0.0, t) for t in theta)
-        return StepCost(fixed, per_decode, per_prefill)
+        return StepCost(*theta)
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """The solution of a 3x3 system by Gaussian elimination with partial pivoting; None
-    when singular."""
+def _nonnegative(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """The least-squares coefficients of the normal equations `a x = b` with none below 0:
+    a coefficient that comes out negative is held at 0 and the others refitted without it
+    (NOTE: clipping it alone would leave the others fitted around the negative value: a
+    window of one batch size, whose fixed part and per-row part trade off freely, then
+    predicted its own steps 5x too long)."""
+    free = [0, 1, 2]
+    while free:
+        sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+        if sub is None:
+            return None
+        theta = [0.0, 0.0, 0.0]
+        for i, value in zip(free, sub, strict=True):
+            theta[i] = value
+        negative = [i for i in free if theta[i] < 0]
+        if not negative:
+            return theta
+        free = [i for i in free if i not in negative]
+    return [0.0, 0.0, 0.0]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """The solution of a small linear system by Gaussian elimination with partial
+    pivoting; None when singular."""
+    n = len(b)
     m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-300:
             return None
         m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
-            for c in range(col, 4):
+            for c in range(col, n + 1):
                 m[r][c] -= f * m[col][c]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
     return x

@@ -230,3 +230,15 @@ def test_speculation_drafts_of_worse_priorities_stay_within_better_tpot() -> Non
     assert work.num_decode_rows == 26
     assert scheduler.slo.cost.predict(work.num_decode_rows, 0) <= PLAN_SHARE * 0.040 + 1e-9
     assert sum(drafts[r.request_id] for r in background) == 8
+
+
+def test_cost_model_refits_without_a_coefficient_that_would_be_negative() -> None:
+    # one batch size (the fixed part and the per-row part trade off) and prefill work
+    # that costs more than linear: unconstrained, the fixed part goes negative
+    model = StepCostModel(StepCost(0.02, 0.001, 0.0005))
+    for i in range(60):
+        prefill = 0 if i % 3 else 400 + 10 * i
+        model.observe(16, prefill, 0.1 + 1e-6 * prefill ** 2)
+    fit = model.cost
+    assert min(fit.fixed_s, fit.per_decode_s, fit.per_prefill_s) >= 0
+    assert fit.predict(16, 0) == pytest.approx(0.1, rel=0.2)  # its own decode steps
