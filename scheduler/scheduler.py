@@ -446,8 +446,7 @@ class Scheduler(AdmissionAndPreemption):
         return _effective_key(chunk) < waiting_key
 
     def _prefill_key(self, step: Step) -> Callable[[Request], tuple[Any, ...]]:
-        """The order of prefill work: by effective priority (and arrival), under slo by
-        priority then slack (scheduler/slo.py `prefill_key`)."""
+        """The order of prefill work: effective priority, then arrival (slo: slack)."""
         if self.policy is SchedulingPolicy.SLO:
             return lambda request: self.slo.prefill_key(request, step.now)
         return _effective_key
@@ -457,8 +456,7 @@ class Scheduler(AdmissionAndPreemption):
         return build_output(step, self.requests, self.kv_cache, finished_ids)
 
     def draft_room(self, request: Request, step: Step) -> int:
-        """The draft tokens `request` may verify in `step` within the TPOT targets of
-        the better priorities' decodes (slo; no bound otherwise)."""
+        """Drafts `request` may verify in `step` within better decodes' tpot (slo)."""
         if self.policy is not SchedulingPolicy.SLO:
             return self.config.max_num_batched_tokens
         work = StepWork(len(step.decode_ids) + step.num_draft_tokens,
@@ -466,8 +464,7 @@ class Scheduler(AdmissionAndPreemption):
         return self.slo.draft_room(request, work)
 
     def observe_step(self, work: StepWork, seconds: float) -> None:
-        """The engine ran a step of `work` (`last_step_work`) in `seconds`: refit the
-        step-cost model."""
+        """The engine ran a step of `work` (`last_step_work`) in `seconds`: refit."""
         self.slo.observe(work, seconds)
 
     def _release_held(self, leader: Request) -> None:
