@@ -14,7 +14,7 @@ from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.slo import PLAN_SHARE
+from scheduler.slo import PLAN_SHARE, StepWork
 from scheduler.step_cost import StepCost, StepCostModel
 from tests.support.scheduler_helpers import FakeClock, make_runner_output, scheduled_ids, step
 
@@ -242,3 +242,13 @@ def test_cost_model_refits_without_a_coefficient_that_would_be_negative() -> Non
     fit = model.cost
     assert min(fit.fixed_s, fit.per_decode_s, fit.per_prefill_s) >= 0
     assert fit.predict(16, 0) == pytest.approx(0.1, rel=0.2)  # its own decode steps
+
+
+def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
+    scheduler = slo_scheduler(FakeClock(0.0))
+    scheduler.observe_step(StepWork(8, 0), 0.02)
+    state = scheduler.snapshot()["step_cost"]
+    assert state["num_steps_observed"] == 1
+    assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "num_steps_observed"}
+    assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
+                                         state["per_prefill_s"])
