@@ -51,7 +51,7 @@ def slo_client(make_fake_engine) -> Iterator[Callable[..., Client]]:
 
         engine.add_request = recording_add  # type: ignore[method-assign]
         spec = TenantSpec.model_construct(name="default", api_key_sha256=[], max_in_flight=2,
-                                          tokens_per_minute=1000, slo=tenant_slo)
+                                          tokens_per_minute=1000, slo=tenant_slo, admin=True)
         tenants = TenantRegistry([spec], keys_required=False)
         client = TestClient(build_app(engine, ServerConfig(**config), tenants))
         client.__enter__()
@@ -151,3 +151,17 @@ def test_a_stream_says_in_its_last_chunk_whether_its_targets_were_met(slo_client
     last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert last and last[-1]["choices"][0]["slo"] == {"ttft_met": True}
     assert all("slo" not in c["choices"][0] for c in chunks if c not in last)
+
+
+def test_a_request_that_turns_late_in_the_queue_is_a_503_when_it_asked(slo_client) -> None:
+    # the door lets it in (the model says it could be on time if it went next), but its
+    # 1 ms target has passed by the scheduler's next step: refused there, holding nothing
+    client, placements, tenant, _ = slo_client(soonest_s=0.0)
+    body = {**ROUTES["/v1/completions"], "slo": {"ttft_ms": 1, "on_miss": "reject"}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "slo_unattainable"
+    assert len(placements) == 1 and tenant.in_flight == 0
+    state = client.get("/scheduler/state").json()
+    assert state["running"] == [] and state["kv_cache"]["num_free_blocks"] == 64
