@@ -161,6 +161,10 @@ class EngineClient:
         """Requests waiting for a seat (as of the last step) plus those not yet queued."""
         return self._processor.num_waiting
 
+    def soonest_first_token_s(self) -> float:
+        """Seconds to a new request's first token if it went next (step-cost model)."""
+        return self._processor.soonest_first_token_s()
+
     def load(self, priority: int) -> tuple[int, float]:
         """What a request of `priority` would queue behind here: the waiting requests of
         equal or better priority (as of the last step, counting those not yet queued as

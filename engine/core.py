@@ -262,8 +262,11 @@ class EngineCore:
         plan: SchedulerOutput | None = None
         try:
             plan = self._schedule(start, on_scheduled)
+            work, launched_at = self.scheduler.last_step_work, time.monotonic()
             launched = self._launch(plan)
             deltas += self._update(launched)
+            if not plan.is_empty:  # the step-cost model learns from plain steps' times
+                self.scheduler.observe_step(work, time.monotonic() - launched_at)
         except Exception as exc:
             deltas += self._fail([plan], exc)
         finally:

@@ -108,6 +108,11 @@ class DataParallelEngine:
     def num_waiting(self) -> int:
         return sum(engine.num_waiting for engine in self.engines if engine.is_alive)
 
+    def soonest_first_token_s(self) -> float:
+        """Seconds to a new request's first token on the live core where it is soonest."""
+        live = [e.soonest_first_token_s() for e in self.engines if e.is_alive]
+        return min(live, default=0.0)
+
     # ---- requests ----
 
     def pick(self, prompt: Sequence[int], priority: int) -> int:

@@ -69,6 +69,7 @@ class Series:
 
 
 _P, _T = ("priority",), ("tenant",)
+_PT = ("priority", "tenant")
 
 # In exposition order.
 SERIES = (
@@ -136,6 +137,25 @@ SERIES = (
            (*_T, "reason")),
     Series("tenant_queue_time", Histogram, "pagedserve_tenant_request_queue_time_seconds",
            "Arrival to first scheduled.", _T, _REQUEST_BUCKETS),
+    Series("slo_ttft_met", Counter, "pagedserve_slo_ttft_met",
+           "Finished requests with a TTFT target that met it.", _PT),
+    Series("slo_ttft_missed", Counter, "pagedserve_slo_ttft_missed",
+           "Finished requests with a TTFT target that missed it.", _PT),
+    Series("slo_tpot_met", Counter, "pagedserve_slo_tpot_met",
+           "Finished requests with a TPOT target whose mean gap met it.", _PT),
+    Series("slo_tpot_missed", Counter, "pagedserve_slo_tpot_missed",
+           "Finished requests with a TPOT target whose mean gap missed it.", _PT),
+    Series("slo_refused", Counter, "pagedserve_slo_refused",
+           "Requests refused (503) because their first token could not be on time.", _PT),
+    Series("slo_goodput_requests", Counter, "pagedserve_slo_goodput_requests",
+           "Requests finished meeting every latency target they carry (rate(): goodput).",
+           _PT),
+    Series("slo_steps_over_tpot", Counter, "pagedserve_slo_steps_over_tpot",
+           "Steps (slo policy) whose decodes alone were predicted over their tightest "
+           "TPOT target."),
+    Series("step_cost", Gauge, "pagedserve_step_cost_seconds",
+           "The fitted step-cost model: seconds per step, per decode row, per unit of "
+           "prefill cost.", ("part",)),
     Series("lora_requests", Counter, "pagedserve_lora_requests",
            "Finished requests by the LoRA adapter they ran and finish reason.",
            ("lora_name", "finished_reason")),
@@ -385,6 +405,27 @@ class ServerMetrics:
     def observe_queue_time(self, seconds: float, priority: int, tenant: str) -> None:
         self._child("request_queue_time", self.priority_label(priority)).observe(seconds)
         self._child("tenant_queue_time", tenant).observe(seconds)
+
+    def observe_slo(self, priority: int, tenant: str, verdict: dict[str, bool] | None) -> None:
+        """A finished request's latency targets, each met or missed (`verdict`, None
+        without targets), and goodput (every target it carries met)."""
+        labels = (self.priority_label(priority), tenant)
+        for target, met in (verdict or {}).items():
+            name = target.removesuffix("_met")
+            self._child(f"slo_{name}_met" if met else f"slo_{name}_missed", *labels).inc()
+        if verdict is None or all(verdict.values()):
+            self._child("slo_goodput_requests", *labels).inc()
+
+    def inc_slo_refused(self, priority: int, tenant: str) -> None:
+        self._child("slo_refused", self.priority_label(priority), tenant).inc()
+
+    def set_step_cost(self, cost: tuple[float, float, float], new_steps_over: int) -> None:
+        """The fitted step-cost model, and the steps over their TPOT target since the
+        last call."""
+        for part, value in zip(("fixed", "per_decode", "per_prefill"), cost, strict=True):
+            self._child("step_cost", part).set(value)
+        if new_steps_over > 0:
+            self._unlabelled["slo_steps_over_tpot"].inc(new_steps_over)
 
     def observe_inter_token_latency(self, seconds: float) -> None:
         self._unlabelled["inter_token_latency"].observe(seconds)

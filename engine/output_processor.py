@@ -37,7 +37,7 @@ from engine.messages import (
     StepScheduled,
 )
 from engine.metrics import ServerMetrics
-from engine.outputs import EngineDeadError, RequestOutput, RequestStream
+from engine.outputs import EngineDeadError, RequestOutput, RequestStream, slo_verdict
 from engine.request import EngineRequest
 from scheduler.introspection import SchedulerStats
 from scheduler.output import PromptLogprobs, SampleLogprobs
@@ -196,6 +196,13 @@ class OutputProcessor:
         """Requests waiting for a seat (as of the last step) plus those not yet queued."""
         return self._num_waiting + self._num_pending_adds
 
+    def soonest_first_token_s(self) -> float:
+        """The predicted step of a new one-token prompt beside the running batch (the
+        fitted step-cost model as of the last step; 0 before any)."""
+        stats = self._stats
+        fixed, per_decode, per_prefill = stats.step_cost
+        return fixed + per_decode * stats.num_running + per_prefill
+
     def load(self, priority: int) -> tuple[int, float]:
         """What a request of `priority` would queue behind: the waiting requests of equal
         or better priority (as of the last step, counting those not yet queued as such)
@@ -332,15 +339,19 @@ class OutputProcessor:
             choice.prompt.prompt_logprobs = prompt_logprobs
         elif delta.shares_prompt_logprobs:
             prompt_logprobs = choice.prompt.prompt_logprobs
+        verdict = None
+        if finish_reason in ("stop", "length"):
+            verdict = slo_verdict(choice.request.placement, choice.first_token_time,
+                                  choice.last_token_time, choice.num_output_tokens)
         output = self._hold_back(choice, self._output(
             choice, text, delta.new_token_ids, delta.logprobs, finish_reason,
             num_preemptions=delta.num_preemptions, num_cached_tokens=delta.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, slo=verdict,
         ))
         if output is not None:
             choice.stream.push(output)
         if finish_reason is not None:
-            self._forget(choice, finish_reason, now)
+            self._forget(choice, finish_reason, now, verdict)
         return text_delta.stopped and delta.finish_reason is None
 
     def _hold_back(self, choice: _Choice, output: RequestOutput) -> RequestOutput | None:
@@ -380,6 +391,7 @@ class OutputProcessor:
         num_preemptions: int | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: PromptLogprobs | None = None,
+        slo: dict[str, bool] | None = None,
     ) -> RequestOutput:
         held = choice.held
         if num_preemptions is None:
@@ -396,10 +408,13 @@ class OutputProcessor:
             error=error,
             error_status=error_status,
             prompt_logprobs=prompt_logprobs,
+            slo=slo,
         )
 
-    def _forget(self, choice: _Choice, finish_reason: str | None, now: float) -> None:
-        """Drop an ended choice; count it in the metrics unless `finish_reason` is None."""
+    def _forget(self, choice: _Choice, finish_reason: str | None, now: float,
+                verdict: dict[str, bool] | None = None) -> None:
+        """Drop an ended choice; count it in the metrics unless `finish_reason` is None
+        (with `verdict`, its latency targets met or missed)."""
         del self._choices[choice.request_id]
         group_id = choice.request.request_id
         group = self._groups.get(group_id)
@@ -410,8 +425,12 @@ class OutputProcessor:
                 on_done = self._on_done.pop(group_id, None)
                 if on_done is not None:
                     on_done()
+        placement = choice.request.placement
+        if finish_reason == "rejected":
+            self.metrics.inc_slo_refused(placement.priority, placement.tenant)
+        elif finish_reason in ("stop", "length"):
+            self.metrics.observe_slo(placement.priority, placement.tenant, verdict)
         if finish_reason is not None:
-            placement = choice.request.placement
             self.metrics.inc_request_success(finish_reason, placement.tenant)
             if placement.lora_name is not None:
                 self.metrics.inc_lora_request(placement.lora_name, finish_reason)
@@ -442,6 +461,8 @@ class OutputProcessor:
             {p: n - seen_preemptions.get(p, 0)
              for p, n in stats.num_preemptions_by_priority.items()},
         )
+        metrics.set_step_cost(stats.step_cost,
+                              stats.num_steps_over_tpot - seen.num_steps_over_tpot)
         if stats.spec_decode is not None:
             metrics.inc_spec_decode(stats.spec_decode, seen.spec_decode or SpecDecodeStats())
         if stats.max_loras:

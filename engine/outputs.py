@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from scheduler.output import PromptLogprobs, SampleLogprobs
+from scheduler.placement import Placement
 
 
 class EngineDeadError(RuntimeError):
@@ -48,6 +49,7 @@ class RequestOutput:
     error: str | None = None
     error_status: int = 500
     prompt_logprobs: PromptLogprobs | None = None
+    slo: dict[str, bool] | None = None  # on the last output: each latency target met
 
     @property
     def finished(self) -> bool:
@@ -65,6 +67,22 @@ class RequestOutput:
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
+
+
+def slo_verdict(placement: Placement, first_token: float | None, last_token: float | None,
+                num_output_tokens: int) -> dict[str, bool] | None:
+    """Whether a finished choice met each latency target it carries (`ttft_met`: its
+    first token by the deadline; `tpot_met`: its mean gap after it within tpot_s); None
+    without targets."""
+    verdict = {}
+    if placement.ttft_deadline is not None:
+        verdict["ttft_met"] = first_token is not None and first_token <= placement.ttft_deadline
+    if placement.tpot_s is not None:
+        gap = 0.0
+        if first_token is not None and last_token is not None:
+            gap = (last_token - first_token) / max(num_output_tokens - 1, 1)
+        verdict["tpot_met"] = first_token is not None and gap <= placement.tpot_s
+    return verdict or None
 
 
 class RequestStream:

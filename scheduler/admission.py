@@ -22,7 +22,8 @@ from scheduler.fair_share import FairShare
 from scheduler.lora_slots import LoRASlots
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
-from scheduler.request_queue import PriorityRequestQueue, RequestQueue, SchedulingPolicy
+from scheduler.request_queue import RequestQueue, SchedulingPolicy
+from scheduler.slo import SloPlanner
 
 
 @dataclass(kw_only=True)
@@ -77,6 +78,7 @@ class AdmissionAndPreemption:
     num_preemptions_total: int
     _num_preemptions_by_priority: Counter[int]
     _watermark_blocks: int
+    slo: SloPlanner
 
     def _next_candidate(self, step: Step) -> Request | None:
         """The waiting request to consider next, or None while admission is closed.
@@ -90,7 +92,6 @@ class AdmissionAndPreemption:
         if step.parked_head is None:
             candidate = self.waiting.peek()
         else:
-            assert isinstance(self.waiting, PriorityRequestQueue)
             candidate = self.waiting.peek_most_urgent()
             worst_running = max((r.priority for r in self.running), default=None)
             if worst_running is None or candidate.priority >= worst_running:
@@ -129,7 +130,7 @@ class AdmissionAndPreemption:
         may be the request itself: then it is preempted and not scheduled). The pool is
         then short: admission narrows to requests more urgent than every victim."""
         while self.kv_cache.allocate_slots(request, num_new_tokens) is None:
-            victim = self._pick_victim()
+            victim = self._pick_victim(self.running, step)
             self._preempt(victim, step)
             if self.policy is SchedulingPolicy.FCFS:
                 step.admission_closed = True
@@ -139,10 +140,14 @@ class AdmissionAndPreemption:
                 return
         step.schedule(request, num_new_tokens, decode=decode)
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, candidates: Sequence[Request], step: Step) -> Request:
+        """The victim among `candidates` (in `running` order): the latest admitted under
+        fcfs, the worst priority under priority, then the most slack under slo."""
+        if self.policy is SchedulingPolicy.SLO:
+            return self.slo.pick_victim(candidates, step.now)
         if self.policy is SchedulingPolicy.PRIORITY:
-            return pick_lowest_priority(self.running)
-        return pick_latest_admitted(self.running)
+            return pick_lowest_priority(candidates)
+        return pick_latest_admitted(candidates)
 
     def _preempt(self, request: Request, step: Step) -> None:
         """Recompute preemption: free the blocks (they stay prefix-cached), forget the
@@ -162,7 +167,7 @@ class AdmissionAndPreemption:
     def _admit(self, request: Request, step: Step) -> bool:
         if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):
             return True
-        return self.policy is SchedulingPolicy.PRIORITY and self._admit_by_preempting(
+        return self.policy.ranks and self._admit_by_preempting(
             request, step
         )
 
@@ -193,7 +198,7 @@ class AdmissionAndPreemption:
         request.status = RequestStatus.RUNNING
         request.stop_waiting(step.now)
         request.effective_priority = self.waiting.effective_priority(request, step.now)
-        if self.policy is SchedulingPolicy.PRIORITY:
+        if self.policy.ranks:
             bisect.insort(self.running, request, key=_priority_key)
         else:
             self.running.append(request)
@@ -240,7 +245,7 @@ class AdmissionAndPreemption:
         if num_room < num_needed:
             return False
         while candidates:
-            victim = pick_lowest_priority(candidates)
+            victim = self._pick_victim(candidates, step)
             candidates.remove(victim)
             self._preempt(victim, step)
             if len(self.running) < self.config.max_num_seqs and self._try_admit(request, step):

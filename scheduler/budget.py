@@ -59,6 +59,7 @@ class StepBudget:
 
     config: SchedulerConfig
     budget: int = field(init=False)
+    whole_prompt_slack: float = field(init=False)
     # request id -> tokens to compute, in scheduling order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     decode_ids: set[str] = field(default_factory=set)
@@ -71,6 +72,12 @@ class StepBudget:
 
     def __post_init__(self) -> None:
         self.budget = self.config.max_num_batched_tokens
+        self.whole_prompt_slack = self.config.whole_prompt_slack
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens granted so far."""
+        return sum(len(d) for d in self.draft_token_ids.values())
 
     def schedule(self, request: Request, num_tokens: int, *, decode: bool = False) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -120,7 +127,7 @@ class StepBudget:
             self.prefill_room is not None
             and num_new <= self.budget
             and prefill_cost(start, num_new, config.attention_cost_context)
-            <= self.prefill_room * config.whole_prompt_slack
+            <= self.prefill_room * self.whole_prompt_slack
         ):
             return num_new
         return min(num_new, self.prefill_tokens_left(start))

@@ -88,7 +88,8 @@ MAX_SPECULATIVE_TOKENS = 16
 class SchedulerConfig:
     """Limits and policy of the scheduler.
 
-    policy: "fcfs" or "priority". max_num_batched_tokens is the per-step token budget
+    policy: "fcfs", "priority" or "slo" (priority, then the latency targets:
+    scheduler/slo.py). max_num_batched_tokens is the per-step token budget
     (chunked prefill splits prompts longer than what is left of it); max_num_seqs is the
     seat limit. priority_aging_s: a waiting request's effective priority improves by one
     level every that many seconds waited (None: off), but never past priority_aging_floor
@@ -105,6 +106,9 @@ class SchedulerConfig:
     (scheduler/budget.py; docs/scheduling.md gives each knob's reason). fair_share:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
+    step_cost_seed: the step-cost model's coefficients before any step ran (seconds per
+    step, per decode row, per unit of prefill cost: scheduler/step_cost.py); the
+    slo policy plans with the model as the steps refit it.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
     (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
     or a draft model (None: off). max_loras: LoRA adapters in one step (None: no
@@ -126,12 +130,19 @@ class SchedulerConfig:
     whole_prompt_slack: float = 1.5
     attention_cost_context: int = 2048
     speculative: SpeculativeConfig | None = None
+    step_cost_seed: tuple[float, float, float] = (0.02, 0.001, 0.0005)
     max_loras: int | None = None
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {self.policy!r}: use fcfs or priority")
+        if self.policy not in ("fcfs", "priority", "slo"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}: use fcfs, priority "
+                             "or slo")
+        if self.policy == "slo" and self.priority_aging_s is not None:
+            raise ValueError("priority aging is not combined with the slo policy: slack "
+                             "already serves the waiting requests that can still be on time")
+        if len(self.step_cost_seed) != 3 or not all(c >= 0 for c in self.step_cost_seed):
+            raise ValueError("step_cost_seed: three coefficients >= 0")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -5,7 +5,7 @@ asked."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
@@ -14,6 +14,7 @@ from scheduler.lora_slots import LoRASlots
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus
 from scheduler.request_queue import RequestQueue, SchedulingPolicy
+from scheduler.slo import SloPlanner
 from scheduler.speculation import SpecDecodeStats, Speculation
 
 
@@ -35,6 +36,12 @@ class SchedulerStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+    # The step-cost model (seconds: per step, per decode row, per unit of prefill cost)
+    # and, under slo, the steps whose decodes alone exceeded their tightest tpot target
+    # and the waiting requests refused once late (cumulative).
+    step_cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    num_steps_over_tpot: int = 0
+    num_rejected_late: int = 0
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)
     max_loras: int = 0  # 0: no adapters
     running_loras: tuple[str, ...] = ()
@@ -54,6 +61,7 @@ class SchedulerState(Protocol):
     sharing: PromptSharing
     loras: LoRASlots | None
     num_preemptions_total: int
+    slo: SloPlanner
     speculation: Speculation | None
     _num_preemptions_by_priority: Counter[int]
 
@@ -91,6 +99,9 @@ def stats(state: SchedulerState) -> SchedulerStats:
         max_loras=0 if state.loras is None else state.loras.max_loras,
         running_loras=running_loras,
         waiting_loras=waiting_loras,
+        step_cost=astuple(state.slo.cost),
+        num_steps_over_tpot=state.slo.num_steps_over_tpot,
+        num_rejected_late=state.slo.num_rejected_late,
     )
 
 
@@ -112,6 +123,8 @@ def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, A
             "usage": kv.usage,
         },
         "num_preemptions_total": state.num_preemptions_total,
+        "step_cost": {**state.slo.cost.as_dict(),
+                      "num_steps_observed": state.slo.model.num_observed},
     }
 
 

@@ -22,8 +22,13 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit
     `priority_bound` is its tenant's most urgent priority (aging stops there; None:
     none). `deadline` (time.monotonic(), the same clock in both processes), when set,
     finishes it with "deadline" once passed. `cache_salt` keys its prefix-cache blocks
-    apart from those of any other salt. `lora_name`: the LoRA adapter it runs (None: the
-    base model); its prefix-cache blocks are keyed apart from any other adapter's.
+    apart from those of any other salt. Latency targets (under `--scheduling-policy slo`
+    the scheduler plans against them; every policy reports them met or missed):
+    `ttft_deadline` (time.monotonic()) is when its first token is due, `tpot_s` the most
+    seconds between its tokens, and `reject_late` refuses it (503) rather than serve it
+    late once its first token can no longer be on time. `lora_name`: the LoRA adapter it
+    runs (None: the base model); its prefix-cache blocks are keyed apart from any other
+    adapter's.
 
     NOTE: a msgspec struct, not a dataclass like SamplingParams: it crosses the process
     boundary in every `NewRequest`, and array_like sends its fields by position, not by
@@ -36,8 +41,13 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit
     priority_bound: int | None = None
     deadline: float | None = None
     cache_salt: str | None = None
+    ttft_deadline: float | None = None
+    tpot_s: float | None = None
+    reject_late: bool = False
     lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ValueError("weight must be > 0")
+        if self.tpot_s is not None and not self.tpot_s > 0:
+            raise ValueError("tpot_s must be > 0")

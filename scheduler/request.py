@@ -24,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_DEADLINE = 6
+    FINISHED_REJECTED = 7  # its first token could no longer be on time (on_miss: reject)
 
     @property
     def is_finished(self) -> bool:
@@ -32,8 +33,8 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI finish_reason: "stop", "length", "abort", "deadline", or None while
-        unfinished."""
+        """OpenAI finish_reason: "stop", "length", "abort", "deadline", "rejected", or
+        None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -42,6 +43,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_DEADLINE: "deadline",
+    RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
 
@@ -113,6 +115,8 @@ class Request:
         # Seconds spent waiting before the current wait, and when the current wait began.
         self.waited_s = 0.0
         self.waiting_since = self.arrival_time
+        # When its first output token was sampled (the scheduler's clock; None: not yet).
+        self.first_token_time: float | None = None
         self._all_token_ids = list(prompt_token_ids)
 
     @property
@@ -168,7 +172,7 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "length", "abort", "deadline", or None while unfinished."""
+        """"stop", "length", "abort", "deadline", "rejected", or None while unfinished."""
         return self.status.finish_reason
 
     def append_output_token(self, token_id: int, logprobs: SampleLogprobs | None = None) -> None:

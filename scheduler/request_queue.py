@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
@@ -24,6 +25,12 @@ class SchedulingPolicy(enum.Enum):
 
     FCFS = "fcfs"
     PRIORITY = "priority"
+    SLO = "slo"  # priority first, then slack to the latency targets (scheduler/slo.py)
+
+    @property
+    def ranks(self) -> bool:
+        """Whether priority orders requests (and a better one may preempt a worse)."""
+        return self is not SchedulingPolicy.FCFS
 
 
 class RequestQueue(ABC):
@@ -90,6 +97,11 @@ class RequestQueue(ABC):
     def effective_priority(self, request: Request, now: float) -> int:
         """`request`'s priority at `now`, aging counted (no aging here: its priority)."""
         return request.priority
+
+    def peek_most_urgent(self) -> Request:
+        """The request of the best base priority (the next one, unless aging or slack
+        reorder); IndexError when empty."""
+        return self.peek()
 
     def count_by_priority(self) -> dict[int, int]:
         """Queued requests per (base) priority, kept up to date as requests come and go."""
@@ -236,8 +248,7 @@ class PriorityRequestQueue(RequestQueue):
         return min(tops)[-1]
 
     def peek_most_urgent(self) -> Request:
-        """The request of the best base priority (aging not counted); IndexError when
-        empty."""
+        """The request of the best base priority (aging not counted)."""
         return self._top(self._by_base if self.aging_s is not None else self._heap)
 
     def effective_priority(self, request: Request, now: float) -> int:
@@ -316,21 +327,133 @@ class PriorityRequestQueue(RequestQueue):
             heapq.heapify(heap)
 
 
+# SLO heap entry: (priority, 0 on time / 1 late, latest start on time / arrival order
+# late, order within the key, request id, sequence number, request).
+_SloEntry = tuple[int, int, float, float, str, int, Request]
+
+
+class SloRequestQueue(RequestQueue):
+    """Priority first; within a level, requests that can still make their first token on
+    time by least slack (earliest `latest_start`: the TTFT deadline less the predicted
+    prefill), then those that cannot (by arrival or fair-share tag), then none missing.
+
+    `latest_start(request)` is fixed when the request is added (a request without a TTFT
+    target gets +inf: after every one with a target; a preempted one that has its first
+    token -inf: its stream resumes first). Lateness only grows with time, so a static key
+    suffices: at `peek` a top whose latest start is past moves to the late heap (the
+    top of a level has its level's least key, so none below it is late unless it is).
+    Requests that asked to be refused when late (`Placement.reject_late`) are in a third
+    heap by latest start alone: `pop_late_rejects(now)` takes those that turned late.
+    """
+
+    def __init__(self, latest_start: Callable[[Request], float],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._latest_start = latest_start
+        self._clock = clock
+        self._on_time: list[_SloEntry] = []
+        self._late: list[_SloEntry] = []
+        self._rejects: list[tuple[float, str, int, Request]] = []
+
+    def add(self, request: Request) -> None:
+        """Add by (priority, slack)."""
+        seq = self._enter(request)
+        order = request.arrival_time if request.fair_tag is None else request.fair_tag
+        key = -math.inf if request.num_output_tokens else self._latest_start(request)
+        entry = (request.priority, 0, key, order, request.request_id, seq, request)
+        heapq.heappush(self._on_time, entry)
+        if request.placement.reject_late and math.isfinite(key):
+            heapq.heappush(self._rejects, (key, request.request_id, seq, request))
+
+    def prepend(self, request: Request) -> None:
+        """A heap has no front: add by its order."""
+        self.add(request)
+
+    def peek(self) -> Request:
+        """The next request: on-time ones of the best level first; IndexError when empty."""
+        top = self._top_on_time(self._clock())
+        late = self._top(self._late)
+        tops = [e for e in (top, late) if e is not None]
+        if not tops:
+            raise IndexError("peek at an empty request queue")
+        return min(tops)[-1]
+
+    def peek_most_urgent(self) -> Request:
+        """The request of the best base priority."""
+        tops = [e for e in (self._top(self._on_time), self._top(self._late)) if e is not None]
+        if not tops:
+            raise IndexError("peek at an empty request queue")
+        return min(tops)[-1]
+
+    def pop_late_rejects(self, now: float) -> list[Request]:
+        """Remove and return the requests asking to be refused when late whose first token
+        can no longer be on time at `now`."""
+        rejects = self._rejects
+        late = []
+        while rejects and rejects[0][0] < now:
+            _, _, seq, request = heapq.heappop(rejects)
+            if self._is_live(request, seq):
+                self._forget(request)
+                late.append(request)
+        return late
+
+    def __iter__(self) -> Iterator[Request]:
+        """Requests in pop order (a sorted copy)."""
+        now = self._clock()
+        live = [self._as_of(e, now) for e in (*self._on_time, *self._late)
+                if self._is_live(e[-1], e[5])]
+        return (e[-1] for e in sorted(live))
+
+    @staticmethod
+    def _as_of(entry: _SloEntry, now: float) -> _SloEntry:
+        priority, late, key, order, request_id, seq, request = entry
+        if late or key >= now:
+            return entry
+        return (priority, 1, order, order, request_id, seq, request)
+
+    def _top_on_time(self, now: float) -> _SloEntry | None:
+        """The top on-time entry, after moving the tops that turned late."""
+        while (entry := self._top(self._on_time)) is not None and entry[2] < now:
+            heapq.heappop(self._on_time)
+            heapq.heappush(self._late, self._as_of(entry, now))
+        return entry
+
+    def _top(self, heap: list[_SloEntry]) -> _SloEntry | None:
+        while heap and not self._is_live(heap[0][-1], heap[0][5]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _num_entries(self) -> int:
+        return max(len(self._on_time) + len(self._late), len(self._rejects))
+
+    def _compact(self) -> None:
+        for heap in (self._on_time, self._late):
+            heap[:] = [e for e in heap if self._is_live(e[-1], e[5])]
+            heapq.heapify(heap)
+        self._rejects = [e for e in self._rejects if self._is_live(e[-1], e[2])]
+        heapq.heapify(self._rejects)
+
+
 def create_request_queue(
     policy: SchedulingPolicy | str,
     aging_s: float | None = None,
     aging_floor: int | None = None,
     clock: Callable[[], float] = time.monotonic,
+    latest_start: Callable[[Request], float] | None = None,
 ) -> RequestQueue:
-    """A queue for `policy` ("fcfs" or "priority"); ValueError on an unknown policy.
+    """A queue for `policy` ("fcfs", "priority" or "slo"); ValueError on an unknown policy.
 
     `aging_s` turns on aging in a priority queue, down to `aging_floor` at most, timed by
-    `clock`; FCFS ignores priorities, so it ignores them.
+    `clock`; FCFS ignores priorities, so it ignores them. Under slo, `latest_start` gives
+    a request's slack key (without it, only priority and arrival order).
     """
     try:
         policy = SchedulingPolicy(policy)
     except ValueError:
-        raise ValueError(f"unknown scheduling policy {policy!r}: use fcfs or priority") from None
+        raise ValueError(f"unknown scheduling policy {policy!r}: use fcfs, priority or "
+                         "slo") from None
+    if policy is SchedulingPolicy.SLO:
+        return SloRequestQueue(latest_start or (lambda request: math.inf), clock)
     if policy is SchedulingPolicy.PRIORITY:
         return PriorityRequestQueue(aging_s, aging_floor, clock)
     return FCFSRequestQueue()

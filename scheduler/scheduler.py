@@ -57,16 +57,14 @@ from scheduler.config import SchedulerConfig
 from scheduler.fair_share import FairShare
 from scheduler.introspection import SchedulerStats
 from scheduler.lora_slots import LoRAScheduling, LoRASlots
-from scheduler.output import (
-    PLACEHOLDER_TOKEN_ID,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.prompt_sharing import PromptSharing
 from scheduler.request import Request, RequestStatus, check_stop
-from scheduler.request_queue import SchedulingPolicy, create_request_queue
+from scheduler.request_queue import SchedulingPolicy, SloRequestQueue, create_request_queue
+from scheduler.slo import SloPlanner, StepWork, work_of
 from scheduler.speculation import Speculation
+from scheduler.step_cost import StepCost
+from scheduler.step_output import build_output
 
 
 class Scheduler(AdmissionAndPreemption, LoRAScheduling):
@@ -105,9 +103,11 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         self.cache_config = cache_config
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache = KVCacheManager(cache_config)
+        self.slo = SloPlanner(StepCost(*scheduler_config.step_cost_seed),
+                              scheduler_config.attention_cost_context)
         self.waiting = create_request_queue(
             self.policy, scheduler_config.priority_aging_s,
-            scheduler_config.priority_aging_floor, clock,
+            scheduler_config.priority_aging_floor, clock, self.slo.latest_start,
         )
         self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -121,7 +121,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         self.num_preemptions_total = 0
         self._num_preemptions_by_priority: Counter[int] = Counter()
         self._finished_ids: list[str] = []
-        fair = scheduler_config.fair_share and self.policy is SchedulingPolicy.PRIORITY
+        fair = scheduler_config.fair_share and self.policy.ranks
+        self.last_step_work = StepWork()  # of the latest schedule(), for the cost model
         self.fair_share = FairShare() if fair else None
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, request id)
         self._expired: list[Request] = []  # passed their deadline in schedule()
@@ -212,14 +213,21 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         self._expire_deadlines(step.now)
         loads, evictions = self._begin_lora_step()
         self._schedule_decodes(step)
-        step.prefill_room = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
+        if self.policy is SchedulingPolicy.SLO:
+            self.slo.begin_step([r for r in self.running if r.request_id in step.decode_ids])
         if self.speculation is not None:
             self.speculation.grant_before_prefills(self, step)
+        cap = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
+        if self.policy is SchedulingPolicy.SLO:
+            cap = self.slo.prefill_room(len(step.decode_ids) + step.num_draft_tokens, cap)
+            step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
+        step.prefill_room = cap
         self._schedule_prefills(step)
         if self.speculation is not None:
             self.speculation.grant_after_prefills(self, step)
         parked = [self.skipped_waiting.pop() for _ in range(len(self.skipped_waiting))]
         self.waiting.prepend_requests(parked)
+        self.last_step_work = work_of(step, self.requests)
         return self._build_output(step, loads, evictions)
 
     def update(
@@ -280,11 +288,24 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         if token_id is None:
             raise ValueError(f"the runner sampled no token for {request.request_id}")
         request.num_output_placeholders -= 1
+        if request.first_token_time is None:
+            request.first_token_time = self._clock()
         request.append_output_token(token_id, runner_output.logprobs.get(request.request_id))
         return check_stop(request, self.max_request_len)
 
     def _expire_deadlines(self, now: float) -> None:
-        """Finish every unfinished request whose deadline is past; O(expired log n)."""
+        """Finish every unfinished request whose deadline is past, and (slo) every
+        waiting one refused when late whose first token can no longer be on time;
+        O(expired log n)."""
+        if isinstance(self.waiting, SloRequestQueue):
+            late = self.waiting.pop_late_rejects(now)
+            for request in late:
+                self.requests.pop(request.request_id)  # NOTE: out of the queue already
+                request.status = RequestStatus.FINISHED_REJECTED
+                self._finished_ids.append(request.request_id)
+                self._release_held(request)
+            self.slo.num_rejected_late += len(late)
+            self._expired.extend(late)
         deadlines = self._deadlines
         expired = []
         while deadlines and deadlines[0][0] <= now:
@@ -359,8 +380,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         loaded steps with them, + 0.8 without); they wait for the next step instead.
         """
         chunks = [r for r in self.running if _num_left(r) > 1]
-        if self.policy is SchedulingPolicy.PRIORITY:
-            chunks.sort(key=_effective_key)
+        if self.policy.ranks:
+            chunks.sort(key=self._prefill_key(step))
         next_chunk = 0
         while step.has_prefill_room():
             while next_chunk < len(chunks) and not self._can_chunk(chunks[next_chunk], step):
@@ -384,7 +405,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             else:
                 self._consider(request, step)
             scheduled = request.request_id in step.num_scheduled_tokens
-            if scheduled and self.policy is SchedulingPolicy.PRIORITY and (
+            if scheduled and self.policy.ranks and (
                 step.prefill_level is None
             ):
                 step.prefill_level = level
@@ -403,6 +424,9 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         """Whether a running request's prefill chunk comes before a waiting request."""
         if self.policy is SchedulingPolicy.FCFS:
             return True
+        if self.policy is SchedulingPolicy.SLO:
+            key = self._prefill_key(step)
+            return key(chunk) <= key(candidate)
         waiting_key = (
             self.waiting.effective_priority(candidate, step.now),
             candidate.arrival_time,
@@ -410,47 +434,28 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         )
         return _effective_key(chunk) < waiting_key
 
+    def _prefill_key(self, step: Step) -> Callable[[Request], tuple[Any, ...]]:
+        """The order of prefill work: effective priority, then arrival (slo: slack)."""
+        if self.policy is SchedulingPolicy.SLO:
+            return lambda request: self.slo.prefill_key(request, step.now)
+        return _effective_key
+
     def _build_output(self, step: Step, loads: list[str], evictions: list[str]
                       ) -> SchedulerOutput:
-        scheduled = []
-        for request_id, num_new in step.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            start = request.num_computed_tokens
-            end = start + num_new
-            drafts = step.draft_token_ids.get(request_id, _NO_DRAFTS)
-            known_end = end - len(drafts)  # the drafts (speculation) come after the known
-            token_ids = request.all_token_ids[start:known_end]
-            if known_end > request.num_tokens:  # the token of an unfinished step
-                token_ids += [PLACEHOLDER_TOKEN_ID] * (known_end - request.num_tokens)
-            sample = known_end == request.num_tokens + request.num_output_placeholders
-            token_ids += drafts
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=request_id,
-                    token_ids=token_ids,
-                    num_computed_tokens=start,
-                    block_table=self.kv_cache.get_block_ids(request_id),
-                    sample=sample,
-                    sampling_params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    prompt_logprob_rows=_prompt_logprob_rows(request, start, end),
-                    num_draft_tokens=len(drafts),
-                    num_lookahead_tokens=step.num_lookahead_tokens.get(request_id, 0),
-                    lora_name=request.lora_name,
-                )
-            )
-            request.num_computed_tokens = end
-            if sample:
-                request.num_output_placeholders += 1
         finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            preempted_ids=[r.request_id for r in step.preempted],
-            finished_ids=finished_ids,
-            lora_loads=loads,
-            lora_evictions=evictions,
-        )
+        return build_output(step, self.requests, self.kv_cache, finished_ids, loads, evictions)
+
+    def draft_room(self, request: Request, step: Step) -> int:
+        """Drafts `request` may verify in `step` within better decodes' tpot (slo)."""
+        if self.policy is not SchedulingPolicy.SLO:
+            return self.config.max_num_batched_tokens
+        work = StepWork(len(step.decode_ids) + step.num_draft_tokens,
+                        sum(step.prefill_costs.values()))
+        return self.slo.draft_room(request, work)
+
+    def observe_step(self, work: StepWork, seconds: float) -> None:
+        """The engine ran a step of `work` (`last_step_work`) in `seconds`: refit."""
+        self.slo.observe(work, seconds)
 
     def _release_held(self, leader: Request) -> None:
         for request in self.sharing.release(leader):
@@ -477,9 +482,6 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             self.loras.forget(request)
 
 
-_NO_DRAFTS: list[int] = []  # read only
-
-
 def _num_left(request: Request) -> int:
     """Tokens of `request` (known or being sampled) whose KV is still to compute."""
     return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
@@ -487,13 +489,3 @@ def _num_left(request: Request) -> int:
 
 def _effective_key(request: Request) -> tuple[int, float, str]:
     return (request.effective_priority, request.arrival_time, request.request_id)
-
-
-def _prompt_logprob_rows(request: Request, start: int, end: int) -> tuple[int, int]:
-    """Offsets into the chunk of positions [start, end) whose logits give the prompt
-    logprobs `request` still misses (position p's give prompt token p + 1's)."""
-    logprobs = request.prompt_logprobs
-    if logprobs is None or logprobs.end >= request.num_prompt_tokens:
-        return (0, 0)
-    lo, hi = max(start, logprobs.end - 1), min(end, request.num_prompt_tokens - 1)
-    return (lo - start, hi - start) if lo < hi else (0, 0)

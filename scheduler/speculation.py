@@ -13,7 +13,10 @@ decodes, in `running` order (priority order under priority), within three bounds
     least as urgent as the best prefill work in sight (a running chunk or the waiting
     head, by effective priority) get theirs before prefills, the others from what the
     prefills leave (under fcfs every priority is 0: all before);
-  - blocks: the drafts' slots are allocated if the pool has them (never by preempting).
+  - blocks: the drafts' slots are allocated if the pool has them (never by preempting);
+  - under slo, the TPOT targets of better priorities: a decode's drafts only while the
+    predicted step stays within the tightest tpot_s among the decodes more urgent than
+    it (scheduler/slo.py), so low-priority drafts never stretch an urgent stream.
 
 Who speculates (`limit`, once per request): the server's num_speculative_tokens, capped
 by the request's own (0: never). Requests with penalties never speculate (their
@@ -113,6 +116,9 @@ class _Scheduler(Protocol):
     running: list[Request]
     max_request_len: int
 
+    def draft_room(self, request: Request, step: Step) -> int:
+        """The drafts `request` may add within the latency targets of better ones."""
+
 
 class Speculation:
     """The scheduler's speculation: per-request limits, each step's grants, the counters."""
@@ -173,6 +179,7 @@ class Speculation:
             request.num_speculative_tokens,
             params.max_tokens - request.num_output_tokens - 1,
             scheduler.max_request_len - request.num_tokens - 1,
+            scheduler.draft_room(request, step),
         )
         if (num_room <= 0 or request.num_output_placeholders
                 or request.num_output_tokens < params.min_tokens):

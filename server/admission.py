@@ -35,6 +35,7 @@ from server.errors import APIError, server_error, validation_error
 from server.json_body import decode_fields
 from server.limits import ListBudgets, check_budgets
 from server.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.slo import ResolvedSlo, misses_at_the_door, resolve_slo
 from server.tenants import Seat, Tenant, TenantRefused
 
 _RequestT = TypeVar("_RequestT", bound=SamplingRequest)
@@ -148,8 +149,12 @@ class Admission:
             priority = tenant.priority(requested)
         except TenantRefused as exc:
             raise self._refused(tenant, exc) from exc
-        if self.engine.info.policy != "priority":
+        if self.engine.info.policy == "fcfs":
             priority = 0  # FCFS orders by arrival alone
+        slo = resolve_slo(body.slo, tenant.spec.slo, self.config.default_slo_ttft_ms,
+                          self.config.default_slo_tpot_ms)
+        if misses_at_the_door(slo, self.engine.soonest_first_token_s()):
+            raise self._late_at_the_door(tenant, priority, slo)
         salt = None
         if tenant.cache_salt is not None or body.cache_salt is not None:
             # NOTE: the tenant's part first: no request's own salt can reproduce it.
@@ -162,9 +167,21 @@ class Admission:
             priority=priority, tenant=tenant.name, weight=tenant.weight,
             priority_bound=tenant.spec.max_priority,
             deadline=tenant.deadline(arrival, body.deadline_ms), cache_salt=salt,
+            ttft_deadline=slo.ttft_deadline(arrival), tpot_s=slo.tpot_s,
+            reject_late=slo.reject_late,
             lora_name=lora_name,
         )
         return Admitted(placement, tenant, seat)
+
+    def _late_at_the_door(self, tenant: Tenant, priority: int, slo: ResolvedSlo) -> APIError:
+        """503 for a request refused when late that cannot be on time even if it went
+        next: before its seat, its tokens or any work (a router may send it elsewhere)."""
+        self.engine.metrics.inc_slo_refused(priority, tenant.name)
+        return server_error(
+            503, f"The first token cannot be within slo.ttft_ms {slo.ttft_ms} ms at the "
+            "current load, and the request asked on_miss: reject. Retry later or elsewhere.",
+            code="slo_unattainable", headers={"Retry-After": str(self.config.retry_after_s)},
+        )
 
     def _refused(self, tenant: Tenant, refusal: TenantRefused) -> APIError:
         self.engine.metrics.inc_tenant_rejection(tenant.name, refusal.reason)
@@ -180,7 +197,7 @@ class Admission:
     def _check_admission(self, body: SamplingRequest) -> None:
         info = self.engine.info
         self.check_model(body.model)
-        if body.priority != 0 and info.policy != "priority":
+        if body.priority != 0 and info.policy == "fcfs":
             raise APIError(
                 400, f"priority is not supported under the {info.policy} scheduling policy: "
                 "start the server with `--scheduling-policy priority`.", param="priority",

@@ -119,6 +119,7 @@ class ChatCompletions:
             logprobs=self._logprobs(choice.token_ids, choice.logprobs) if body.logprobs else None,
             finish_reason=finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
+            slo=choice.slo,
         )
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
@@ -178,6 +179,7 @@ class ChatCompletions:
                 logprobs=logprobs,
                 finish_reason=finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
+                slo=output.slo,
             ), prompt_logprobs(output.index, output.prompt_logprobs))
 
         def usage_event() -> str:

@@ -129,7 +129,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--scheduling-policy", "--policy", dest="scheduling_policy",
-                       choices=("fcfs", "priority"), default="fcfs")
+                       choices=("fcfs", "priority", "slo"), default="fcfs",
+                       help="slo: priority first, then the requests' latency targets")
     sched.add_argument("--max-num-seqs", type=int, default=None,
                        help=f"running requests at most (default {_CPU_MAX_NUM_SEQS} on the "
                        f"CPU, {_CUDA_MAX_NUM_SEQS} on CUDA)")
@@ -190,6 +191,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
                       "in-flight caps, token rates, fair-share weights, deadlines; "
                       "reloaded on SIGHUP (instead of --api-key)")
+    http.add_argument("--default-slo-ttft-ms", type=int, default=None, metavar="MS",
+                      help="time-to-first-token target of requests that give none")
+    http.add_argument("--default-slo-tpot-ms", type=int, default=None, metavar="MS",
+                      help="time-per-output-token target of requests that give none")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many requests wait (default: no limit)")
     http.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -330,6 +335,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         body_timeout_s=args.body_timeout_s,
         limit_concurrency=args.limit_concurrency,
         log_level=args.log_level,
+        default_slo_ttft_ms=args.default_slo_ttft_ms,
+        default_slo_tpot_ms=args.default_slo_tpot_ms,
         runtime_lora_updating=args.enable_runtime_lora_updating,
         limits=RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
     )

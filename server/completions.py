@@ -141,6 +141,7 @@ class Completions:
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,  # type: ignore[arg-type]
                 num_preemptions=output.num_preemptions if output.finished else None,
+                slo=output.slo,
             ), prompt_logprobs(output.index, output.prompt_logprobs))
 
         def usage_event() -> str:
@@ -198,6 +199,7 @@ class Completions:
             logprobs=logprobs,
             finish_reason=choice.finish_reason,  # type: ignore[arg-type]
             num_preemptions=choice.num_preemptions,
+            slo=choice.slo,
         )
 
     def _echo_logprobs(

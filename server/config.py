@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from server.batch.config import BatchConfig
 from server.limits import RequestLimits
+from server.slo import MAX_TARGET_MS
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class ServerConfig:
     limit_concurrency: uvicorn answers 503 beyond this many connections and tasks (None:
     no limit). tenants_file: the tenants, their keys and limits (server/tenants.py);
     exclusive with api_key, reloaded on SIGHUP. batch: the Batch API (server/batch/config.py;
-    off without a data directory).
+    off without a data directory). default_slo_ttft_ms,
+    default_slo_tpot_ms: latency targets of requests that (and whose tenant) give none
+    (server/slo.py).
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +56,8 @@ class ServerConfig:
     limit_concurrency: int | None = None
     log_level: str = "info"
     runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, unload (server/lora.py)
+    default_slo_ttft_ms: int | None = None
+    default_slo_tpot_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,5 +84,9 @@ class ServerConfig:
             raise ValueError("snapshot_timeout_s must be > 0")
         if self.retry_after_s < 1:
             raise ValueError("retry_after_s must be >= 1")
+        for name in ("default_slo_ttft_ms", "default_slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= MAX_TARGET_MS:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [1, {MAX_TARGET_MS}]")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log level {self.log_level!r}")

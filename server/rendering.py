@@ -30,6 +30,7 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    slo: dict[str, bool] | None = None
 
     def add(self, output: RequestOutput) -> None:
         if output.prompt_logprobs is not None:
@@ -42,6 +43,7 @@ class Choice:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
+            self.slo = output.slo
 
 
 def usage(prompts: list[list[int]], choices: Sequence[Choice]) -> UsageInfo:

@@ -33,6 +33,7 @@ from pydantic import (
 from scheduler.sampling_params import SamplingParams, unique_token_lists
 from server.request_fields import FailFastList, limited, token_ids
 from server.request_fields import JsonInt as JsonInt  # the routes' models take it from here
+from server.slo import SloTargets
 
 MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000  # a week
 MAX_CACHE_SALT_CHARS = 256
@@ -150,6 +151,7 @@ class SamplingRequest(_Request):
     min_tokens: JsonInt = Field(default=0, ge=0)
     priority: JsonInt = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)
     deadline_ms: JsonInt | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS)
+    slo: SloTargets | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     user: str | None = None
     response_format: ResponseFormat | None = None

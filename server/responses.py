@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length", "abort", "deadline", "tool_calls"]
+FinishReason = Literal["stop", "length", "abort", "deadline", "rejected", "tool_calls"]
 
 
 def random_id(prefix: str) -> str:
@@ -54,6 +54,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    slo: dict[str, bool] | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -72,6 +73,7 @@ class CompletionStreamChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    slo: dict[str, bool] | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -122,6 +124,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    slo: dict[str, bool] | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -161,6 +164,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int | None = Field(default=None, exclude_if=lambda v: v is None)
+    slo: dict[str, bool] | None = Field(default=None, exclude_if=lambda v: v is None)
     prompt_logprobs: PromptLogprobsList | None = Field(default=None, exclude_if=lambda v: v is None)
 
 

@@ -39,6 +39,7 @@ _STATUS: dict[str | None, tuple[str, str | None]] = {
     "tool_calls": ("completed", None),
     "length": ("incomplete", "max_output_tokens"),
     "deadline": ("incomplete", None),
+    "rejected": ("incomplete", None),
     "abort": ("cancelled", None),
 }
 

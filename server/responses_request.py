@@ -204,6 +204,7 @@ class ResponsesRequest(_Request):
     repetition_penalty: float | None = None
     priority: JsonInt | None = None
     deadline_ms: JsonInt | None = None
+    slo: dict[str, Any] | None = None
     cache_salt: str | None = None
     stream: bool = False
     store: bool | None = None
@@ -217,7 +218,8 @@ class ResponsesRequest(_Request):
 
 # The fields a chat request takes as they are (and bounds).
 _SAMPLING_FIELDS = {"model", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "repetition_penalty", "priority", "deadline_ms", "cache_salt", "user"}
+                    "repetition_penalty", "priority", "deadline_ms", "slo", "cache_salt",
+                    "user"}
 
 _NOT_STORED = ("this server keeps no responses (store: false), so it cannot continue "
                "one: send the whole conversation in `input`")

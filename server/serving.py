@@ -215,6 +215,11 @@ class Serving(Admission):
                 task.cancel()
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+        if all(c.finish_reason == "rejected" for c in choices):
+            raise server_error(
+                503, "The first token could no longer be within slo.ttft_ms, and the request "
+                "asked on_miss: reject. Retry later or elsewhere.", code="slo_unattainable",
+                headers={"Retry-After": str(self.config.retry_after_s)})
         if all(c.finish_reason == "deadline" and not c.num_output_tokens for c in choices):
             raise APIError(504, "The request's deadline passed before it was computed.",
                            type="timeout_error", code="deadline_exceeded")

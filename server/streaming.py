@@ -64,6 +64,8 @@ def fast_chunk(head: bytes, output: RequestOutput, content: dict[str, Any]) -> b
                               "finish_reason": output.finish_reason}
     if output.finished:
         choice["num_preemptions"] = output.num_preemptions
+        if output.slo is not None:
+            choice["slo"] = output.slo
     return head + orjson.dumps(choice) + b"]}\n\n"
 
 

@@ -46,6 +46,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.placement import DEFAULT_TENANT
+from server.slo import SloTargets
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SHA256_HEX = r"[0-9a-fA-F]{64}"
@@ -67,6 +68,7 @@ class TenantSpec(BaseModel):
     tokens_per_minute: int | None = Field(default=None, ge=1)
     weight: float = Field(default=1.0, gt=0, le=1e6)
     deadline_ms: int | None = Field(default=None, ge=1)
+    slo: SloTargets | None = None  # latency targets for its requests that give none
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     share_cache: bool = False
     # The LoRA adapters its requests may name (None: every adapter served).

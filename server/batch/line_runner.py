@@ -80,7 +80,7 @@ class LineRunner:
         body = json.loads(body_json)
         body.pop("stream", None)
         body.pop("priority", None)
-        if self._serving.engine.info.policy == "priority":
+        if self._serving.engine.info.policy != "fcfs":
             body["priority"] = self._priority
         return json.dumps(body).encode()
 

@@ -223,9 +223,11 @@ def test_request_status_order_and_finish_reasons() -> None:
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_DEADLINE,
+        RequestStatus.FINISHED_REJECTED,
     ]
     assert all(s > RequestStatus.PREEMPTED for s in finished)
-    assert [s.finish_reason for s in finished] == ["stop", "length", "abort", "deadline"]
+    assert [s.finish_reason for s in finished] == ["stop", "length", "abort", "deadline",
+                                                   "rejected"]
     (r,) = make_requests(1, 3, 1)
     assert (r.status, r.is_finished, r.finish_reason) == (RequestStatus.WAITING, False, None)
     assert (r.num_tokens, r.all_token_ids) == (3, r.prompt_token_ids)

@@ -50,6 +50,14 @@ SPEC_METRICS = {
     "pagedserve_tenant_rejections_total": "counter",
     "pagedserve_tenant_request_queue_time_seconds": "histogram",
     "pagedserve_lora_requests_total": "counter",  # by LoRA adapter (none without)
+    "pagedserve_slo_ttft_met_total": "counter",
+    "pagedserve_slo_ttft_missed_total": "counter",
+    "pagedserve_slo_tpot_met_total": "counter",
+    "pagedserve_slo_tpot_missed_total": "counter",
+    "pagedserve_slo_refused_total": "counter",
+    "pagedserve_slo_goodput_requests_total": "counter",
+    "pagedserve_slo_steps_over_tpot_total": "counter",
+    "pagedserve_step_cost_seconds": "gauge",
 }
 # What the Gateway API Inference Extension's endpoint picker reads, by vLLM's names
 VLLM_METRICS = {

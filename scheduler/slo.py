@@ -1,0 +1,168 @@
+"""Planning against latency targets (`--scheduling-policy slo`): the scheduler's share.
+
+`SloPlanner` holds the step-cost model (scheduler/step_cost.py) and answers, from it,
+the questions the slo policy asks of a step (docs/scheduling.md gives the reasons):
+
+  - a waiting request's latest start: its TTFT deadline less the predicted step of its
+    whole prompt (the waiting queue orders a level by it, least slack first, and serves
+    those past it after the others: scheduler/request_queue.py `SloRequestQueue`); the
+    step's prefill work (running chunks and admissions) goes in the same order;
+  - the prefill room beside the step's decodes: the prefill cost that keeps the
+    predicted step within PLAN_SHARE of the tightest `tpot_s` among them (counted in
+    `num_steps_over_tpot` when even the decodes alone exceed it);
+  - the draft room of a decode: drafts of a worse priority only while the predicted
+    step stays within the tightest `tpot_s` among the better ones' decodes;
+  - the victim among equals: the request with the most slack.
+
+The model is fitted under every policy (`observe`, from the engine core's step times)
+and shown at /scheduler/state; only the slo policy plans with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from scheduler.budget import StepBudget, prefill_cost
+from scheduler.request import Request
+from scheduler.step_cost import StepCost, StepCostModel
+
+# The share of the tightest TPOT target a step is planned to: the rest absorbs the
+# model's error and the steps' jitter (a step planned to the target exactly overruns it
+# half the time).
+PLAN_SHARE = 0.9
+
+
+@dataclass
+class StepWork:
+    """The work of one scheduled step, as the cost model counts it."""
+
+    num_decode_rows: int = 0
+    prefill_cost: int = 0
+
+
+def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
+    """A scheduled step's work as the cost model counts it (before the requests'
+    progress advances by it)."""
+    work = StepWork()
+    k = step.config.attention_cost_context
+    for request_id, num_new in step.num_scheduled_tokens.items():
+        if request_id in step.decode_ids:
+            work.num_decode_rows += num_new
+        else:
+            start = requests[request_id].num_computed_tokens
+            work.prefill_cost += prefill_cost(start, num_new, k)
+    return work
+
+
+class SloPlanner:
+    """The cost model and the slo policy's per-step rules."""
+
+    def __init__(self, seed: StepCost, attention_cost_context: int) -> None:
+        self.model = StepCostModel(seed)
+        self.attention_cost_context = attention_cost_context
+        self.num_steps_over_tpot = 0
+        self.num_rejected_late = 0
+        # This step's decodes' tightest tpot_s, in all and of each better priority.
+        self._tightest: float | None = None
+        self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
+
+    @property
+    def cost(self) -> StepCost:
+        return self.model.cost
+
+    def observe(self, work: StepWork, seconds: float) -> None:
+        """A step with `work` ran in `seconds`: refit."""
+        self.model.observe(work.num_decode_rows, work.prefill_cost, seconds)
+
+    def latest_start(self, request: Request) -> float:
+        """When `request` must start its prompt to have its first token on time
+        (+inf without a TTFT target)."""
+        deadline = request.placement.ttft_deadline
+        if deadline is None:
+            return math.inf
+        work = prefill_cost(0, request.num_prompt_tokens, self.attention_cost_context)
+        return deadline - self.cost.predict(0, work)
+
+    def begin_step(self, decodes: Sequence[Request]) -> None:
+        """Note this step's decodes (in priority order) for the rooms below."""
+        self._tightest = None
+        self._bounds = []
+        last_priority: int | None = None
+        for request in decodes:
+            tpot = request.placement.tpot_s
+            if request.priority != last_priority:
+                if self._tightest is not None:
+                    self._bounds.append((request.priority, self._tightest))
+                last_priority = request.priority
+            if tpot is not None and (self._tightest is None or tpot < self._tightest):
+                self._tightest = tpot
+
+    def prefill_room(self, num_decode_rows: int, cap: int | None) -> int | None:
+        """The prefill cost the step may carry beside its decodes: what keeps the
+        predicted step within the tightest tpot_s among them, in place of `cap` (the
+        fixed factor of the batch other policies use, kept when no decode has a target).
+        When even the decodes exceed the target, no size can keep it: the step is
+        counted over and takes `cap` (one token without one), so that prompts still
+        progress at the rate other policies give them."""
+        if self._tightest is None:
+            return cap
+        room = self.cost.prefill_room(PLAN_SHARE * self._tightest, num_decode_rows)
+        if room < 1:
+            self.num_steps_over_tpot += 1
+            return 1 if cap is None else cap
+        return int(min(room, 1 << 40))
+
+    def draft_room(self, request: Request, work: StepWork) -> int:
+        """The draft tokens `request`'s decode may add to a step with `work` while the
+        predicted step stays within the tightest tpot_s of better priorities' decodes."""
+        bound = self._bound_for(request.priority)
+        if bound is None:
+            return 1 << 30
+        spare = PLAN_SHARE * bound - self.cost.predict(work.num_decode_rows,
+                                                       work.prefill_cost)
+        per_row = self.cost.per_decode_s
+        if spare <= 0:
+            return 0
+        return 1 << 30 if per_row <= 0 else int(spare / per_row)
+
+    def _bound_for(self, priority: int) -> float | None:
+        bound = None
+        for level, tightest in self._bounds:
+            if level > priority:
+                break
+            bound = tightest
+        return bound
+
+    def prefill_key(self, request: Request, now: float) -> tuple[int, int, float, float]:
+        """The order of prefill work (a running prompt's next chunk, a waiting request's
+        admission) within the step: priority, then those whose first token can still be
+        on time by their TTFT deadline, then the late ones by arrival."""
+        deadline = request.placement.ttft_deadline
+        if deadline is None or request.first_token_time is not None:
+            return (request.priority, 0, math.inf, request.arrival_time)
+        k = self.attention_cost_context
+        left = prefill_cost(request.num_computed_tokens,
+                            request.num_prompt_tokens - request.num_computed_tokens, k)
+        if now + self.cost.predict(0, left) > deadline:
+            return (request.priority, 1, request.arrival_time, request.arrival_time)
+        return (request.priority, 0, deadline, request.arrival_time)
+
+    def pick_victim(self, requests: Iterable[Request], now: float) -> Request:
+        """The victim: the worst priority, and among equals the one with the most slack."""
+        return max(requests, key=lambda r: (r.priority, slack(r, now), r.arrival_time))
+
+
+def slack(request: Request, now: float) -> float:
+    """Seconds `request` may lose and still meet its targets: to its TTFT deadline before
+    its first token, then to the time its tokens so far are due at tpot_s each (+inf
+    without the target concerned)."""
+    placement = request.placement
+    if request.first_token_time is None:
+        deadline = placement.ttft_deadline
+        return math.inf if deadline is None else deadline - now
+    if placement.tpot_s is None:
+        return math.inf
+    due = request.first_token_time + placement.tpot_s * request.num_output_tokens
+    return due - now

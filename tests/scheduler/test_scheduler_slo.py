@@ -1,0 +1,254 @@
+"""The slo policy: slack ordering, late requests after feasible ones, refusal when late,
+the step-size rule, the victim with most slack, drafts within better ones' tpot, and
+the step-cost model's fit. A fake clock and hand-made runner outputs throughout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcache.config import CacheConfig
+from scheduler.config import SchedulerConfig, SpeculativeConfig
+from scheduler.placement import Placement
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.slo import PLAN_SHARE, StepWork
+from scheduler.step_cost import StepCost, StepCostModel
+from tests.support.scheduler_helpers import FakeClock, make_runner_output, scheduled_ids, step
+
+# 10 ms a step, 1 ms a decode row, 0.1 ms a prefill token
+SEED = (0.010, 0.001, 0.0001)
+
+
+def slo_scheduler(clock: FakeClock, *, max_num_seqs: int = 16, budget: int = 4096,
+                  num_blocks: int = 1024, speculative: SpeculativeConfig | None = None,
+                  threshold: int = 0) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(policy="slo", max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=budget, max_model_len=4096,
+                        step_cost_seed=SEED, speculative=speculative,
+                        long_prefill_token_threshold=threshold),
+        CacheConfig(num_blocks=num_blocks, block_size=16),
+        clock=clock,
+    )
+
+
+def slo_request(name: str, num_prompt: int, *, arrival: float = 0.0, priority: int = 0,
+                ttft_s: float | None = None, tpot_s: float | None = None,
+                reject_late: bool = False, max_tokens: int = 50) -> Request:
+    base = 1000 * (sum(map(ord, name)) % 50 + 1)
+    return Request(
+        name, [base + j for j in range(num_prompt)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        placement=Placement(
+            priority=priority, tpot_s=tpot_s, reject_late=reject_late,
+            ttft_deadline=None if ttft_s is None else arrival + ttft_s),
+        arrival_time=arrival,
+    )
+
+
+# ---- the step-cost model ----
+
+def test_cost_model_recovers_synthetic_coefficients() -> None:
+    truth = StepCost(fixed_s=0.008, per_decode_s=0.0015, per_prefill_s=0.0002)
+    model = StepCostModel(StepCost(0.05, 0.01, 0.001), window=128)
+    rng = random.Random(0)
+    for _ in range(200):
+        rows, prefill = rng.randint(1, 64), rng.choice([0, 0, rng.randint(16, 2000)])
+        noise = rng.uniform(-0.0002, 0.0002)
+        model.observe(rows, prefill, truth.predict(rows, prefill) + noise)
+    fit = model.cost
+    assert fit.fixed_s == pytest.approx(truth.fixed_s, rel=0.1)
+    assert fit.per_decode_s == pytest.approx(truth.per_decode_s, rel=0.05)
+    assert fit.per_prefill_s == pytest.approx(truth.per_prefill_s, rel=0.05)
+    assert model.num_observed == 200
+
+
+def test_cost_model_keeps_the_seed_where_the_steps_say_nothing() -> None:
+    seed = StepCost(0.01, 0.001, 0.0003)
+    model = StepCostModel(seed)
+    for rows in range(1, 40):  # decode-only steps: nothing about prefill
+        model.observe(rows, 0, 0.02 + 0.002 * rows)
+    assert model.cost.per_prefill_s == pytest.approx(seed.per_prefill_s)
+    assert model.cost.per_decode_s == pytest.approx(0.002, rel=0.1)
+
+
+def test_cost_model_forgets_steps_beyond_its_window() -> None:
+    model = StepCostModel(StepCost(0.01, 0.001, 0.0), window=50)
+    for _ in range(50):
+        model.observe(10, 0, 0.5)  # a slow phase
+    for _ in range(50):
+        model.observe(10, 0, 0.02)
+    assert model.cost.predict(10, 0) == pytest.approx(0.02, rel=0.05)
+
+
+# ---- waiting order ----
+
+def test_least_slack_first_within_a_level() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=1)
+    # later arrivals with tighter targets go first; the one without a target last
+    reqs = [slo_request("loose", 16, arrival=0.0, ttft_s=5.0),
+            slo_request("none", 16, arrival=0.1),
+            slo_request("tight", 16, arrival=0.2, ttft_s=1.0),
+            slo_request("tighter", 16, arrival=0.3, ttft_s=0.8)]
+    for r in reqs:
+        scheduler.add_request(r)
+    assert [r.request_id for r in scheduler.waiting] == ["tighter", "tight", "loose", "none"]
+    assert scheduled_ids(scheduler.schedule()) == ["tighter"]
+
+
+def test_priority_stays_the_first_key() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=1)
+    scheduler.add_request(slo_request("urgent-loose", 16, ttft_s=9.0, priority=0))
+    scheduler.add_request(slo_request("lax-tight", 16, ttft_s=0.1, priority=5))
+    assert [r.request_id for r in scheduler.waiting] == ["urgent-loose", "lax-tight"]
+
+
+def test_a_late_request_is_served_after_the_feasible_ones() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=1)
+    scheduler.add_request(slo_request("doomed", 16, arrival=0.0, ttft_s=0.5))
+    scheduler.add_request(slo_request("feasible", 16, arrival=0.0, ttft_s=0.9))
+    clock.now = 0.6  # the first can no longer make its first token on time
+    assert [r.request_id for r in scheduler.waiting] == ["feasible", "doomed"]
+    assert scheduled_ids(scheduler.schedule()) == ["feasible"]
+    assert scheduler.requests["doomed"].status is RequestStatus.WAITING  # still served later
+
+
+def test_a_late_request_that_asked_to_be_refused_is_rejected_holding_nothing() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=1)
+    scheduler.add_request(slo_request("busy", 16, max_tokens=100))
+    step(scheduler)  # busy takes the only seat
+    late = slo_request("late", 16, arrival=0.0, ttft_s=0.5, reject_late=True)
+    scheduler.add_request(late)
+    free_before = scheduler.kv_cache.num_free_blocks
+    clock.now = 0.6
+    out, updated = step(scheduler)
+    assert late.status is RequestStatus.FINISHED_REJECTED and late.finish_reason == "rejected"
+    assert late in updated and "late" not in scheduler.requests
+    assert scheduler.kv_cache.num_held_blocks("late") == 0
+    assert scheduler.kv_cache.num_free_blocks >= free_before - 1  # busy's growth at most
+    assert scheduler.stats.num_rejected_late == 1
+    assert "late" in out.finished_ids
+
+
+# ---- the step-size rule ----
+
+def _sixteen_decodes(clock: FakeClock, scheduler: Scheduler, tpot_s: float) -> None:
+    for i in range(16):
+        scheduler.add_request(slo_request(f"d{i}", 16, tpot_s=tpot_s, max_tokens=500))
+    step(scheduler)  # their prompts
+    step(scheduler)  # all decoding now
+
+
+def test_prefill_beside_decodes_stays_within_the_tightest_tpot() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=17)
+    _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+    scheduler.add_request(slo_request("long", 2000))
+    out = scheduler.schedule()
+    work = scheduler.last_step_work
+    assert work.num_decode_rows == 16 and work.prefill_cost > 0
+    predicted = scheduler.slo.cost.predict(work.num_decode_rows, work.prefill_cost)
+    target = PLAN_SHARE * 0.1  # planned with a margin for jitter
+    assert predicted <= target
+    # the room was used, not wasted: one more prefill token would exceed it
+    assert predicted + 2 * SEED[2] > target - 1e-9
+    scheduler.update(out, make_runner_output(out))
+    assert scheduler.stats.num_steps_over_tpot == 0
+
+
+def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=17, threshold=32)
+    _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+    scheduler.add_request(slo_request("long", 2000))
+    step(scheduler)  # admitted: its first chunk
+    # then the steps turned slow: 50 ms + 16 x 5 ms > 100 ms
+    scheduler.slo.model.cost = StepCost(0.05, 0.005, 0.0001)
+    over = scheduler.stats.num_steps_over_tpot
+    scheduler.schedule()
+    # no size keeps it: the prompt goes on at the policy-free cap, max(32, 2 x 17)
+    assert 30 <= scheduler.last_step_work.prefill_cost <= 34
+    assert scheduler.stats.num_steps_over_tpot == over + 1
+
+
+def test_the_priority_policy_keeps_its_own_cap() -> None:
+    scheduler = Scheduler(SchedulerConfig(policy="priority", max_num_batched_tokens=4096,
+                                          max_model_len=4096, max_num_seqs=17),
+                          CacheConfig(num_blocks=1024, block_size=16), clock=FakeClock())
+    _sixteen_decodes(FakeClock(), scheduler, tpot_s=0.1)
+    scheduler.add_request(slo_request("long", 2000))
+    scheduler.schedule()
+    assert scheduler.last_step_work.prefill_cost > 2000  # no tpot room under priority
+
+
+# ---- preemption among equals ----
+
+def test_the_victim_among_equals_has_the_most_slack() -> None:
+    clock = FakeClock(0.0)
+    # 4 blocks of 16: two 16-token prompts grow into a third block each and collide
+    scheduler = slo_scheduler(clock, num_blocks=4)
+    tight = slo_request("tight", 24, arrival=0.0, ttft_s=1.0, tpot_s=0.05, max_tokens=40)
+    loose = slo_request("loose", 24, arrival=1.0, ttft_s=9.0, tpot_s=5.0, max_tokens=40)
+    scheduler.add_request(tight)
+    scheduler.add_request(loose)
+    preempted: list[str] = []
+    for _ in range(20):
+        clock.now += 0.01
+        out, _ = step(scheduler)
+        preempted += out.preempted_ids
+    assert preempted and set(preempted) == {"loose"}
+
+
+def test_speculation_drafts_of_worse_priorities_stay_within_better_tpot() -> None:
+    clock = FakeClock(0.0)
+    spec = SpeculativeConfig(num_speculative_tokens=4, max_num_verify_tokens=64)
+    scheduler = slo_scheduler(clock, speculative=spec)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    # repeating prompts and tokens: n-gram drafts are always found
+    urgent = [Request(f"u{i}", [1, 2, 3, 4] * 8, params, arrival_time=0.0,
+                      placement=Placement(priority=0, tpot_s=0.040)) for i in range(2)]
+    background = [Request(f"b{i}", [1, 2, 3, 4] * 8, params, arrival_time=0.0,
+                          placement=Placement(priority=10)) for i in range(8)]
+    for r in (*urgent, *background):
+        scheduler.add_request(r)
+    for _ in range(30):
+        step(scheduler, lambda s: 1 + s.context_len % 4)
+        if all(r.num_output_tokens for r in background):
+            break
+    out = scheduler.schedule()
+    drafts = {s.request_id: s.num_draft_tokens for s in out.scheduled}
+    assert all(drafts[r.request_id] == 4 for r in urgent)  # their own: no better ones
+    work = scheduler.last_step_work
+    # 10 ms + 1 ms a row within 0.9 x 40 ms: 10 decodes and 8 urgent drafts leave 8 rows
+    assert work.num_decode_rows == 26
+    assert scheduler.slo.cost.predict(work.num_decode_rows, 0) <= PLAN_SHARE * 0.040 + 1e-9
+    assert sum(drafts[r.request_id] for r in background) == 8
+
+
+def test_cost_model_refits_without_a_coefficient_that_would_be_negative() -> None:
+    # one batch size (the fixed part and the per-row part trade off) and prefill work
+    # that costs more than linear: unconstrained, the fixed part goes negative
+    model = StepCostModel(StepCost(0.02, 0.001, 0.0005))
+    for i in range(60):
+        prefill = 0 if i % 3 else 400 + 10 * i
+        model.observe(16, prefill, 0.1 + 1e-6 * prefill ** 2)
+    fit = model.cost
+    assert min(fit.fixed_s, fit.per_decode_s, fit.per_prefill_s) >= 0
+    assert fit.predict(16, 0) == pytest.approx(0.1, rel=0.2)  # its own decode steps
+
+
+def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
+    scheduler = slo_scheduler(FakeClock(0.0))
+    scheduler.observe_step(StepWork(8, 0), 0.02)
+    state = scheduler.snapshot()["step_cost"]
+    assert state["num_steps_observed"] == 1
+    assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "num_steps_observed"}
+    assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
+                                         state["per_prefill_s"])
