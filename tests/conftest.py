@@ -26,6 +26,11 @@ from server.app import build_app
 from server.config import ServerConfig
 from tests.support.crash_safe_loadscope import pytest_xdist_make_scheduler  # noqa: F401
 from tests.support.live_server import LiveServer
+from tests.support.triton_interpreter import use_interpreter
+
+# NOTE: before any test module imports triton (peft does, at its import): without CUDA the
+# Triton kernel tests run under its interpreter, which triton's first import decides.
+use_interpreter()
 
 # NOTE: `make test` runs two pytest workers (pytest-xdist) on this 2-core machine: each, and
 # every server it starts, then takes one core's worth of torch threads rather than both.
