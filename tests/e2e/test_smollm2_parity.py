@@ -1,15 +1,14 @@
 """The default model (SmolLM2-135M-Instruct) through the loader and the runner, greedy in
 float32: token for token what Hugging Face `generate` gives on the same weights.
 
-The first run converts the GGUF into $PAGEDSERVE_CACHE (about half a minute); later runs
-read the converted folder.
+Hugging Face reads the same GGUF file (transformers' own dequantization); the loader reads
+it as it is (gguf_file.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import (
@@ -24,7 +23,7 @@ from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner
-from tests.support.model_helpers import RunnerLoop, Seq
+from tests.support.model_helpers import RunnerLoop, Seq, load_hf_model
 from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 pytestmark = pytest.mark.e2e
@@ -60,9 +59,7 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(
-        loaded.model_path, dtype=torch.float32, local_files_only=True
-    ).eval()
+    hf = load_hf_model(loaded.model_path)
     hf.generation_config.eos_token_id = None  # fixed lengths, as the engine loop below
     outputs = []
     for prompt in prompts:
@@ -102,9 +99,7 @@ def test_float16_weights_match_generate_on_rounded_weights(prompts):
     lookup stays float32 on both sides, so the tied LM head is untied on the HF side)."""
     loaded = load_model(ModelConfig(model=None, weight_dtype="float16", num_kv_blocks=1))
     loaded.model.use_kernel_table(GEMM_ONLY)
-    hf = AutoModelForCausalLM.from_pretrained(
-        loaded.model_path, dtype=torch.float32, local_files_only=True
-    ).eval()
+    hf = load_hf_model(loaded.model_path)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         for name, param in hf.named_parameters():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from model_runner import loader
+from model_runner import gguf_file
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
@@ -259,9 +259,9 @@ def test_loader_errors(tmp_path: Path):
         load_model(ModelConfig(model=str(gpt2)))
 
 
-def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, monkeypatch):
+def test_a_full_disk_while_a_gguf_metadata_is_kept_is_one_clear_error(tmp_path, monkeypatch):
     """A ValueError (what `serve` reports as one line, exit 1) that says what to do, and no
-    folder left that a later start could take for a finished conversion."""
+    folder left that a later start could take for a finished one."""
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
@@ -270,13 +270,13 @@ def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, mon
         (out / "config.json").write_text("{}")  # written before the disk filled up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    monkeypatch.setattr(gguf_file, "_write_metadata", full_disk)
     with pytest.raises(ValueError, match="No space left on device.*PAGEDSERVE_CACHE"):
-        loader.gguf_to_cached_folder(gguf)
+        gguf_file.metadata_folder(gguf)
     assert list((tmp_path / "cache").iterdir()) == []
-    monkeypatch.setattr(loader, "_convert_gguf",
+    monkeypatch.setattr(gguf_file, "_write_metadata",
                         lambda _, out: (out / "config.json").write_text("{}"))
-    folder = loader.gguf_to_cached_folder(gguf)  # the next start converts again
+    folder = gguf_file.metadata_folder(gguf)  # the next start writes it again
     assert (folder / "config.json").read_text() == "{}"
 
 
@@ -292,7 +292,7 @@ def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplo
     def full_disk(_: Path, out: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    monkeypatch.setattr(gguf_file, "_write_metadata", full_disk)
     with caplog.at_level(logging.INFO):
         assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
     (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
