@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from model_runner.gguf_file import gguf_weights
+from model_runner.gguf_file import gguf_weights, hf_names
 
 Q = GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320  # K-quant rows: 256 wide
@@ -94,7 +94,7 @@ def test_the_weights_are_transformers_reading_of_the_file_to_the_bit(tiny_gguf, 
     hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
     expected = {name: t for name, t in hf.state_dict().items() if "rotary" not in name}
     with caplog.at_level(logging.INFO, logger="model_runner.gguf_file"):
-        ours = dict(gguf_weights(tiny_gguf, hf_config))
+        ours = dict(gguf_weights(tiny_gguf, hf_config, hf_names(hf_config, "llama")))
     assert sorted(ours) == sorted(expected)
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name]), name
@@ -113,4 +113,4 @@ def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="cannot read GGUF file .*bad.gguf"):
-        next(gguf_weights(bad, AutoConfig.for_model("llama")))
+        next(gguf_weights(bad, AutoConfig.for_model("llama"), {}))
