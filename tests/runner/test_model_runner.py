@@ -8,6 +8,7 @@ through the loader, and driven by the minimal engine loop of tests/support/model
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from model_runner import gguf_file
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
-from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
+from model_runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
 from model_runner.models.rope import rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
@@ -37,6 +38,7 @@ from tests.support.model_helpers import (
     phi3_config,
     prompts,
 )
+from tests.support.server_process import read_rss_kib
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -226,6 +228,17 @@ def test_kv_cache_sized_from_memory_budget(llama: TinyModel):
     assert k_cache.shape == v_cache.shape == (runner.num_kv_blocks, 8, 2, 16)
     assert len(runner.kv_cache.layers) == 2
 
+
+def test_the_cpu_kv_cache_takes_memory_as_its_blocks_are_written():
+    """Zeroed blocks, but resident only once written: a 512 MiB cache grows the process by
+    the blocks written, not by 512 MiB (the pages of an anonymous mapping)."""
+    before = read_rss_kib(os.getpid())
+    cache = allocate_kv_cache(4, 1024, 16, 8, 128, torch.float32, torch.device("cpu"))
+    k_cache, v_cache = cache.layers[3]
+    assert k_cache.shape == (1024, 16, 8, 128) and k_cache.is_contiguous()
+    v_cache[7].fill_(1.0)
+    assert float(v_cache[6:9].sum()) == 16 * 8 * 128 and float(k_cache[1023].abs().sum()) == 0
+    assert read_rss_kib(os.getpid()) - before < 64 * 1024  # KiB: a block is 64 KiB
 
 def test_loaded_model_fields(llama: TinyModel):
     loaded = llama.loaded
