@@ -5,12 +5,17 @@ of the engine core after one short completion, for a model, in one checkout or s
 
 Each checkout (default: this one) starts `pagedserve serve` with the flags, once with
 $PAGEDSERVE_CACHE an empty folder (a first start) and once more on what that left (a
-later start), then is stopped. The machine's other load moves the seconds, not the RSS.
+later start), then is stopped. Each checkout's C++ kernels are built first, into its own
+.torch_ext (one build folder shared by two checkouts would rebuild at every switch). The
+machine's other load moves the seconds, not the RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +29,7 @@ def measure(checkout: Path, flags: list[str], cache: Path) -> dict[str, float]:
     """One start of `checkout`'s server: seconds to /health, API and core RSS in MiB."""
     start = time.monotonic()
     server = ServerProcess(["--device", "cpu", *flags], cwd=checkout,
-                           env={"PAGEDSERVE_CACHE": str(cache)})
+                           env={"PAGEDSERVE_CACHE": str(cache), **kernels_env(checkout)})
     try:
         server.wait_healthy(timeout_s=900)
         ready_s = time.monotonic() - start
@@ -38,6 +43,10 @@ def measure(checkout: Path, flags: list[str], cache: Path) -> dict[str, float]:
         server.remove_log()
 
 
+def kernels_env(checkout: Path) -> dict[str, str]:
+    return {"TORCH_EXTENSIONS_DIR": str(checkout.resolve() / ".torch_ext")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", type=Path, action="append",
@@ -46,6 +55,8 @@ def main() -> None:
     args = parser.parse_args()
     print("| checkout | start | /health s | API RSS MiB | core RSS MiB |\n|---|---|---|---|---|")
     for checkout in args.checkout or [REPO_ROOT]:
+        subprocess.run([sys.executable, "-m", "model_runner.kernels.cpu_kernels"], cwd=checkout,
+                       env={**os.environ, **kernels_env(checkout)}, check=True)
         with tempfile.TemporaryDirectory(prefix="pagedserve-cache-") as cache:
             for start in ("first", "later"):
                 got = measure(checkout, args.flags, Path(cache))
