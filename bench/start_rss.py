@@ -53,10 +53,12 @@ def main() -> None:
                         help="a checkout to start (repeat to compare; default: this one)")
     parser.add_argument("flags", nargs="*", help="pagedserve serve flags, after --")
     args = parser.parse_args()
-    print("| checkout | start | /health s | API RSS MiB | core RSS MiB |\n|---|---|---|---|---|")
-    for checkout in args.checkout or [REPO_ROOT]:
+    checkouts = args.checkout or [REPO_ROOT]
+    for checkout in checkouts:
         subprocess.run([sys.executable, "-m", "model_runner.kernels.cpu_kernels"], cwd=checkout,
                        env={**os.environ, **kernels_env(checkout)}, check=True)
+    print("| checkout | start | /health s | API RSS MiB | core RSS MiB |\n|---|---|---|---|---|")
+    for checkout in checkouts:
         with tempfile.TemporaryDirectory(prefix="pagedserve-cache-") as cache:
             for start in ("first", "later"):
                 got = measure(checkout, args.flags, Path(cache))
