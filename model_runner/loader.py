@@ -106,8 +106,9 @@ class ModelSpec:
 def load_model_spec(config: ModelConfig) -> ModelSpec:
     """config.model's config, tokenizer, EOS ids and context length (no weights read);
     the errors of `load_model`."""
-    gguf, served_name = resolve_model(config.model)
-    folder = gguf if gguf.is_dir() else metadata_folder(gguf)
+    path, served_name = resolve_model(config.model)
+    gguf = None if path.is_dir() else path
+    folder = path if gguf is None else metadata_folder(gguf)
     hf_config = _load_hf_config(folder)
     tokenizer = _load_tokenizer(folder)
     return ModelSpec(
@@ -117,7 +118,7 @@ def load_model_spec(config: ModelConfig) -> ModelSpec:
         max_model_len=_max_model_len(hf_config, config.max_model_len),
         served_model_name=served_name,
         folder=folder,
-        gguf=None if gguf.is_dir() else gguf,
+        gguf=gguf,
     )
 
 
