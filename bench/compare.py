@@ -141,12 +141,12 @@ def run_hf(system: str, workload: Workload, args: argparse.Namespace) -> dict[st
     import torch
 
     from bench import hf_baseline
-    from model_runner.loader import resolve_model_folder
+    from model_runner.loader import default_gguf_path
+    from tests.support.model_helpers import load_hf_model
 
     torch.set_num_threads(args.threads)
-    folder, _ = resolve_model_folder(None)
     dtype = getattr(torch, "float32" if args.dtype == "auto" else args.dtype)
-    model = hf_baseline.load_hf_model(str(folder), dtype)
+    model = load_hf_model(str(default_gguf_path()), dtype)
     if system == "hf-seq":
         result = hf_baseline.run_static(model, workload, 1)
     elif system == "hf-static":

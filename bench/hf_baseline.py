@@ -51,13 +51,6 @@ class StepTimes(LogitsProcessor):
         return scores
 
 
-def load_hf_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    return model.eval()
-
-
 @torch.inference_mode()
 def run_static(model: torch.nn.Module, workload: Workload, batch_size: int) -> BaselineResult:
     """Left-padded static batches of `batch_size`, in workload order."""

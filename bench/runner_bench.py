@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 from bench.hf_baseline import StepTimes, left_pad
 from model_runner.config import ModelConfig
@@ -31,6 +31,7 @@ from model_runner.loader import LoadedModel, load_model
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from tests.support.model_helpers import load_hf_model
 from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -189,9 +190,7 @@ def bench_variant(
     )
     loaded: LoadedModel = load_model(config)
     ours = RunnerLoop(ModelRunner(loaded, config))
-    hf = AutoModelForCausalLM.from_pretrained(
-        loaded.model_path, dtype=loaded.dtype, local_files_only=True
-    ).eval()
+    hf = load_hf_model(loaded.model_path, loaded.dtype)
     hf.generation_config.eos_token_id = None  # fixed lengths
     # the tied LM head once; float16 weights are 2 bytes, int8 ones 1
     weight_size = {"float16": 2, "int8": 1}.get(weight_dtype, loaded.dtype.itemsize)

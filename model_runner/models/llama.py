@@ -245,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(weight_dtype, table)
-        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table)
+        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table,
+                                          kept=self.tie_word_embeddings)
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
         stack = build_decode_stack(self.layers, table)

@@ -78,7 +78,7 @@ def test_local_completions_matches_the_hf_model(server, task_folder, monkeypatch
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
-    from model_runner.loader import resolve_model_folder
+    from model_runner.loader import default_gguf_path, resolve_model_folder
 
     # NOTE: lm-eval's own tasks left out: indexing them takes most of a minute
     tasks = TaskManager(include_path=str(task_folder), include_defaults=False)
@@ -87,7 +87,9 @@ def test_local_completions_matches_the_hf_model(server, task_folder, monkeypatch
                               tokenizer=str(folder), tokenizer_backend="huggingface",
                               batch_size=3)  # three token-id prompts a request
     api_accuracy, api_loglikelihoods = evaluate(api, tasks)
-    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu", batch_size=8)
+    gguf = default_gguf_path()
+    hf = HFLM(pretrained=str(gguf.parent), gguf_file=gguf.name, tokenizer=str(folder),
+              dtype="float32", device="cpu", batch_size=8)
     hf_accuracy, hf_loglikelihoods = evaluate(hf, tasks)
     assert len(api_loglikelihoods) == len(DOCS)
     for doc, api_doc, hf_doc in zip(DOCS, api_loglikelihoods, hf_loglikelihoods, strict=True):

@@ -1,15 +1,16 @@
 """The default model (SmolLM2-135M-Instruct) through the loader and the runner, greedy in
 float32: token for token what Hugging Face `generate` gives on the same weights.
 
-The first run converts the GGUF into $PAGEDSERVE_CACHE (about half a minute); later runs
-read the converted folder.
+Hugging Face reads the same GGUF file (transformers' own dequantization); the loader reads
+it as it is (gguf_file.py).
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_runner.config import ModelConfig
 from model_runner.kernels.block_quant import (
@@ -24,7 +25,7 @@ from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner
-from tests.support.model_helpers import RunnerLoop, Seq
+from tests.support.model_helpers import RunnerLoop, Seq, load_hf_model
 from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +60,14 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(
-        loaded.model_path, dtype=torch.float32, local_files_only=True
-    ).eval()
+def hf_model(loaded: LoadedModel) -> torch.nn.Module:
+    """Hugging Face's reading of the same GGUF, once (each test changing it takes a copy)."""
+    return load_hf_model(loaded.model_path)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    hf = copy.deepcopy(hf_model)
     hf.generation_config.eos_token_id = None  # fixed lengths, as the engine loop below
     outputs = []
     for prompt in prompts:
@@ -95,16 +100,14 @@ def test_chunked_greedy_matches_generate(loaded, prompts, expected):
     assert run(loaded, prompts, chunk_size=13) == expected
 
 
-def test_float16_weights_match_generate_on_rounded_weights(prompts):
+def test_float16_weights_match_generate_on_rounded_weights(prompts, hf_model):
     """--weight-dtype float16 on the real model, in fbgemm's float16 GEMM (a batch above
     the small-batch paths' rows; forced here for three prompts): the same tokens as HF
     `generate` with the projection and LM-head weights rounded to float16 (the embedding
     lookup stays float32 on both sides, so the tied LM head is untied on the HF side)."""
     loaded = load_model(ModelConfig(model=None, weight_dtype="float16", num_kv_blocks=1))
     loaded.model.use_kernel_table(GEMM_ONLY)
-    hf = AutoModelForCausalLM.from_pretrained(
-        loaded.model_path, dtype=torch.float32, local_files_only=True
-    ).eval()
+    hf = copy.deepcopy(hf_model)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
         for name, param in hf.named_parameters():

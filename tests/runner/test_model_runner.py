@@ -8,6 +8,7 @@ through the loader, and driven by the minimal engine loop of tests/support/model
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from model_runner import loader
+from model_runner import gguf_file
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
-from model_runner.kv_cache import bytes_per_block, kv_cache_dtype
+from model_runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
 from model_runner.models.rope import rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
@@ -37,6 +38,7 @@ from tests.support.model_helpers import (
     phi3_config,
     prompts,
 )
+from tests.support.server_process import read_rss_kib
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -227,6 +229,17 @@ def test_kv_cache_sized_from_memory_budget(llama: TinyModel):
     assert len(runner.kv_cache.layers) == 2
 
 
+def test_the_cpu_kv_cache_takes_memory_as_its_blocks_are_written():
+    """Zeroed blocks, but resident only once written: a 512 MiB cache grows the process by
+    the blocks written, not by 512 MiB (the pages of an anonymous mapping)."""
+    before = read_rss_kib(os.getpid())
+    cache = allocate_kv_cache(4, 1024, 16, 8, 128, torch.float32, torch.device("cpu"))
+    k_cache, v_cache = cache.layers[3]
+    assert k_cache.shape == (1024, 16, 8, 128) and k_cache.is_contiguous()
+    v_cache[7].fill_(1.0)
+    assert float(v_cache[6:9].sum()) == 16 * 8 * 128 and float(k_cache[1023].abs().sum()) == 0
+    assert read_rss_kib(os.getpid()) - before < 64 * 1024  # KiB: a block is 64 KiB
+
 def test_loaded_model_fields(llama: TinyModel):
     loaded = llama.loaded
     assert loaded.eos_token_ids == frozenset({2})
@@ -259,9 +272,9 @@ def test_loader_errors(tmp_path: Path):
         load_model(ModelConfig(model=str(gpt2)))
 
 
-def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, monkeypatch):
+def test_a_full_disk_while_a_gguf_metadata_is_kept_is_one_clear_error(tmp_path, monkeypatch):
     """A ValueError (what `serve` reports as one line, exit 1) that says what to do, and no
-    folder left that a later start could take for a finished conversion."""
+    folder left that a later start could take for a finished one."""
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF")
@@ -270,13 +283,13 @@ def test_a_full_disk_during_the_gguf_conversion_is_one_clear_error(tmp_path, mon
         (out / "config.json").write_text("{}")  # written before the disk filled up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    monkeypatch.setattr(gguf_file, "_write_metadata", full_disk)
     with pytest.raises(ValueError, match="No space left on device.*PAGEDSERVE_CACHE"):
-        loader.gguf_to_cached_folder(gguf)
+        gguf_file.metadata_folder(gguf)
     assert list((tmp_path / "cache").iterdir()) == []
-    monkeypatch.setattr(loader, "_convert_gguf",
+    monkeypatch.setattr(gguf_file, "_write_metadata",
                         lambda _, out: (out / "config.json").write_text("{}"))
-    folder = loader.gguf_to_cached_folder(gguf)  # the next start converts again
+    folder = gguf_file.metadata_folder(gguf)  # the next start writes it again
     assert (folder / "config.json").read_text() == "{}"
 
 
@@ -292,7 +305,7 @@ def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplo
     def full_disk(_: Path, out: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loader, "_convert_gguf", full_disk)
+    monkeypatch.setattr(gguf_file, "_write_metadata", full_disk)
     with caplog.at_level(logging.INFO):
         assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
     (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]

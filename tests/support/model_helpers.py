@@ -162,9 +162,18 @@ CONFIGS = {
 
 @cache
 def default_tokenizer() -> PreTrainedTokenizerBase:
-    """The default model's tokenizer (chat template included) as the loader builds it: the
-    GGUF converted on first use, then read from its cached folder; once per process."""
+    """The default model's tokenizer (chat template included) as the loader builds it: from
+    the GGUF's metadata on first use, then from its cached folder; once per process."""
     return load_model_spec(ModelConfig()).tokenizer
+
+
+def load_hf_model(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Hugging Face's own reading of a model the loader read (`LoadedModel.model_path`): a
+    folder, or a GGUF file (transformers dequantizes it: ~5 s for the default model)."""
+    path = Path(model_path)
+    where, kwargs = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+    return AutoModelForCausalLM.from_pretrained(
+        where, dtype=dtype, local_files_only=True, **kwargs).eval()
 
 
 def save_tokenizer(folder: Path, hf_config: PretrainedConfig) -> None:

