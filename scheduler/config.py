@@ -113,7 +113,10 @@ class SchedulerConfig:
     (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
     or a draft model (None: off). max_loras: LoRA adapters in one step (None: no
     adapters), max_cpu_loras: adapters kept loaded (None: max_loras); the slots go by
-    priority (scheduler/lora_slots.py).
+    priority (scheduler/lora_slots.py). background_priority: requests at this priority or
+    worse (the Batch API's lines) carry no latency promise: a step whose decodes are all
+    background ones takes prefill work up to the budget, uncapped (None: every decode is
+    protected by the cap).
     """
 
     policy: str = "fcfs"
@@ -133,6 +136,7 @@ class SchedulerConfig:
     step_cost_seed: tuple[float, float, float] = (0.02, 0.001, 0.0005)
     max_loras: int | None = None
     max_cpu_loras: int | None = None
+    background_priority: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority", "slo"):

@@ -217,7 +217,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             self.slo.begin_step([r for r in self.running if r.request_id in step.decode_ids])
         if self.speculation is not None:
             self.speculation.grant_before_prefills(self, step)
-        cap = prefill_cap(self.config, len(self.requests), bool(step.decode_ids))
+        cap = prefill_cap(self.config, len(self.requests), self._has_protected_decodes(step))
         if self.policy is SchedulingPolicy.SLO:
             cap = self.slo.prefill_room(len(step.decode_ids) + step.num_draft_tokens, cap)
             step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
@@ -433,6 +433,14 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             candidate.request_id,
         )
         return _effective_key(chunk) < waiting_key
+
+    def _has_protected_decodes(self, step: Step) -> bool:
+        """Whether the step decodes a request the prefill cap protects: any but the
+        background class's (`background_priority`), which carries no latency promise."""
+        background = self.config.background_priority
+        if background is None:
+            return bool(step.decode_ids)
+        return any(self.requests[i].priority < background for i in step.decode_ids)
 
     def _prefill_key(self, step: Step) -> Callable[[Request], tuple[Any, ...]]:
         """The order of prefill work: effective priority, then arrival (slo: slack)."""

@@ -297,6 +297,7 @@ def _scheduler_config(
             else args.long_prefill_token_threshold
         ),
         fair_share=args.tenants is not None,
+        background_priority=args.batch_priority,
         async_scheduling=(
             cuda and args.tensor_parallel_size == 1 and args.simulate_step_ms is None
             if args.async_scheduling is None

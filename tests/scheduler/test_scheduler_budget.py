@@ -227,3 +227,28 @@ def test_attention_cost_context_sets_what_a_token_at_a_long_context_counts_for()
     assert all(prefill_cost(start, size, 256) <= 16 for start, size in chunks[:-1])
     assert chunks[:2] == [(0, 16), (16, 15)]  # (16, 16) at the default 2048
     assert chunks[-2][1] == 3  # a token at context ~1,000 counts for ~5
+
+
+def test_decodes_of_the_background_class_do_not_cap_an_urgent_prompt() -> None:
+    """Batch lines (priority 100, the background class) decoding: an urgent 120-token
+    prompt goes whole in its first step; one interactive decode beside them (priority 5)
+    brings the cap back, so the prompt goes in capped chunks."""
+    def run(priorities: list[int]) -> int:
+        scheduler = make_scheduler(
+            policy="priority", max_num_batched_tokens=256, num_blocks=256, max_num_seqs=32,
+            max_model_len=512, long_prefill_token_threshold=16, background_priority=100,
+        )
+        decoding = make_requests(len(priorities), 4, 30, priorities=priorities)
+        add_all(scheduler, decoding)
+        while any(r.num_output_tokens == 0 for r in decoding):
+            step(scheduler)
+        (urgent,) = make_requests(1, 120, 2, priorities=[0], first_id=len(priorities),
+                                  first_arrival=10)
+        scheduler.add_request(urgent)
+        out, _ = step(scheduler)
+        tokens = num_tokens_by_id(out)
+        assert all(tokens[f"r{i}"] == 1 for i in range(len(priorities)))  # decodes first
+        return tokens[urgent.request_id]
+
+    assert run([100] * 8) == 120
+    assert run([100] * 7 + [5]) == 18  # the cap: max(threshold 16, 2 tokens x 9 requests)

@@ -44,6 +44,7 @@ def make_scheduler(
     speculative: SpeculativeConfig | None = None,
     max_loras: int | None = None,
     max_cpu_loras: int | None = None,
+    background_priority: int | None = None,
 ) -> Scheduler:
     """A scheduler on a small pool (defaults: 32 blocks of 4 tokens, budget 64, 16 seats)."""
     return Scheduler(
@@ -60,6 +61,7 @@ def make_scheduler(
             speculative=speculative,
             max_loras=max_loras,
             max_cpu_loras=max_cpu_loras,
+            background_priority=background_priority,
         ),
         CacheConfig(
             num_blocks=num_blocks,
