@@ -113,6 +113,11 @@ class ChatOutputParser:
             tool_content, calls = self._tool_stream.feed(answer)
             if not finished:
                 content = self._hold_space(tool_content)
+                if calls and (content or self._num_content_sent):
+                    # the whitespace held after text goes out before the call, not after
+                    # it (whitespace alone beside calls is no content: it stays held)
+                    content += "".join(self._held_space)
+                    self._held_space = []
         elif not finished:
             content = answer
         self._num_answer_read += len(answer)

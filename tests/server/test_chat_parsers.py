@@ -196,6 +196,19 @@ def test_a_call_broken_after_its_first_delta_ends_as_content_too(tool_name, text
     assert content == text and [name for name, _ in calls] == ["add"]
 
 
+def test_content_held_back_goes_out_before_the_call_that_follows_it() -> None:
+    """Text then a call in two chunks: the text's trailing space, held in case more text
+    follows, goes out with the call, never after it (the Responses API would make it a
+    message item of its own after the call)."""
+    parser = ChatOutputParser(Qwen3ReasoningParser(), HermesToolParser())
+    deltas = [parser.feed("<think>hmm</think>Sure. ", False),
+              parser.feed('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', False),
+              parser.feed("", True)]
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert "".join(d.content or "" for d in deltas[: first_call + 1]) == "Sure. "
+    assert not any(d.content for d in deltas[first_call + 1 :])
+
+
 _WORDS = ["Sure.", " ", "\n", "\n\n", "a < b", "<tool", "<think", "é😀", "{", "tool_call>", "x"]
 _ARGUMENTS = st.recursive(
     st.one_of(st.integers(-10**6, 10**6), st.booleans(), st.none(), st.floats(allow_nan=False,
