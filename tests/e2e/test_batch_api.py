@@ -66,10 +66,12 @@ class Served:
                       "--max-batch-file-bytes", str(MAX_FILE_BYTES))
         self.server = tiny_server(tmp, *self.flags)
 
-    def kill_and_restart(self) -> None:
+    def kill(self) -> None:
         self.server.proc.send_signal(signal.SIGKILL)
         self.server.proc.wait()
         self.server.remove_log()
+
+    def restart(self) -> None:
         self.server = tiny_server(self.tmp, *self.flags)
 
 
@@ -119,6 +121,18 @@ MALFORMED = {  # bodies the live routes refuse with a 400
 def jsonl(url: str, bodies: dict[str, dict]) -> bytes:
     return "".join(json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
                    + "\n" for cid, body in bodies.items()).encode()
+
+
+def start_batch(api: openai.OpenAI, url: str, bodies: dict[str, dict], num_completed: int
+                ) -> openai.types.Batch:
+    """A batch of `bodies` for `url`, once `num_completed` of its lines are done."""
+    upload = api.files.create(file=("lines.jsonl", jsonl(url, bodies)), purpose="batch")
+    batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
+    deadline = time.monotonic() + 120
+    while api.batches.retrieve(batch.id).request_counts.completed < num_completed:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return batch
 
 
 def wait_batch(api: openai.OpenAI, batch_id: str, statuses: tuple[str, ...],
@@ -261,12 +275,7 @@ def test_cancel_leaves_nothing_in_the_engine(server):
     url = "/v1/completions"
     long = {f"c{i}": {**completion_body(i), "max_tokens": 48, "ignore_eos": True}
             for i in range(MAX_LINES)}
-    upload = api.files.create(file=("long.jsonl", jsonl(url, long)), purpose="batch")
-    batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
-    deadline = time.monotonic() + 120
-    while api.batches.retrieve(batch.id).request_counts.completed < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    batch = start_batch(api, url, long, num_completed=3)
     assert api.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     cancelled = wait_batch(api, batch.id, ("cancelled",))
     assert 3 <= cancelled.request_counts.completed < MAX_LINES
@@ -282,16 +291,13 @@ def test_a_batch_survives_sigkill_without_recomputing_its_done_lines(served):
     url = "/v1/completions"
     lines = {f"d{i}": {**completion_body(i), "max_tokens": 24, "ignore_eos": True}
              for i in range(NUM_DURABLE)}
-    upload = api.files.create(file=("durable.jsonl", jsonl(url, lines)), purpose="batch")
-    batch = api.batches.create(input_file_id=upload.id, endpoint=url, completion_window="24h")
-    deadline = time.monotonic() + 120
-    while api.batches.retrieve(batch.id).request_counts.completed < 20:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    served.kill_and_restart()
+    batch = start_batch(api, url, lines, num_completed=20)
+    served.kill()
+    # counted before the restart: the new server's feeder starts at once
     with sqlite3.connect(served.tmp / "data" / "batches.sqlite3") as store:
         (num_done,) = store.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ? AND "
                                     "status = 'done'", (batch.id,)).fetchone()
+    served.restart()
     assert 20 <= num_done < NUM_DURABLE
     api = client(served.server)
     done = wait_batch(api, batch.id, ("completed",))

@@ -100,7 +100,7 @@ def test_special_tokens_are_skipped() -> None:
 
 def test_real_tokenizer_spaces_and_accents_round_trip() -> None:
     transformers = pytest.importorskip("transformers")
-    from model_runner.loader import cache_root
+    from model_runner.gguf_file import cache_root
 
     folders = sorted(cache_root().glob("**/tokenizer.json")) if cache_root().exists() else []
     if not folders:
@@ -117,7 +117,7 @@ def test_real_tokenizer_spaces_and_accents_round_trip() -> None:
 def test_a_fast_tokenizer_decodes_each_token_once() -> None:
     """DecodeStream: no full decode per step (the windowed path decoded twice per token)."""
     transformers = pytest.importorskip("transformers")
-    from model_runner.loader import cache_root
+    from model_runner.gguf_file import cache_root
 
     folders = sorted(cache_root().glob("**/tokenizer.json")) if cache_root().exists() else []
     if not folders:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_runner.config import LoRAConfig, ModelConfig
 from model_runner.loader import load_model
@@ -31,6 +30,7 @@ from tests.support.model_helpers import (
     Seq,
     TinyModel,
     greedy_margin,
+    load_hf_model,
     make_model_folder,
     prompts,
 )
@@ -160,7 +160,7 @@ def test_bad_folders_are_refused_whole(llama, case: str, expected: str):
 @torch.inference_mode()
 def test_an_adapter_on_the_default_model_beside_its_base_rows(tmp_path: Path):
     loaded = load_model(ModelConfig(num_kv_blocks=1))
-    hf = AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32).eval()
+    hf = load_hf_model(loaded.model_path)
     hf.generation_config.eos_token_id = None  # generate fixed lengths
     adapter = make_adapter(tmp_path / "default", hf, "default", 0, **ADAPTER_SPECS["all"])
     family = Family(TinyModel(hf, loaded), {"default": adapter})
