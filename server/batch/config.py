@@ -39,10 +39,12 @@ class BatchConfig:
             raise ValueError("completion_window_s must be > 0")
 
 
-def default_data_dir() -> Path:
-    """$XDG_DATA_HOME/pagedserve, else ~/.local/share/pagedserve."""
+def default_data_dir(port: int) -> Path:
+    """$XDG_DATA_HOME/pagedserve/port-PORT, else ~/.local/share/pagedserve/port-PORT: one per
+    port, so that replicas on one machine (each on its own port) start side by side, and a
+    server restarted on its port finds its batches."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "pagedserve"
+    return Path(base) / "pagedserve" / f"port-{port}"
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +52,8 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch API", "OpenAI's /v1/files and /v1/batches")
     batch.add_argument("--data-dir", type=Path, default=None,
                        help="the batch files and their SQLite store (default "
-                       "$XDG_DATA_HOME/pagedserve or ~/.local/share/pagedserve); one "
-                       "server per directory")
+                       "$XDG_DATA_HOME/pagedserve/port-PORT, else "
+                       "~/.local/share/pagedserve/port-PORT); one server per directory")
     batch.add_argument("--batch-priority", type=int, default=DEFAULT_BATCH_PRIORITY,
                        help="the priority of batch lines (lower is more urgent; default "
                        f"{DEFAULT_BATCH_PRIORITY}, below the interactive default 0)")
@@ -65,7 +67,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def batch_config(args: argparse.Namespace, max_num_seqs: int) -> BatchConfig:
     """The flags' `BatchConfig`; the feeder keeps up to the engine's seats in flight."""
     return BatchConfig(
-        data_dir=args.data_dir or default_data_dir(), priority=args.batch_priority,
+        data_dir=args.data_dir or default_data_dir(args.port), priority=args.batch_priority,
         max_lines=args.max_batch_lines, max_file_bytes=args.max_batch_file_bytes,
         max_in_flight=max_num_seqs,
     )

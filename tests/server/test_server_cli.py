@@ -48,6 +48,17 @@ def test_cpu_defaults() -> None:
     assert c.enable_prefix_caching
 
 
+def test_replicas_on_one_machine_get_their_own_batch_store(monkeypatch, tmp_path) -> None:
+    """The deployment doc's replicas (two `serve`s, ports 8001 and 8002, default flags) do
+    not share a --data-dir, which admits one server; a restart on a port finds its own."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    dirs = [configs("--port", port).server.batch.data_dir for port in ("8001", "8002", "8001")]
+    assert dirs[0] != dirs[1] and dirs[0] == dirs[2]
+    assert all(d.parent == tmp_path / "pagedserve" for d in dirs)
+    explicit = configs("--port", "8001", "--data-dir", str(tmp_path / "mine"))
+    assert explicit.server.batch.data_dir == tmp_path / "mine"
+
+
 def test_cuda_defaults() -> None:
     c = configs(cuda=True)
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (256, 8192)
