@@ -38,8 +38,10 @@ class SchedulerStats:
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
     # The step-cost model (seconds: per step, per decode row, per unit of prefill cost)
     # and, under slo, the steps whose decodes alone exceeded their tightest tpot target
-    # and the waiting requests refused once late (cumulative).
-    step_cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # and the waiting requests refused once late (cumulative). NOTE: the model is refitted
+    # every step: compared, it would send the stats with every step's message (the engine
+    # core sends them only when they change); it goes out with the next change instead.
+    step_cost: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), compare=False)
     num_steps_over_tpot: int = 0
     num_rejected_late: int = 0
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)
