@@ -22,6 +22,7 @@ from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
+    cpu_kv_budget,
     kv_cache_dtype,
     num_blocks_for_memory,
     profile_cuda_num_blocks,
@@ -454,7 +455,9 @@ class ModelRunner:
                 self.device,
             )
         else:
-            num_blocks = num_blocks_for_memory(config.kv_cache_memory, block_bytes)
+            ranks = 1 if self.model.tp is None else config.tensor_parallel_size
+            budget = cpu_kv_budget(config.kv_cache_memory, config.memory_share, ranks)
+            num_blocks = num_blocks_for_memory(budget, block_bytes)
         if self.model.tp is not None:
             num_blocks = self.model.tp.min(num_blocks)
         return self._new_kv_cache(num_blocks)

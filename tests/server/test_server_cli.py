@@ -43,7 +43,8 @@ def test_cpu_defaults() -> None:
     assert c.scheduler.policy == "fcfs"
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (128, 512)
     assert (c.model.max_num_seqs, c.model.max_num_batched_tokens) == (128, 512)
-    assert c.model.model is None and c.model.kv_cache_memory == 2 * 1024**3
+    assert c.model.model is None and c.model.kv_cache_memory is None  # auto
+    assert configs("--kv-cache-memory", "auto").model.kv_cache_memory is None
     assert c.model.block_size == 16 and c.model.num_kv_blocks is None
     assert c.enable_prefix_caching
 
