@@ -242,7 +242,7 @@ class ModelRunner:
             self.model, self.attn, config, self.max_model_len, self.device
         )
         self.loras = None if config.lora is None else LoRAModel(
-            self.model, config.lora.max_lora_rank
+            self.model, config.lora.max_lora_rank, config.lora.cpu_loras
         )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
