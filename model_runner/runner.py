@@ -57,6 +57,8 @@ class Workers(Protocol):
 
     def send_step(self, requests: Sequence[ScheduledRequest]) -> None: ...
 
+    def send_loras(self, loras: LoRAModel, loads: Sequence[str]) -> None: ...
+
     def check_deaths(self, wait_s: float) -> None: ...
 
     def close(self) -> None: ...
@@ -277,6 +279,8 @@ class ModelRunner:
         if self.loras is not None:
             for name in scheduler_output.lora_evictions:
                 self.loras.remove(name)
+            if self.workers is not None:
+                self.workers.send_loras(self.loras, scheduler_output.lora_loads)
         if scheduler_output.is_empty:
             return LaunchedStep.nothing()
         # decodes first (stable, so the scheduler's order holds within each group), each
@@ -384,7 +388,8 @@ class ModelRunner:
         same forward and LM head, whose collectives meet rank 0's. Nothing is sampled.
         `freed_ids`: requests whose block tables rank 0's scheduler freed."""
         self.block_tables.forget(freed_ids)
-        self._logits(requests, None, keep_prompt_logprobs=False)
+        if requests:  # else a plan of LoRA news alone
+            self._logits(requests, None, keep_prompt_logprobs=False)
 
     def _logits(
         self,
