@@ -238,13 +238,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._previous: LaunchedStep | None = None  # the last step that sampled
         self.draft = None if draft is None else DraftModel(draft, loaded, config, self.kv_dtype)
+        self.loras = None if config.lora is None else LoRAModel(
+            self.model, config.lora.max_lora_rank, config.lora.cpu_loras
+        )
         # CUDA graphs for decode-only steps (None: every step runs eagerly, as with a draft
         # model, whose forward reads the step's flat inputs)
         self.decode_graphs = None if draft is not None else create_decode_graph_runner(
-            self.model, self.attn, config, self.max_model_len, self.device
-        )
-        self.loras = None if config.lora is None else LoRAModel(
-            self.model, config.lora.max_lora_rank, config.lora.cpu_loras
+            self.model, self.attn, config, self.max_model_len, self.device, self.loras
         )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
@@ -416,11 +416,9 @@ class ModelRunner:
         through the graph runner when there is one. `placeholders`: flat positions of
         the input ids to overwrite, and their tokens."""
         graphs = self.decode_graphs
-        if self.loras is not None and self.loras.begin_step(
-            [r.lora_name for r in requests], [r.num_new_tokens for r in requests]
-        ):
-            graphs = None  # the adapters' deltas run eagerly
-        if graphs is not None and graphs.can_run(requests):
+        lora_rows = self.loras is not None and self.loras.begin_step(
+            [r.lora_name for r in requests], [r.num_new_tokens for r in requests])
+        if graphs is not None and graphs.can_run(requests, lora_rows):
             return graphs.forward(requests, self.block_tables, self.kv_cache.layers,
                                   placeholders)
         inputs = prepare_inputs(requests, self.block_tables, self.device)
