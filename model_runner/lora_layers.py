@@ -9,14 +9,14 @@ the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matri
 their rows of the fused output, scale folded in), added to the base output at those
 rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
 between two steps only installs it. A step without adapter rows costs each projection one
-check. Such a step runs the Python layers (not the C++ decode stack, nor CUDA graphs).
+check. Such a step runs the Python layers (not the C++ decode stack).
 
 On CUDA each projection's adapters sit in slot buffers (model_runner/lora_stacks.py) and
-one Triton kernel pair adds every row's delta, grouped by slot, whatever the runs. Under
-tensor parallelism a rank holds its slice of each adapter, cut as the base weight is (the
-model's `checkpoint_slices`): a column-parallel part (q, k, v, gate, up) its rows of B, a
-row-parallel one (o, down) its columns of A, so that its delta is a partial sum,
-all-reduced with the base projection's.
+one Triton kernel pair adds every row's delta, grouped by slot, whatever the runs (decode
+steps in CUDA graphs, model_runner/cuda_graphs.py). Under tensor parallelism a rank holds
+its slice of each adapter, cut as the base weight is (the model's `checkpoint_slices`): a
+column-parallel part (q, k, v, gate, up) its rows of B, a row-parallel one (o, down) its
+columns of A, so that its delta is a partial sum, all-reduced with the base projection's.
 """
 
 from __future__ import annotations
