@@ -16,11 +16,12 @@ from tests.support.triton_interpreter import DEVICE, ON_CUDA, import_triton, int
 
 import_triton()
 
-from model_runner.config import ModelConfig  # noqa: E402
-from model_runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from model_runner.config import LoRAConfig, ModelConfig  # noqa: E402
+from model_runner.cuda_graphs import DecodeGraphRunner, graph_batch_sizes  # noqa: E402
 from model_runner.kernels import triton_lora  # noqa: E402
 from model_runner.loader import load_model  # noqa: E402
 from model_runner.lora_layers import LoRAModel  # noqa: E402
+from model_runner.runner import ModelRunner  # noqa: E402
 from tests.support.lora_helpers import ADAPTER_SPECS, make_adapter  # noqa: E402
 from tests.support.model_helpers import (  # noqa: E402
     CONFIGS,
@@ -125,3 +126,36 @@ def test_lora_layers_on_the_kernel_match_peft(tmp_path):
     loras.remove("all")
     loras.add(loras.read("again", adapters["mlp"].path))
     assert loras.table.slots == {"mlp": 1, "again": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_lora_decode_graphs_match_eager_and_peft(tmp_path):
+    """On CUDA a runner with adapters captures a second graph per bucket; one batch of two
+    adapters and the base model gives the same greedy tokens replaying them as eagerly,
+    and PeftModel.generate's."""
+    hf = make_model_folder(tmp_path / "model", CONFIGS["smollm2"]())
+    adapters = [make_adapter(tmp_path / name, hf, name, seed, **ADAPTER_SPECS[name])
+                for seed, name in enumerate(["all", "mlp"])]
+    lora = LoRAConfig(modules=tuple((a.name, a.path) for a in adapters), max_loras=2)
+    names = ["mlp", None, "all", None, "all"]
+    outputs = []
+    for enforce_eager in (False, True):
+        config = ModelConfig(model=str(tmp_path / "model"), device="cuda", dtype="float32",
+                             block_size=4, num_kv_blocks=256, max_num_seqs=8,
+                             attention_backend="triton", enforce_eager=enforce_eager, lora=lora)
+        runner = ModelRunner(load_model(config), config)
+        assert runner.loras is not None and runner.loras.use_stacks
+        for adapter in adapters:
+            runner.loras.add(runner.loras.read(adapter.name, adapter.path))
+        if not enforce_eager:
+            assert runner.decode_graphs is not None
+            assert sorted(runner.decode_graphs._lora_graphs) == graph_batch_sizes(8)
+        seqs = [Seq(f"g{i}", p, 6, lora_name=name)
+                for i, (name, p) in enumerate(zip(names, prompts([7, 5, 9, 4, 6], seed=5),
+                                                  strict=True))]
+        outputs.append(RunnerLoop(runner).run(seqs))
+    assert outputs[0] == outputs[1]
+    models = {None: hf, **{a.name: a.peft for a in adapters}}
+    assert outputs[0] == [greedy_margin(models[s.lora_name], s.prompt, 6)[0] for s in seqs]
