@@ -33,7 +33,8 @@ BLOCK_M = 16  # rows per tile (tl.dot's minimum)
 
 @triton.jit
 def _tile_rows(slots_ptr, num_rows, BLOCK_M: tl.constexpr):
-    """This program's tile of rows [M] and which of them run its slot (program id 1 or 2)."""
+    """This program's tile of rows [M] (program id 0), as int64, and each row's slot (-1
+    past the last row)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_slots = tl.load(slots_ptr + rows, mask=rows < num_rows, other=-1)
     return rows.to(tl.int64), row_slots
