@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model_runner.config import LoRAConfig
 from model_runner.lora_adapters import LoRAAdapter, read_adapter
 from model_runner.lora_stacks import LoRAStack, ProjectionWeights, SlotTable
 
@@ -112,14 +113,14 @@ class LoRAProjection:
 
 
 class LoRAModel:
-    """The adapters a model holds (`adapters`, at most `num_slots`), those it may load
+    """The adapters a model holds (`adapters`, at most --max-cpu-loras), those it may load
     (`paths`), and the step's runs of rows by adapter. `use_stacks`: slot buffers and the
     Triton kernel (None: on CUDA)."""
 
-    def __init__(self, model: nn.Module, max_rank: int, num_slots: int,
+    def __init__(self, model: nn.Module, config: LoRAConfig,
                  use_stacks: bool | None = None) -> None:
         self.model = model
-        self.max_rank = max_rank
+        self.max_rank = config.max_lora_rank
         self.paths: dict[str, str] = {}  # every adapter it may load: name -> PEFT folder
         self.step = LoRAStep()
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -127,7 +128,7 @@ class LoRAModel:
         self.shapes: dict[str, tuple[int, int]] = {}
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.table = SlotTable(num_slots)
+        self.table = SlotTable(config.cpu_loras)
         self.use_stacks = self.device.type == "cuda" if use_stacks is None else use_stacks
         self.cuts: dict[str, Cut] = {}
         slices = model.checkpoint_slices()  # {} on one rank

@@ -238,9 +238,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._previous: LaunchedStep | None = None  # the last step that sampled
         self.draft = None if draft is None else DraftModel(draft, loaded, config, self.kv_dtype)
-        self.loras = None if config.lora is None else LoRAModel(
-            self.model, config.lora.max_lora_rank, config.lora.cpu_loras
-        )
+        self.loras = None if config.lora is None else LoRAModel(self.model, config.lora)
         # CUDA graphs for decode-only steps (None: every step runs eagerly, as with a draft
         # model, whose forward reads the step's flat inputs)
         self.decode_graphs = None if draft is not None else create_decode_graph_runner(

@@ -107,7 +107,7 @@ def test_lora_layers_on_the_kernel_match_peft(tmp_path):
     adapters = {name: make_adapter(tmp_path / name, hf, name, seed, **ADAPTER_SPECS[name])
                 for seed, name in enumerate(["all", "mlp"])}
     runner = TinyModel(hf, loaded).runner(block_size=4)
-    runner.loras = loras = LoRAModel(runner.model, 16, 2, use_stacks=True)
+    runner.loras = loras = LoRAModel(runner.model, LoRAConfig(max_loras=2), use_stacks=True)
     for adapter in adapters.values():
         loras.add(loras.read(adapter.name, adapter.path))
     assert loras.table.slots == {"all": 0, "mlp": 1}
