@@ -8,10 +8,12 @@ A projection's adapters sit in fixed slot buffers (model_runner/lora_stacks.py):
 
     out[i] += (x[i] @ shrink[s].T) @ expand[s]
 
-1. `_shrink_kernel`: per tile of BLOCK_M rows and per slot, the tile's rows of that slot
-   times the slot's A matrices: t [T, R] (rounded to x's dtype, as torch's matmul is).
+1. `_shrink_kernel`: per tile of BLOCK_M rows, block of rank columns and slot, the
+   tile's rows of that slot times the slot's A matrices: t [T, R] (rounded to x's dtype,
+   as torch's matmul is).
 2. `_expand_kernel`: per tile of rows, block of output columns and slot, those rows of t
-   times the slot's B matrices, rounded to the dtype and added into `out` in place.
+   times the slot's B matrices (R in blocks), rounded to the dtype and added into `out`
+   in place.
 
 A program whose tile holds no row of its slot returns at once; the runner orders a step's
 rows by adapter, so most tiles hold one slot. The grid depends only on T, N and S, and the
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per tile (tl.dot's minimum)
+MAX_BLOCK_R = 64  # rank columns per block: a fused projection's R reaches 3 x --max-lora-rank
 
 
 @triton.jit
@@ -54,16 +57,16 @@ def _shrink_kernel(
     HIDDEN: tl.constexpr,  # K
     RANK: tl.constexpr,  # R
     BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # next_pow2(R), at least 16
+    BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    slot = tl.program_id(1)
+    slot = tl.program_id(2)
     rows, row_slots = _tile_rows(slots_ptr, num_rows, BLOCK_M)
     mine = row_slots == slot  # [M]
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
-    rs = tl.arange(0, BLOCK_R)
+    rs = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     a = a_ptr + slot.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -104,13 +107,16 @@ def _expand_kernel(
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < WIDTH
-    rs = tl.arange(0, BLOCK_R)
-    r_ok = rs < RANK
-    t = tl.load(t_ptr + rows[:, None] * stride_t + rs[None, :],
-                mask=mine[:, None] & r_ok[None, :], other=0.0)  # [M, R]
-    w = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + rs[:, None] * stride_br + cols[None, :],
-                mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [R, N]
-    delta = tl.dot(t, w, input_precision=DOT_PRECISION)
+    b = b_ptr + slot.to(tl.int64) * stride_bs
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, RANK, BLOCK_R):
+        rs = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rs < RANK
+        t = tl.load(t_ptr + rows[:, None] * stride_t + rs[None, :],
+                    mask=mine[:, None] & r_ok[None, :], other=0.0)  # [M, R]
+        w = tl.load(b + rs[:, None] * stride_br + cols[None, :],
+                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [R, N]
+        delta = tl.dot(t, w, delta, input_precision=DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     where = out_ptr + rows[:, None] * stride_out + cols[None, :]
     mask = mine[:, None] & col_ok[None, :]
@@ -137,11 +143,11 @@ def add_lora(
     if num_rows == 0:
         return out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # ignored but for fp32
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = min(MAX_BLOCK_R, max(16, triton.next_power_of_2(rank)))
     t = torch.empty((num_rows, rank), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(num_rows, BLOCK_M)
     block_k = min(64, max(16, triton.next_power_of_2(hidden)))
-    _shrink_kernel[(tiles, num_slots)](
+    _shrink_kernel[(tiles, triton.cdiv(rank, block_r), num_slots)](
         t, x, shrink, row_slots, num_rows,
         x.stride(0), shrink.stride(0), shrink.stride(1), t.stride(0),
         HIDDEN=hidden, RANK=rank, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,

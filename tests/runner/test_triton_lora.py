@@ -1,5 +1,5 @@
 """The LoRA Triton kernels (model_runner/kernels/triton_lora.py) against torch: mixed
-batches of adapter and base rows, ranks 8 and 16 (and a fused projection's stacked 24),
+batches of adapter and base rows, ranks 8 and 16 (and fused projections' stacked 24, 80),
 odd row counts, rows of one adapter apart; and lora_layers on the kernel against its torch
 path.
 
@@ -77,7 +77,7 @@ DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if ON_CUDA else [])]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rank", [8, 16, 24])
+@pytest.mark.parametrize("rank", [8, 16, 24, 80])  # 24, 80: fused parts' R (80: 2 blocks)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_add_lora_matches_torch(layout: str, rank: int, dtype: torch.dtype):
     x, out, shrink, expand, row_slots = _case(LAYOUTS[layout], rank, dtype)
