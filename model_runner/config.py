@@ -100,5 +100,3 @@ class ModelConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")
