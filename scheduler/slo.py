@@ -14,8 +14,9 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
     step stays within the tightest `tpot_s` among the better ones' decodes;
   - the victim among equals: the request with the most slack.
 
-The model is fitted under every policy (`observe`, from the engine core's step times)
-and shown at /scheduler/state; only the slo policy plans with it.
+Every policy observes the steps' times (`observe`, from the engine core) and shows the
+fit at /scheduler/state; only the slo policy plans with it, so only it solves the fit
+every step (the others when the state or the stats are read).
 """
 
 from __future__ import annotations

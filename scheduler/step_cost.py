@@ -8,8 +8,9 @@ of each step it ran (`observe`); the coefficients are refitted by least squares 
 last `window` steps, held toward the seed (a ridge prior): so a window of decode-only
 steps, which says nothing of the prefill coefficient, leaves that one at its seed (and
 steps of one batch size, which cannot tell the fixed part from the per-row part, split
-them as the seed does). Plain Python, O(1) per step (running sums of a
-3x3 system).
+them as the seed does). Plain Python: a step adds to running sums (O(1)); the small
+system is solved only when the fit is read (`cost`) after new steps, so a policy that
+never plans with it pays for no solve.
 """
 
 from __future__ import annotations
@@ -55,22 +56,38 @@ DEFAULT_SEED = StepCost(fixed_s=0.02, per_decode_s=0.001, per_prefill_s=0.0005)
 
 
 class StepCostModel:
-    """`cost`: the current fit. `observe(rows, prefill, seconds)` adds a step run."""
+    """`cost`: the fit of the steps observed so far (solved when read after new steps).
+    `observe(rows, prefill, seconds)` adds a step run."""
 
     def __init__(self, seed: StepCost = DEFAULT_SEED, window: int = 256) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.seed = seed
-        self.cost = seed
+        self._cost = seed
+        self._stale = False  # steps observed since the last fit
         self.window = window
         self.num_observed = 0
         self._samples: deque[tuple[tuple[float, float, float], float]] = deque()
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
 
+    @property
+    def cost(self) -> StepCost:
+        """The coefficients fitted to the window's steps (the seed before any)."""
+        if self._stale:
+            self._cost = self._fit()
+            self._stale = False
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        """Coefficients to plan with until the next step observed (tests, calibration)."""
+        self._cost = cost
+        self._stale = False
+
     def observe(self, num_decode_rows: int, prefill_cost: float, seconds: float) -> None:
-        """Add the time of one step with that work (the oldest beyond the window goes) and
-        refit."""
+        """Add the time of one step with that work (the oldest beyond the window goes); the
+        fit follows when next read."""
         if seconds < 0 or not seconds < float("inf"):
             return
         x = (1.0, float(num_decode_rows), float(prefill_cost))
@@ -80,7 +97,7 @@ class StepCostModel:
             old_x, old_y = self._samples.popleft()
             self._accumulate(old_x, old_y, -1.0)
         self.num_observed += 1
-        self.cost = self._fit()
+        self._stale = True
 
     def _accumulate(self, x: tuple[float, float, float], y: float, sign: float) -> None:
         for i in range(3):
@@ -104,7 +121,7 @@ class StepCostModel:
             b[i] += lam * seed[i]
         theta = _nonnegative(a, b)
         if theta is None:
-            return self.cost
+            return self._cost
         return StepCost(*theta)
 
 

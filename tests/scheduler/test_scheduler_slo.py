@@ -9,6 +9,7 @@ import random
 import pytest
 
 from kvcache.config import CacheConfig
+from scheduler import introspection
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
@@ -252,3 +253,20 @@ def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
     assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "num_steps_observed"}
     assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
                                          state["per_prefill_s"])
+
+
+def test_the_model_is_solved_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fcfs and priority observe every step but never plan with the fit: only the stats
+    # that go out (a change), the state or the slo planner solve it
+    fits = []
+    solve = StepCostModel._fit
+    monkeypatch.setattr(StepCostModel, "_fit", lambda self: fits.append(1) or solve(self))
+    scheduler = slo_scheduler(FakeClock(0.0))
+    sent = introspection.changed_stats(scheduler, None)
+    for rows in range(1, 21):
+        scheduler.observe_step(StepWork(rows, 0), 0.01 + 0.001 * rows)
+        assert introspection.changed_stats(scheduler, sent) is None  # nothing else changed
+    assert fits == []
+    assert scheduler.snapshot()["step_cost"]["per_decode_s"] == pytest.approx(0.001, rel=0.05)
+    assert scheduler.stats.step_cost[1] == pytest.approx(0.001, rel=0.05)
+    assert len(fits) == 1  # read twice, solved once
