@@ -1,8 +1,8 @@
 """Goodput under load: fcfs, priority and slo scheduling against latency targets.
 
-`python -m bench.slo [--step-cost FIXED,DECODE,PREFILL] [--duration-s 120] [--seed 0]`
+`python -m bench.slo [--step-cost FIXED,DECODE,PREFILL[,KEY]] [--duration-s 120]`
 simulates the engine: the real Scheduler, its clock advanced by each step's cost under the
-step-cost model (seconds per step, per decode row, per unit of prefill cost: the simulated
+step-cost model (seconds per step, per decode row, per prefill token and key: the simulated
 runner standing in for the device, with +-5% noise), the CPU server's defaults (128 seats,
 512 tokens a step, prefill cap 32). Capacity is the fcfs throughput (requests/s) of a
 backlog; then Poisson arrivals at 0.5x, 1x, 1.5x and 2x it, three classes in one load:
@@ -123,8 +123,7 @@ class Simulation:
         scheduler = Scheduler(
             SchedulerConfig(policy=self.policy, max_num_seqs=128, max_num_batched_tokens=512,
                             long_prefill_token_threshold=32, max_model_len=4096,
-                            step_cost_seed=(self.cost.fixed_s, self.cost.per_decode_s,
-                                            self.cost.per_prefill_s)),
+                            step_cost_seed=self.cost),
             CacheConfig(num_blocks=16384, block_size=16), clock=lambda: self.now)
         rng = random.Random(self.seed)
         pending = list(reversed(load))
@@ -136,7 +135,7 @@ class Simulation:
                 continue
             out = scheduler.schedule()
             work = scheduler.last_step_work
-            seconds = self.cost.predict(work.num_decode_rows, work.prefill_cost)
+            seconds = work.seconds(self.cost)
             seconds *= rng.uniform(0.95, 1.05)
             self.now += seconds
             self._record(scheduler.update(out, _tokens(out)))
@@ -269,7 +268,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.slo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--step-cost", default="0.02,0.001,0.0005",
-                        help="FIXED,DECODE,PREFILL seconds (fit it with --real)")
+                        help="FIXED,DECODE,PREFILL[,KEY] seconds (KEY: per key a prefill "
+                        "token attends to; PREFILL/2048 by default; fit it with --real)")
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
@@ -287,9 +287,11 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         real_step_rule(args.policies.split(","), args.tpot_ms)
         return
-    fixed, decode, prefill = (float(x) for x in args.step_cost.split(","))
+    coefficients = [float(x) for x in args.step_cost.split(",")]
+    if len(coefficients) == 3:  # a token at context 2,048 costs two
+        coefficients.append(coefficients[2] / 2048)
     loads = tuple(float(x) for x in args.loads.split(","))
-    simulate(StepCost(fixed, decode, prefill), args.duration_s, args.seed, loads)
+    simulate(StepCost(*coefficients), args.duration_s, args.seed, loads)
 
 
 if __name__ == "__main__":

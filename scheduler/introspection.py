@@ -36,12 +36,12 @@ class SchedulerStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
-    # The step-cost model (seconds: per step, per decode row, per unit of prefill cost)
+    # The step-cost model (seconds: per step, per decode row, per prefill token and key)
     # and, under slo, the steps whose decodes alone exceeded their tightest tpot target
     # and the waiting requests refused once late (cumulative). NOTE: not compared: the
     # model changes with every step, and the engine core sends the stats only when they
     # change (`changed_stats`); the fit goes out with the next change instead.
-    step_cost: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), compare=False)
+    step_cost: tuple[float, ...] = field(default=(0.0, 0.0, 0.0, 0.0), compare=False)
     num_steps_over_tpot: int = 0
     num_rejected_late: int = 0
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)

@@ -63,7 +63,6 @@ from scheduler.request import Request, RequestStatus, check_stop
 from scheduler.request_queue import SchedulingPolicy, SloRequestQueue, create_request_queue
 from scheduler.slo import SloPlanner, StepWork, work_of
 from scheduler.speculation import Speculation
-from scheduler.step_cost import StepCost
 from scheduler.step_output import build_output
 
 
@@ -103,8 +102,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         self.cache_config = cache_config
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache = KVCacheManager(cache_config)
-        self.slo = SloPlanner(StepCost(*scheduler_config.step_cost_seed),
-                              scheduler_config.attention_cost_context)
+        self.slo = SloPlanner(scheduler_config.step_cost_seed)
         self.waiting = create_request_queue(
             self.policy, scheduler_config.priority_aging_s,
             scheduler_config.priority_aging_floor, clock, self.slo.latest_start,
@@ -219,8 +217,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             self.speculation.grant_before_prefills(self, step)
         cap = prefill_cap(self.config, len(self.requests), self._has_protected_decodes(step))
         if self.policy is SchedulingPolicy.SLO:
-            cap = self.slo.prefill_room(len(step.decode_ids) + step.num_draft_tokens, cap)
-            step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
+            cap = self.slo.size_prefills(step, len(step.decode_ids) + step.num_draft_tokens,
+                                         cap)
         step.prefill_room = cap
         self._schedule_prefills(step)
         if self.speculation is not None:
@@ -457,8 +455,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         """Drafts `request` may verify in `step` within better decodes' tpot (slo)."""
         if self.policy is not SchedulingPolicy.SLO:
             return self.config.max_num_batched_tokens
-        work = StepWork(len(step.decode_ids) + step.num_draft_tokens,
-                        sum(step.prefill_costs.values()))
+        work = work_of(step, self.requests)
         return self.slo.draft_room(request, work)
 
     def observe_step(self, work: StepWork, seconds: float) -> None:
