@@ -109,8 +109,9 @@ class SchedulerConfig:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
     step_cost_seed: the step-cost model's coefficients before any step ran
-    (scheduler/step_cost.py; the engine core's calibration at start replaces it); the
-    slo policy plans with the model as the steps refit it.
+    (scheduler/step_cost.py); calibrate_step_cost: the engine core replaces the seed by
+    a few timed steps at start (engine/calibration.py). The slo policy plans with the
+    model as the steps refit it.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
     (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
     or a draft model (None: off). max_loras: LoRA adapters in one step (None: no
@@ -136,6 +137,7 @@ class SchedulerConfig:
     attention_cost_context: int = 2048
     speculative: SpeculativeConfig | None = None
     step_cost_seed: StepCost = DEFAULT_SEED
+    calibrate_step_cost: bool = False
     max_loras: int | None = None
     max_cpu_loras: int | None = None
     background_priority: int | None = None

@@ -141,7 +141,9 @@ def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, A
         },
         "num_preemptions_total": state.num_preemptions_total,
         "step_cost": {**state.slo.cost.as_dict(),
-                      "num_steps_observed": state.slo.model.num_observed},
+                      "num_steps_observed": state.slo.model.num_observed,
+                      "seed": state.slo.model.seed.as_dict(),
+                      "calibration_s": state.slo.calibration_s},
     }
 
 

@@ -80,6 +80,7 @@ class SloPlanner:
         self.model = StepCostModel(seed)
         self.num_steps_over_tpot = 0
         self.num_rejected_late = 0
+        self.calibration_s: float | None = None  # the calibration at start took (None: none)
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
@@ -87,6 +88,11 @@ class SloPlanner:
     @property
     def cost(self) -> StepCost:
         return self.model.cost
+
+    def calibrated(self, seed: StepCost, seconds: float) -> None:
+        """The engine core measured `seed` at start, in `seconds`: plan from it."""
+        self.model.reseed(seed)
+        self.calibration_s = seconds
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step with `work` ran in `seconds`: refit."""

@@ -103,6 +103,15 @@ class StepCostModel:
         self._cost = cost
         self._stale = False
 
+    def reseed(self, seed: StepCost) -> None:
+        """Hold the fit toward `seed` from now on (a calibration's); the fit itself while
+        no step was observed."""
+        self.seed = seed
+        if self._samples:
+            self._stale = True
+        else:
+            self.cost = seed
+
     def observe(self, num_decode_rows: int, prefill_tokens: int, prefill_keys: int,
                 seconds: float) -> None:
         """Add the time of one step with that work (the oldest beyond the window goes); the

@@ -284,7 +284,8 @@ def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
     state = scheduler.snapshot()["step_cost"]
     assert state["num_steps_observed"] == 1
     assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
-                          "num_steps_observed"}
+                          "num_steps_observed", "seed", "calibration_s"}
+    assert state["seed"] == SEED.as_dict() and state["calibration_s"] is None
     assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
                                          state["per_prefill_s"], state["per_prefill_key_s"])
 
