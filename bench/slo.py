@@ -226,7 +226,8 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         model_config = ModelConfig(max_num_seqs=128, max_num_batched_tokens=512, device="cpu")
         scheduler_config = SchedulerConfig(policy=policy, max_num_seqs=128,
                                            max_num_batched_tokens=512,
-                                           long_prefill_token_threshold=32)
+                                           long_prefill_token_threshold=32,
+                                           calibrate_step_cost=policy == "slo")
         scheduler, runner, info, _ = build_core_parts(model_config, scheduler_config)
         core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))
         tpot = Placement(tpot_s=tpot_ms / 1000)
@@ -260,7 +261,9 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         print(f"{policy}: {len(gaps)} decode steps while the prompt was computed; gap p50 "
               f"{1000 * statistics.median(gaps):.0f} ms, p99 {1000 * p99:.0f} ms, max "
               f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; steps "
-              f"over target {scheduler.slo.num_steps_over_tpot}; fitted {scheduler.slo.cost}",
+              f"over target {scheduler.slo.num_steps_over_tpot}; calibrated in "
+              f"{scheduler.slo.calibration_s} s: {scheduler.slo.model.seed}; fitted "
+              f"{scheduler.slo.cost}",
               flush=True)
 
 

@@ -195,6 +195,32 @@ def test_a_long_prompts_late_chunks_stay_within_the_tpot_at_their_context() -> N
     assert scheduler.stats.num_steps_over_tpot == 0
 
 
+def test_worse_decodes_without_a_tpot_sit_out_a_feasible_prompts_steps() -> None:
+    # background streams (priority 10, no target) give their rows to an interactive
+    # prompt's prefill while its first token can still be on time; streams with a tpot
+    # target keep theirs; once the prompt has its token (or is late) all decode again
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=8, budget=64, threshold=16)
+    for name in ("bg0", "bg1"):
+        scheduler.add_request(slo_request(name, 16, priority=10, max_tokens=100))
+    scheduler.add_request(slo_request("bg-tpot", 16, priority=10, tpot_s=0.2, max_tokens=100))
+    step(scheduler)
+    step(scheduler)  # all three decoding
+    scheduler.add_request(slo_request("urgent", 100, ttft_s=1.0))
+    out, _ = step(scheduler)  # its first chunk: within the tpot room of bg-tpot's 0.2 s
+    assert scheduled_ids(out) == ["bg-tpot", "urgent"]
+    while scheduler.requests["urgent"].num_output_tokens == 0:
+        out, _ = step(scheduler)
+        assert "bg0" not in scheduled_ids(out) and "bg-tpot" in scheduled_ids(out)
+    out, _ = step(scheduler)
+    assert {"bg0", "bg1", "bg-tpot", "urgent"} <= set(scheduled_ids(out))
+    # a prompt that can no longer be on time takes no rows from anyone
+    scheduler.add_request(slo_request("late", 100, arrival=0.0, ttft_s=0.5))
+    clock.now = 1.0
+    out, _ = step(scheduler)
+    assert {"bg0", "bg1"} <= set(scheduled_ids(out))
+
+
 def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
     clock = FakeClock(0.0)
     scheduler = slo_scheduler(clock, max_num_seqs=17, threshold=32)
