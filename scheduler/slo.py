@@ -183,7 +183,7 @@ class SloPlanner:
         token can still be on time. Its row is prefill room for that prompt within the
         step's tpot budget (as a worse draft's is); it keeps its blocks and decodes again
         once no such prompt waits (NOTE: measured on bench/slo.py at 1x-2x capacity:
-        interactive TTFT attainment +6-30 points, goodput +5-10%)."""
+        interactive TTFT attainment +5-20 points, goodput +5-10%)."""
         urgent = min((r.priority for r in prompts if self._can_be_on_time(r, now)),
                      default=None)
         if urgent is None:
