@@ -248,9 +248,13 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         arrived = time.monotonic()
         core.apply(AddRequests([long]))
         gaps, last, first_long = [], time.monotonic(), None
+        errors: dict[bool, list[float]] = {False: [], True: []}  # late chunk: actual/planned
         while first_long is None:
+            context, cost = scheduler.requests["long"].num_computed_tokens, scheduler.slo.cost
+            start = time.monotonic()
             deltas = core.step_fn().deltas
             now = time.monotonic()
+            errors[context >= 1000].append((now - start) / scheduler.last_step_work.seconds(cost))
             if any(d.request_id.startswith("d") for d in deltas):
                 gaps.append(now - last)
                 last = now
@@ -263,8 +267,9 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
               f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; steps "
               f"over target {scheduler.slo.num_steps_over_tpot}; calibrated in "
               f"{scheduler.slo.calibration_s} s: {scheduler.slo.model.seed}; fitted "
-              f"{scheduler.slo.cost}",
-              flush=True)
+              f"{scheduler.slo.cost}; a step's time / the model's prediction before it ran, "
+              f"median: context < 1,000 {statistics.median(errors[False]):.2f}, later "
+              f"{statistics.median(errors[True]):.2f}", flush=True)
 
 
 def main() -> None:
