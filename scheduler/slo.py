@@ -7,16 +7,20 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
     whole prompt (the waiting queue orders a level by it, least slack first, and serves
     those past it after the others: scheduler/request_queue.py `SloRequestQueue`); the
     step's prefill work (running chunks and admissions) goes in the same order;
+  - the decodes that sit the step out: worse ones without a `tpot_s`, while a better
+    prompt can still have its first token on time;
   - the prefill room beside the step's decodes: the prefill cost that keeps the
-    predicted step within PLAN_SHARE of the tightest `tpot_s` among them (counted in
-    `num_steps_over_tpot` when even the decodes alone exceed it);
+    predicted step within PLAN_SHARE of the tightest `tpot_s` among them, at the fitted
+    exchange between a token and its context (counted in `num_steps_over_tpot` when
+    even the decodes alone exceed it);
   - the draft room of a decode: drafts of a worse priority only while the predicted
     step stays within the tightest `tpot_s` among the better ones' decodes;
   - the victim among equals: the request with the most slack.
 
 Every policy observes the steps' times (`observe`, from the engine core) and shows the
 fit at /scheduler/state; only the slo policy plans with it, so only it solves the fit
-every step (the others when the state or the stats are read).
+every step (the others when the state or the stats are read). The engine core may seed
+it from a calibration at start (`calibrated`: engine/calibration.py).
 """
 
 from __future__ import annotations
