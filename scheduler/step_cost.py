@@ -126,6 +126,18 @@ class StepCostModel:
             self._accumulate(old_x, old_y, -1.0)
         self.num_observed += 1
         self._stale = True
+        if self.num_observed % self.window == 0:
+            self._resum()
+
+    def _resum(self) -> None:
+        """The sums again from the window's steps (O(window), once a window: O(1) a step).
+        NOTE: subtracting the steps that leave leaves rounding behind, on the scale of the
+        largest key counts seen (~1e12 squared); a window of decode-only steps after long
+        prompts would otherwise fit its prefill coefficients to that residue."""
+        self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+        self._xty = [0.0] * NUM_FEATURES
+        for x, y in self._samples:
+            self._accumulate(x, y, +1.0)
 
     def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
         for i in range(NUM_FEATURES):

@@ -331,3 +331,18 @@ def test_the_model_is_solved_only_when_read(monkeypatch: pytest.MonkeyPatch) -> 
     assert scheduler.snapshot()["step_cost"]["per_decode_s"] == pytest.approx(0.001, rel=0.05)
     assert scheduler.stats.step_cost[1] == pytest.approx(0.001, rel=0.05)
     assert len(fits) == 1  # read twice, solved once
+
+
+def test_cost_model_forgets_long_prompts_without_a_residue() -> None:
+    # long prompts' key counts (~1e6 a step, ~1e12 squared) leave the window; the
+    # decode-only window that follows says nothing of prefill: the seed's, exactly
+    seed = StepCost(0.01, 0.001, 0.0003, 1e-7)
+    model = StepCostModel(seed, window=64)
+    for i in range(64):
+        keys = prompt_keys(2000 + 37 * i, 512)
+        model.observe(8, 512, keys, 0.2 + 3e-7 * keys)
+    for rows in range(1, 129):
+        model.observe(rows % 16 + 1, 0, 0, 0.02 + 0.002 * (rows % 16 + 1))
+    assert model.cost.per_prefill_key_s == pytest.approx(seed.per_prefill_key_s, rel=1e-6)
+    assert model.cost.per_prefill_s == pytest.approx(seed.per_prefill_s, rel=1e-6)
+    assert model.cost.per_decode_s == pytest.approx(0.002, rel=0.01)
