@@ -1,8 +1,8 @@
 """Goodput under load: fcfs, priority and slo scheduling against latency targets.
 
-`python -m bench.slo [--step-cost FIXED,DECODE,PREFILL] [--duration-s 120] [--seed 0]`
+`python -m bench.slo [--step-cost FIXED,DECODE,PREFILL[,KEY]] [--duration-s 120]`
 simulates the engine: the real Scheduler, its clock advanced by each step's cost under the
-step-cost model (seconds per step, per decode row, per unit of prefill cost: the simulated
+step-cost model (seconds per step, per decode row, per prefill token and key: the simulated
 runner standing in for the device, with +-5% noise), the CPU server's defaults (128 seats,
 512 tokens a step, prefill cap 32). Capacity is the fcfs throughput (requests/s) of a
 backlog; then Poisson arrivals at 0.5x, 1x, 1.5x and 2x it, three classes in one load:
@@ -123,8 +123,7 @@ class Simulation:
         scheduler = Scheduler(
             SchedulerConfig(policy=self.policy, max_num_seqs=128, max_num_batched_tokens=512,
                             long_prefill_token_threshold=32, max_model_len=4096,
-                            step_cost_seed=(self.cost.fixed_s, self.cost.per_decode_s,
-                                            self.cost.per_prefill_s)),
+                            step_cost_seed=self.cost),
             CacheConfig(num_blocks=16384, block_size=16), clock=lambda: self.now)
         rng = random.Random(self.seed)
         pending = list(reversed(load))
@@ -136,7 +135,7 @@ class Simulation:
                 continue
             out = scheduler.schedule()
             work = scheduler.last_step_work
-            seconds = self.cost.predict(work.num_decode_rows, work.prefill_cost)
+            seconds = work.seconds(self.cost)
             seconds *= rng.uniform(0.95, 1.05)
             self.now += seconds
             self._record(scheduler.update(out, _tokens(out)))
@@ -227,7 +226,8 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         model_config = ModelConfig(max_num_seqs=128, max_num_batched_tokens=512, device="cpu")
         scheduler_config = SchedulerConfig(policy=policy, max_num_seqs=128,
                                            max_num_batched_tokens=512,
-                                           long_prefill_token_threshold=32)
+                                           long_prefill_token_threshold=32,
+                                           calibrate_step_cost=policy == "slo")
         scheduler, runner, info, _ = build_core_parts(model_config, scheduler_config)
         core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))
         tpot = Placement(tpot_s=tpot_ms / 1000)
@@ -248,9 +248,13 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         arrived = time.monotonic()
         core.apply(AddRequests([long]))
         gaps, last, first_long = [], time.monotonic(), None
+        errors: dict[bool, list[float]] = {False: [], True: []}  # late chunk: actual/planned
         while first_long is None:
+            context, cost = scheduler.requests["long"].num_computed_tokens, scheduler.slo.cost
+            start = time.monotonic()
             deltas = core.step_fn().deltas
             now = time.monotonic()
+            errors[context >= 1000].append((now - start) / scheduler.last_step_work.seconds(cost))
             if any(d.request_id.startswith("d") for d in deltas):
                 gaps.append(now - last)
                 last = now
@@ -261,15 +265,19 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         print(f"{policy}: {len(gaps)} decode steps while the prompt was computed; gap p50 "
               f"{1000 * statistics.median(gaps):.0f} ms, p99 {1000 * p99:.0f} ms, max "
               f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; steps "
-              f"over target {scheduler.slo.num_steps_over_tpot}; fitted {scheduler.slo.cost}",
-              flush=True)
+              f"over target {scheduler.slo.num_steps_over_tpot}; calibrated in "
+              f"{scheduler.slo.calibration_s} s: {scheduler.slo.model.seed}; fitted "
+              f"{scheduler.slo.cost}; a step's time / the model's prediction before it ran, "
+              f"median: context < 1,000 {statistics.median(errors[False]):.2f}, later "
+              f"{statistics.median(errors[True]):.2f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.slo",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--step-cost", default="0.02,0.001,0.0005",
-                        help="FIXED,DECODE,PREFILL seconds (fit it with --real)")
+                        help="FIXED,DECODE,PREFILL[,KEY] seconds (KEY: per key a prefill "
+                        "token attends to; PREFILL/2048 by default; fit it with --real)")
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
@@ -287,9 +295,11 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         real_step_rule(args.policies.split(","), args.tpot_ms)
         return
-    fixed, decode, prefill = (float(x) for x in args.step_cost.split(","))
+    coefficients = [float(x) for x in args.step_cost.split(",")]
+    if len(coefficients) == 3:  # a token at context 2,048 costs two
+        coefficients.append(coefficients[2] / 2048)
     loads = tuple(float(x) for x in args.loads.split(","))
-    simulate(StepCost(fixed, decode, prefill), args.duration_s, args.seed, loads)
+    simulate(StepCost(*coefficients), args.duration_s, args.seed, loads)
 
 
 if __name__ == "__main__":

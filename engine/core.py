@@ -48,7 +48,7 @@ from engine.messages import (
     StepScheduled,
     UpdateLoRA,
 )
-from scheduler.introspection import SchedulerStats
+from scheduler.introspection import SchedulerStats, changed_stats
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
@@ -445,10 +445,9 @@ class EngineCore:
 
     def _changed_stats(self) -> SchedulerStats | None:
         """The scheduler's stats if they changed since the last sent, else None."""
-        stats = self.scheduler.stats
-        if stats == self._stats_sent:
-            return None
-        self._stats_sent = stats
+        stats = changed_stats(self.scheduler, self._stats_sent)
+        if stats is not None:
+            self._stats_sent = stats
         return stats
 
 

@@ -5,9 +5,11 @@ structured outputs (on the model's tokenizer)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
+from engine.calibration import calibrate
 from engine.messages import CoreInfo
 from kvcache.config import CacheConfig
 from model_runner.config import LoRAConfig, ModelConfig
@@ -61,6 +63,7 @@ def build_core_parts(
                                max_loras=None if lora is None else lora.max_loras,
                                max_cpu_loras=None if lora is None else lora.cpu_loras)
     scheduler = Scheduler(scheduler_config, cache_config)
+    _calibrate(runner, scheduler)
     if lora is not None:
         _load_loras(lora, runner, scheduler)
     # NOTE: the scheduler caps a request's length to what the KV pool holds, so that a
@@ -106,6 +109,20 @@ def _load_runner(
                                    max_model_len=loaded.max_model_len))
         logger.info("draft model %s loaded", draft.model_path)
     return ModelRunner(loaded, model_config, draft=draft), loaded
+
+
+def _calibrate(runner: ModelRunner | SimulatedRunner, scheduler: Scheduler) -> None:
+    """Seed the step-cost model from a few timed steps of `runner` (engine/calibration.py),
+    when the config asks for it."""
+    config = scheduler.config
+    if not config.calibrate_step_cost:
+        return
+    start = time.perf_counter()
+    seed = calibrate(runner, config.step_cost_seed, config.max_num_seqs,
+                     config.max_num_batched_tokens)
+    seconds = time.perf_counter() - start
+    scheduler.slo.calibrated(seed, seconds)
+    logger.info("step cost calibrated in %.2f s: %s", seconds, seed)
 
 
 def _load_loras(

@@ -154,8 +154,8 @@ SERIES = (
            "Steps (slo policy) whose decodes alone were predicted over their tightest "
            "TPOT target."),
     Series("step_cost", Gauge, "pagedserve_step_cost_seconds",
-           "The fitted step-cost model: seconds per step, per decode row, per unit of "
-           "prefill cost.", ("part",)),
+           "The fitted step-cost model: seconds per step, per decode row, per prefill "
+           "token and per key a prefill token attends to.", ("part",)),
     Series("lora_requests", Counter, "pagedserve_lora_requests",
            "Finished requests by the LoRA adapter they ran and finish reason.",
            ("lora_name", "finished_reason")),
@@ -419,10 +419,11 @@ class ServerMetrics:
     def inc_slo_refused(self, priority: int, tenant: str) -> None:
         self._child("slo_refused", self.priority_label(priority), tenant).inc()
 
-    def set_step_cost(self, cost: tuple[float, float, float], new_steps_over: int) -> None:
+    def set_step_cost(self, cost: tuple[float, ...], new_steps_over: int) -> None:
         """The fitted step-cost model, and the steps over their TPOT target since the
         last call."""
-        for part, value in zip(("fixed", "per_decode", "per_prefill"), cost, strict=True):
+        parts = ("fixed", "per_decode", "per_prefill", "per_prefill_key")
+        for part, value in zip(parts, cost, strict=True):
             self._child("step_cost", part).set(value)
         if new_steps_over > 0:
             self._unlabelled["slo_steps_over_tpot"].inc(new_steps_over)

@@ -60,6 +60,7 @@ class StepBudget:
     config: SchedulerConfig
     budget: int = field(init=False)
     whole_prompt_slack: float = field(init=False)
+    attention_cost_context: int = field(init=False)  # prefill_cost's k in this step
     # request id -> tokens to compute, in scheduling order
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     decode_ids: set[str] = field(default_factory=set)
@@ -73,6 +74,7 @@ class StepBudget:
     def __post_init__(self) -> None:
         self.budget = self.config.max_num_batched_tokens
         self.whole_prompt_slack = self.config.whole_prompt_slack
+        self.attention_cost_context = self.config.attention_cost_context
 
     @property
     def num_draft_tokens(self) -> int:
@@ -85,9 +87,8 @@ class StepBudget:
         if decode:
             self.decode_ids.add(request.request_id)
         elif self.prefill_room is not None:
-            cost = prefill_cost(
-                request.num_computed_tokens, num_tokens, self.config.attention_cost_context
-            )
+            cost = prefill_cost(request.num_computed_tokens, num_tokens,
+                                self.attention_cost_context)
             self.prefill_costs[request.request_id] = cost
             self.prefill_room -= cost
 
@@ -115,18 +116,17 @@ class StepBudget:
         least 1 while there is room)."""
         if self.prefill_room is None:
             return self.budget
-        room = tokens_within(self.prefill_room, start, self.config.attention_cost_context)
+        room = tokens_within(self.prefill_room, start, self.attention_cost_context)
         return min(self.budget, max(1, room))
 
     def admission_tokens(self, start: int, num_new: int) -> int:
         """The tokens a prompt being admitted computes in this step: all `num_new` from
         position `start` if their cost is within whole_prompt_slack x the room (and the
         budget), else what `prefill_tokens_left` allows."""
-        config = self.config
         if (
             self.prefill_room is not None
             and num_new <= self.budget
-            and prefill_cost(start, num_new, config.attention_cost_context)
+            and prefill_cost(start, num_new, self.attention_cost_context)
             <= self.prefill_room * self.whole_prompt_slack
         ):
             return num_new

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from typing import Any
+
+from scheduler.step_cost import DEFAULT_SEED, StepCost
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,10 @@ class SchedulerConfig:
     (scheduler/budget.py; docs/scheduling.md gives each knob's reason). fair_share:
     under priority, order each priority level by weighted fair share among tenants
     (scheduler/fair_share.py) instead of by arrival.
-    step_cost_seed: the step-cost model's coefficients before any step ran (seconds per
-    step, per decode row, per unit of prefill cost: scheduler/step_cost.py); the
-    slo policy plans with the model as the steps refit it.
+    step_cost_seed: the step-cost model's coefficients before any step ran
+    (scheduler/step_cost.py); calibrate_step_cost: the engine core replaces the seed by
+    a few timed steps at start (engine/calibration.py). The slo policy plans with the
+    model as the steps refit it.
     async_scheduling: the engine core schedules step n+1 while step n runs on the device
     (overlapped steps; see engine/core.py). speculative: speculative decoding, by n-gram
     or a draft model (None: off). max_loras: LoRA adapters in one step (None: no
@@ -133,7 +136,8 @@ class SchedulerConfig:
     whole_prompt_slack: float = 1.5
     attention_cost_context: int = 2048
     speculative: SpeculativeConfig | None = None
-    step_cost_seed: tuple[float, float, float] = (0.02, 0.001, 0.0005)
+    step_cost_seed: StepCost = DEFAULT_SEED
+    calibrate_step_cost: bool = False
     max_loras: int | None = None
     max_cpu_loras: int | None = None
     background_priority: int | None = None
@@ -145,8 +149,8 @@ class SchedulerConfig:
         if self.policy == "slo" and self.priority_aging_s is not None:
             raise ValueError("priority aging is not combined with the slo policy: slack "
                              "already serves the waiting requests that can still be on time")
-        if len(self.step_cost_seed) != 3 or not all(c >= 0 for c in self.step_cost_seed):
-            raise ValueError("step_cost_seed: three coefficients >= 0")
+        if not all(c >= 0 for c in astuple(self.step_cost_seed)):
+            raise ValueError("step_cost_seed: coefficients >= 0")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

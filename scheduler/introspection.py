@@ -5,7 +5,7 @@ asked."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvcache.kv_cache_manager import KVCacheManager
@@ -36,12 +36,12 @@ class SchedulerStats:
     num_running_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions_by_priority: dict[int, int] = field(default_factory=dict)  # cumulative
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
-    # The step-cost model (seconds: per step, per decode row, per unit of prefill cost)
+    # The step-cost model (seconds: per step, per decode row, per prefill token and key)
     # and, under slo, the steps whose decodes alone exceeded their tightest tpot target
-    # and the waiting requests refused once late (cumulative). NOTE: the model is refitted
-    # every step: compared, it would send the stats with every step's message (the engine
-    # core sends them only when they change); it goes out with the next change instead.
-    step_cost: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), compare=False)
+    # and the waiting requests refused once late (cumulative). NOTE: not compared: the
+    # model changes with every step, and the engine core sends the stats only when they
+    # change (`changed_stats`); the fit goes out with the next change instead.
+    step_cost: tuple[float, ...] = field(default=(0.0, 0.0, 0.0, 0.0), compare=False)
     num_steps_over_tpot: int = 0
     num_rejected_late: int = 0
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)
@@ -72,7 +72,23 @@ class SchedulerState(Protocol):
 
 
 def stats(state: SchedulerState) -> SchedulerStats:
-    """The scheduler's counters and gauges; O(running + held), not O(waiting)."""
+    """The scheduler's counters and gauges, the fitted step cost among them; O(running +
+    held), not O(waiting)."""
+    return replace(_counters(state), step_cost=astuple(state.slo.cost))
+
+
+def changed_stats(state: SchedulerState, last: SchedulerStats | None
+                  ) -> SchedulerStats | None:
+    """The stats, unless they equal `last` (the step cost aside): the model is solved only
+    for stats that go out, so that fcfs and priority steps pay no fit."""
+    counters = _counters(state)
+    if counters == last:
+        return None
+    return replace(counters, step_cost=astuple(state.slo.cost))
+
+
+def _counters(state: SchedulerState) -> SchedulerStats:
+    """The stats but the step cost (left at its default)."""
     kv = state.kv_cache
     # NOTE: outside schedule() skipped_waiting is empty: waiting and held are all.
     waiting_by_priority = Counter(state.waiting.count_by_priority())
@@ -101,7 +117,6 @@ def stats(state: SchedulerState) -> SchedulerStats:
         max_loras=0 if state.loras is None else state.loras.max_loras,
         running_loras=running_loras,
         waiting_loras=waiting_loras,
-        step_cost=astuple(state.slo.cost),
         num_steps_over_tpot=state.slo.num_steps_over_tpot,
         num_rejected_late=state.slo.num_rejected_late,
     )
@@ -126,7 +141,9 @@ def snapshot(state: SchedulerState, now: float, max_waiting: int) -> dict[str, A
         },
         "num_preemptions_total": state.num_preemptions_total,
         "step_cost": {**state.slo.cost.as_dict(),
-                      "num_steps_observed": state.slo.model.num_observed},
+                      "num_steps_observed": state.slo.model.num_observed,
+                      "seed": state.slo.model.seed.as_dict(),
+                      "calibration_s": state.slo.calibration_s},
     }
 
 

@@ -13,8 +13,9 @@ still appends the token of a request preempted since it was scheduled.
 
 schedule() spends the budget in one order:
   1. decodes: every running request with one token left, in `running` order (priority
-     order under priority); when the KV pool is out of blocks, a victim is preempted
-     (`pick_lowest_priority` or `pick_latest_admitted`), possibly the request itself;
+     order under priority; under slo, worse ones without a tpot target sit out the steps
+     of a better prompt that can still be on time); when the KV pool is out of blocks, a
+     victim is preempted (`pick_lowest_priority` or `pick_latest_admitted`);
   2. prefill work, running chunks and waiting admissions alike, in policy order (under
      fcfs running chunks first, then waiting requests in arrival order; under priority
      one merged order, so that no waiting request is denied budget that a worse-priority
@@ -63,7 +64,6 @@ from scheduler.request import Request, RequestStatus, check_stop
 from scheduler.request_queue import SchedulingPolicy, SloRequestQueue, create_request_queue
 from scheduler.slo import SloPlanner, StepWork, work_of
 from scheduler.speculation import Speculation
-from scheduler.step_cost import StepCost
 from scheduler.step_output import build_output
 
 
@@ -72,10 +72,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
 
     `running` is in admission order under fcfs and in priority order under priority.
     `clock` (seconds, time.monotonic by default) times waits for aging; tests inject one.
-    Admission and preemption are the `AdmissionAndPreemption` methods
-    (scheduler/admission.py), the LoRA adapters' slots `LoRAScheduling`'s
-    (scheduler/lora_slots.py); the step's budget and prefill cost model are
-    scheduler/budget.py.
+    Admission and preemption: `AdmissionAndPreemption` (scheduler/admission.py); LoRA
+    slots: `LoRAScheduling` (scheduler/lora_slots.py); the budget: scheduler/budget.py.
 
     Aging (priority_aging_s) orders the waiting queue by effective priority, so a long
     waiter gets ahead of newer, more urgent requests, down to priority_aging_floor or its
@@ -83,9 +81,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
     strictly better base priority preempts, and victims go by base priority. A request
     keeps the effective priority it was admitted with for the order of its prefill chunks.
 
-    A request with a deadline still unfinished when it passes is finished with
-    FINISHED_DEADLINE at the next schedule(), before anything is computed for it (and
-    returned by the following update() with the requests that got tokens).
+    A request still unfinished when its deadline passes is finished with FINISHED_DEADLINE
+    at the next schedule() (returned by the next update() with those that got tokens).
 
     The choices of an n > 1 request compute the prompt once (scheduler/prompt_sharing.py):
     a request naming a `prompt_leader_id` is held back in `sharing` until the leader has
@@ -103,8 +100,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         self.cache_config = cache_config
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache = KVCacheManager(cache_config)
-        self.slo = SloPlanner(StepCost(*scheduler_config.step_cost_seed),
-                              scheduler_config.attention_cost_context)
+        self.slo = SloPlanner(scheduler_config.step_cost_seed)
         self.waiting = create_request_queue(
             self.policy, scheduler_config.priority_aging_s,
             scheduler_config.priority_aging_floor, clock, self.slo.latest_start,
@@ -138,15 +134,11 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
     # ---- requests in and out ----
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request.
-
-        ValueError (and nothing queued) if its id is already in flight, its prompt is
-        empty, or its prompt has max_request_len tokens or more (max_model_len, or the
-        KV pool less the watermark, whichever is smaller): such a prompt could never
-        produce a token, and left in the queue it would block every request behind it.
-        A request whose prompt leader is in flight and has not computed the prompt yet
-        is held back until it has.
-        """
+        """Queue a new request. ValueError (and nothing queued) if its id is already in
+        flight, its prompt is empty, or has max_request_len tokens or more (max_model_len,
+        or the KV pool less the watermark): such a prompt could never produce a token,
+        and queued it would block every request behind it. A request whose prompt leader
+        has not computed the prompt yet is held back until it has."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
@@ -219,8 +211,8 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             self.speculation.grant_before_prefills(self, step)
         cap = prefill_cap(self.config, len(self.requests), self._has_protected_decodes(step))
         if self.policy is SchedulingPolicy.SLO:
-            cap = self.slo.prefill_room(len(step.decode_ids) + step.num_draft_tokens, cap)
-            step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
+            cap = self.slo.size_prefills(step, len(step.decode_ids) + step.num_draft_tokens,
+                                         cap)
         step.prefill_room = cap
         self._schedule_prefills(step)
         if self.speculation is not None:
@@ -351,7 +343,10 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
     # ---- scheduling internals ----
 
     def _schedule_decodes(self, step: Step) -> None:
-        """One token for every running request that has one left, in `running` order."""
+        """One token for every running request that has one left, in `running` order (slo:
+        but those that sit the step out for a better prompt: `SloPlanner.sits_out`)."""
+        sits_out = (self.slo.sits_out(self._urgent_prompts(), step.now)
+                    if self.policy is SchedulingPolicy.SLO else lambda request: False)
         for request in list(self.running):
             if step.budget == 0:
                 return
@@ -361,7 +356,14 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
                 continue
             if self.loras is not None and not self.loras.runs(request):
                 continue  # its adapter has no slot in this step
+            if sits_out(request):
+                continue
             self._allocate_or_preempt(request, 1, step, decode=True)
+
+    def _urgent_prompts(self) -> list[Request]:
+        """The running prompts and the waiting head."""
+        head = [self.waiting.peek()] if self.waiting else []
+        return [r for r in self.running if _num_left(r) > 1] + head
 
     def _pending_token_ends(self, request: Request) -> bool:
         """Whether the token `request` is being sampled reaches max_tokens or the length
@@ -457,8 +459,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         """Drafts `request` may verify in `step` within better decodes' tpot (slo)."""
         if self.policy is not SchedulingPolicy.SLO:
             return self.config.max_num_batched_tokens
-        work = StepWork(len(step.decode_ids) + step.num_draft_tokens,
-                        sum(step.prefill_costs.values()))
+        work = work_of(step, self.requests)
         return self.slo.draft_room(request, work)
 
     def observe_step(self, work: StepWork, seconds: float) -> None:

@@ -7,26 +7,31 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
     whole prompt (the waiting queue orders a level by it, least slack first, and serves
     those past it after the others: scheduler/request_queue.py `SloRequestQueue`); the
     step's prefill work (running chunks and admissions) goes in the same order;
+  - the decodes that sit the step out: worse ones without a `tpot_s`, while a better
+    prompt can still have its first token on time;
   - the prefill room beside the step's decodes: the prefill cost that keeps the
-    predicted step within PLAN_SHARE of the tightest `tpot_s` among them (counted in
-    `num_steps_over_tpot` when even the decodes alone exceed it);
+    predicted step within PLAN_SHARE of the tightest `tpot_s` among them, at the fitted
+    exchange between a token and its context (counted in `num_steps_over_tpot` when
+    even the decodes alone exceed it);
   - the draft room of a decode: drafts of a worse priority only while the predicted
     step stays within the tightest `tpot_s` among the better ones' decodes;
   - the victim among equals: the request with the most slack.
 
-The model is fitted under every policy (`observe`, from the engine core's step times)
-and shown at /scheduler/state; only the slo policy plans with it.
+Every policy observes the steps' times (`observe`, from the engine core) and shows the
+fit at /scheduler/state; only the slo policy plans with it, so only it solves the fit
+every step (the others when the state or the stats are read). The engine core may seed
+it from a calibration at start (`calibrated`: engine/calibration.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler.budget import StepBudget, prefill_cost
+from scheduler.budget import StepBudget
 from scheduler.request import Request
-from scheduler.step_cost import StepCost, StepCostModel
+from scheduler.step_cost import StepCost, StepCostModel, prompt_keys
 
 # The share of the tightest TPOT target a step is planned to: the rest absorbs the
 # model's error and the steps' jitter (a step planned to the target exactly overruns it
@@ -39,31 +44,47 @@ class StepWork:
     """The work of one scheduled step, as the cost model counts it."""
 
     num_decode_rows: int = 0
-    prefill_cost: int = 0
+    prefill_tokens: int = 0
+    prefill_keys: int = 0  # the keys its prefill tokens attend to (step_cost.prompt_keys)
+
+    def add_prefill(self, start: int, num_tokens: int) -> None:
+        """Prompt positions [start, start + num_tokens) computed in this step."""
+        self.prefill_tokens += num_tokens
+        self.prefill_keys += prompt_keys(start, num_tokens)
+
+    def seconds(self, cost: StepCost) -> float:
+        """The step's predicted time under `cost`."""
+        return cost.predict(self.num_decode_rows, self.prefill_tokens, self.prefill_keys)
 
 
 def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
     """A scheduled step's work as the cost model counts it (before the requests'
     progress advances by it)."""
     work = StepWork()
-    k = step.config.attention_cost_context
     for request_id, num_new in step.num_scheduled_tokens.items():
         if request_id in step.decode_ids:
             work.num_decode_rows += num_new
         else:
-            start = requests[request_id].num_computed_tokens
-            work.prefill_cost += prefill_cost(start, num_new, k)
+            work.add_prefill(requests[request_id].num_computed_tokens, num_new)
+    return work
+
+
+def prompt_left(request: Request) -> StepWork:
+    """The prefill work of what is left of `request`'s prompt, as one step."""
+    work = StepWork()
+    start = request.num_computed_tokens
+    work.add_prefill(start, max(request.num_prompt_tokens - start, 0))
     return work
 
 
 class SloPlanner:
     """The cost model and the slo policy's per-step rules."""
 
-    def __init__(self, seed: StepCost, attention_cost_context: int) -> None:
+    def __init__(self, seed: StepCost) -> None:
         self.model = StepCostModel(seed)
-        self.attention_cost_context = attention_cost_context
         self.num_steps_over_tpot = 0
         self.num_rejected_late = 0
+        self.calibration_s: float | None = None  # the calibration at start took (None: none)
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
@@ -72,9 +93,15 @@ class SloPlanner:
     def cost(self) -> StepCost:
         return self.model.cost
 
+    def calibrated(self, seed: StepCost, seconds: float) -> None:
+        """The engine core measured `seed` at start, in `seconds`: plan from it."""
+        self.model.reseed(seed)
+        self.calibration_s = seconds
+
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step with `work` ran in `seconds`: refit."""
-        self.model.observe(work.num_decode_rows, work.prefill_cost, seconds)
+        self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
+                           seconds)
 
     def latest_start(self, request: Request) -> float:
         """When `request` must start its prompt to have its first token on time
@@ -82,8 +109,9 @@ class SloPlanner:
         deadline = request.placement.ttft_deadline
         if deadline is None:
             return math.inf
-        work = prefill_cost(0, request.num_prompt_tokens, self.attention_cost_context)
-        return deadline - self.cost.predict(0, work)
+        work = StepWork()
+        work.add_prefill(0, request.num_prompt_tokens)
+        return deadline - work.seconds(self.cost)
 
     def begin_step(self, decodes: Sequence[Request]) -> None:
         """Note this step's decodes (in priority order) for the rooms below."""
@@ -99,20 +127,28 @@ class SloPlanner:
             if tpot is not None and (self._tightest is None or tpot < self._tightest):
                 self._tightest = tpot
 
-    def prefill_room(self, num_decode_rows: int, cap: int | None) -> int | None:
-        """The prefill cost the step may carry beside its decodes: what keeps the
-        predicted step within the tightest tpot_s among them, in place of `cap` (the
-        fixed factor of the batch other policies use, kept when no decode has a target).
-        When even the decodes exceed the target, no size can keep it: the step is
-        counted over and takes `cap` (one token without one), so that prompts still
-        progress at the rate other policies give them."""
+    def size_prefills(self, step: StepBudget, num_decode_rows: int, cap: int | None
+                      ) -> int | None:
+        """The prefill cost `step` may carry beside its decodes: what keeps the predicted
+        step within the tightest tpot_s among them, in place of `cap` (the fixed factor of
+        the batch other policies use, kept when no decode has a target), counted at the
+        fitted exchange between a token and its context (`step.attention_cost_context`).
+        When even the decodes exceed the target, no size can keep it: the step is counted
+        over and takes `cap` (one token without one), so that prompts still progress at
+        the rate other policies give them."""
         if self._tightest is None:
             return cap
-        room = self.cost.prefill_room(PLAN_SHARE * self._tightest, num_decode_rows)
+        cost = self.cost
+        spare = PLAN_SHARE * self._tightest - cost.predict(num_decode_rows)
+        context, unit_s = cost.prefill_exchange()
+        room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)
         if room < 1:
             self.num_steps_over_tpot += 1
             return 1 if cap is None else cap
-        return int(min(room, 1 << 40))
+        step.attention_cost_context = context
+        step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
+        # NOTE: less one unit: prefill_cost rounds a chunk's context part down
+        return max(1, int(min(room, 1 << 40)) - 1)
 
     def draft_room(self, request: Request, work: StepWork) -> int:
         """The draft tokens `request`'s decode may add to a step with `work` while the
@@ -120,8 +156,7 @@ class SloPlanner:
         bound = self._bound_for(request.priority)
         if bound is None:
             return 1 << 30
-        spare = PLAN_SHARE * bound - self.cost.predict(work.num_decode_rows,
-                                                       work.prefill_cost)
+        spare = PLAN_SHARE * bound - work.seconds(self.cost)
         per_row = self.cost.per_decode_s
         if spare <= 0:
             return 0
@@ -142,12 +177,28 @@ class SloPlanner:
         deadline = request.placement.ttft_deadline
         if deadline is None or request.first_token_time is not None:
             return (request.priority, 0, math.inf, request.arrival_time)
-        k = self.attention_cost_context
-        left = prefill_cost(request.num_computed_tokens,
-                            request.num_prompt_tokens - request.num_computed_tokens, k)
-        if now + self.cost.predict(0, left) > deadline:
+        if not self._can_be_on_time(request, now):
             return (request.priority, 1, request.arrival_time, request.arrival_time)
         return (request.priority, 0, deadline, request.arrival_time)
+
+    def sits_out(self, prompts: Iterable[Request], now: float) -> Callable[[Request], bool]:
+        """Whether a decode sits this step out: one without a tpot target, of a worse
+        priority than one of `prompts` (the running chunks, the waiting head) whose first
+        token can still be on time. Its row is prefill room for that prompt within the
+        step's tpot budget (as a worse draft's is); it keeps its blocks and decodes again
+        once no such prompt waits (NOTE: measured on bench/slo.py at 1x-2x capacity:
+        interactive TTFT attainment +5-20 points, goodput +5-10%)."""
+        urgent = min((r.priority for r in prompts if self._can_be_on_time(r, now)),
+                     default=None)
+        if urgent is None:
+            return lambda request: False
+        return lambda request: request.priority > urgent and request.placement.tpot_s is None
+
+    def _can_be_on_time(self, request: Request, now: float) -> bool:
+        """Whether `request`'s first token is still to come and can be by its deadline."""
+        deadline = request.placement.ttft_deadline
+        return (deadline is not None and request.first_token_time is None
+                and now + prompt_left(request).seconds(self.cost) <= deadline)
 
     def pick_victim(self, requests: Iterable[Request], now: float) -> Request:
         """The victim: the worst priority, and among equals the one with the most slack."""

@@ -1,101 +1,158 @@
 """The step-cost model: predicted seconds of one engine step from the work it carries.
 
-A step costs `fixed + per_decode x decode rows + per_prefill x prefill cost`, where
-decode rows are the tokens of the step's decodes (their drafts included) and prefill
-cost is the weighted prefill tokens of scheduler/budget.py (`prefill_cost`: a position
-at context c counts 1 + c / attention_cost_context). The engine core reports the time
+A step costs `fixed + per_decode x decode rows + per_prefill x prefill tokens +
+per_prefill_key x prefill keys`, where decode rows are the tokens of the step's decodes
+(their drafts included), and a prefill token at context c reads c keys (`prompt_keys`):
+so the fit learns what a long prompt's late chunks cost on this device, instead of a
+fixed exchange rate between a token and its context. The engine core reports the time
 of each step it ran (`observe`); the coefficients are refitted by least squares over the
 last `window` steps, held toward the seed (a ridge prior): so a window of decode-only
-steps, which says nothing of the prefill coefficient, leaves that one at its seed (and
+steps, which says nothing of the prefill coefficients, leaves them at their seed (and
 steps of one batch size, which cannot tell the fixed part from the per-row part, split
-them as the seed does). Plain Python, O(1) per step (running sums of a
-3x3 system).
+them as the seed does). Plain Python: a step adds to running sums (O(1)); the small
+system is solved only when the fit is read (`cost`) after new steps, so a policy that
+never plans with it pays for no solve.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 # How much the seed weighs in the fit, in steps' worth of evidence per coefficient: a
 # tie-breaker for what the window's steps leave undetermined, not a brake on the data.
 PRIOR_STEPS = 0.05
+NUM_FEATURES = 4  # 1, decode rows, prefill tokens, prefill keys
+
+
+def prompt_keys(start: int, num_tokens: int) -> int:
+    """The keys the prompt positions [start, start + num_tokens) attend to before their
+    own: position c reads c."""
+    return num_tokens * start + num_tokens * (num_tokens - 1) // 2
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Coefficients of the model, in seconds: per step, per decode row, per unit of
-    prefill cost."""
+    """Coefficients of the model, in seconds: per step, per decode row, per prefill token
+    and per key a prefill token attends to."""
 
     fixed_s: float
     per_decode_s: float
     per_prefill_s: float
+    per_prefill_key_s: float = 0.0
 
-    def predict(self, num_decode_rows: int, prefill_cost: float) -> float:
+    def predict(self, num_decode_rows: int, prefill_tokens: int = 0,
+                prefill_keys: int = 0) -> float:
         """Predicted seconds of a step with that work."""
         return (self.fixed_s + self.per_decode_s * num_decode_rows
-                + self.per_prefill_s * prefill_cost)
+                + self.per_prefill_s * prefill_tokens
+                + self.per_prefill_key_s * prefill_keys)
 
-    def prefill_room(self, target_s: float, num_decode_rows: int) -> float:
-        """The most prefill cost a step with `num_decode_rows` may carry and still take at
-        most `target_s` (negative: not even the decodes fit)."""
-        spare = target_s - self.fixed_s - self.per_decode_s * num_decode_rows
-        if self.per_prefill_s <= 0:
-            return float("inf") if spare >= 0 else -1.0
-        return spare / self.per_prefill_s
+    def prefill_exchange(self) -> tuple[int, float]:
+        """The prefill work in the units of the step's budget (scheduler/budget.py
+        `prefill_cost`: a token at context c counts 1 + c / k): the k at which one unit
+        costs at most the seconds returned, so that `room / seconds` units keep a step
+        within `room` seconds whatever the context (k: the context that doubles a
+        token's cost)."""
+        per_token, per_key = self.per_prefill_s, self.per_prefill_key_s
+        if per_key <= 0:
+            return 1 << 40, per_token
+        k = max(1, int(per_token / per_key))
+        return k, max(per_token, per_key * k)
 
     def as_dict(self) -> dict[str, float]:
         return {"fixed_s": self.fixed_s, "per_decode_s": self.per_decode_s,
-                "per_prefill_s": self.per_prefill_s}
+                "per_prefill_s": self.per_prefill_s,
+                "per_prefill_key_s": self.per_prefill_key_s}
 
 
 # A seed for a model the engine knows nothing of: a small model on a CPU (tens of ms a
-# step, a decode row and a prefill token of the same order). The first steps correct it.
-DEFAULT_SEED = StepCost(fixed_s=0.02, per_decode_s=0.001, per_prefill_s=0.0005)
+# step, a decode row and a prefill token of the same order, a token at context 2,048
+# twice one at 0). Calibration at start and the first steps correct it.
+DEFAULT_SEED = StepCost(fixed_s=0.02, per_decode_s=0.001, per_prefill_s=0.0005,
+                        per_prefill_key_s=0.0005 / 2048)
 
 
 class StepCostModel:
-    """`cost`: the current fit. `observe(rows, prefill, seconds)` adds a step run."""
+    """`cost`: the fit of the steps observed so far (solved when read after new steps).
+    `observe(rows, tokens, keys, seconds)` adds a step run."""
 
     def __init__(self, seed: StepCost = DEFAULT_SEED, window: int = 256) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
         self.seed = seed
-        self.cost = seed
+        self._cost = seed
+        self._stale = False  # steps observed since the last fit
         self.window = window
         self.num_observed = 0
-        self._samples: deque[tuple[tuple[float, float, float], float]] = deque()
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque()
+        self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+        self._xty = [0.0] * NUM_FEATURES
 
-    def observe(self, num_decode_rows: int, prefill_cost: float, seconds: float) -> None:
-        """Add the time of one step with that work (the oldest beyond the window goes) and
-        refit."""
+    @property
+    def cost(self) -> StepCost:
+        """The coefficients fitted to the window's steps (the seed before any)."""
+        if self._stale:
+            self._cost = self._fit()
+            self._stale = False
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        """Coefficients to plan with until the next step observed (tests, calibration)."""
+        self._cost = cost
+        self._stale = False
+
+    def reseed(self, seed: StepCost) -> None:
+        """Hold the fit toward `seed` from now on (a calibration's); the fit itself while
+        no step was observed."""
+        self.seed = seed
+        if self._samples:
+            self._stale = True
+        else:
+            self.cost = seed
+
+    def observe(self, num_decode_rows: int, prefill_tokens: int, prefill_keys: int,
+                seconds: float) -> None:
+        """Add the time of one step with that work (the oldest beyond the window goes); the
+        fit follows when next read."""
         if seconds < 0 or not seconds < float("inf"):
             return
-        x = (1.0, float(num_decode_rows), float(prefill_cost))
+        x = (1.0, float(num_decode_rows), float(prefill_tokens), float(prefill_keys))
         self._accumulate(x, seconds, +1.0)
         self._samples.append((x, seconds))
         if len(self._samples) > self.window:
             old_x, old_y = self._samples.popleft()
             self._accumulate(old_x, old_y, -1.0)
         self.num_observed += 1
-        self.cost = self._fit()
+        self._stale = True
+        if self.num_observed % self.window == 0:
+            self._resum()
 
-    def _accumulate(self, x: tuple[float, float, float], y: float, sign: float) -> None:
-        for i in range(3):
+    def _resum(self) -> None:
+        """The sums again from the window's steps (O(window), once a window: O(1) a step).
+        NOTE: subtracting the steps that leave leaves rounding behind, on the scale of the
+        largest key counts seen (~1e12 squared); a window of decode-only steps after long
+        prompts would otherwise fit its prefill coefficients to that residue."""
+        self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+        self._xty = [0.0] * NUM_FEATURES
+        for x, y in self._samples:
+            self._accumulate(x, y, +1.0)
+
+    def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
+        for i in range(NUM_FEATURES):
             self._xty[i] += sign * x[i] * y
-            for j in range(3):
+            for j in range(NUM_FEATURES):
                 self._xtx[i][j] += sign * x[i] * x[j]
 
     def _fit(self) -> StepCost:
         """Ridge least squares toward the seed, each coefficient's prior scaled to its
         feature's spread so that the prior counts as PRIOR_STEPS steps of evidence."""
-        seed = (self.seed.fixed_s, self.seed.per_decode_s, self.seed.per_prefill_s)
+        seed = astuple(self.seed)
         n = len(self._samples)
         a = [row[:] for row in self._xtx]
         b = self._xty[:]
-        for i in range(3):
+        for i in range(NUM_FEATURES):
             # NOTE: the feature's variance, not its mean square: a row count is never far
             # from its mean, and a prior on its scale would outweigh the data's spread.
             variance = a[i][i] / n - (a[0][i] / n) ** 2
@@ -104,7 +161,7 @@ class StepCostModel:
             b[i] += lam * seed[i]
         theta = _nonnegative(a, b)
         if theta is None:
-            return self.cost
+            return self._cost
         return StepCost(*theta)
 
 
@@ -114,19 +171,19 @@ def _nonnegative(a: list[list[float]], b: list[float]) -> list[float] | None:
     (NOTE: clipping it alone would leave the others fitted around the negative value: a
     window of one batch size, whose fixed part and per-row part trade off freely, then
     predicted its own steps 5x too long)."""
-    free = [0, 1, 2]
+    free = list(range(len(b)))
     while free:
         sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
         if sub is None:
             return None
-        theta = [0.0, 0.0, 0.0]
+        theta = [0.0] * len(b)
         for i, value in zip(free, sub, strict=True):
             theta[i] = value
         negative = [i for i in free if theta[i] < 0]
         if not negative:
             return theta
         free = [i for i in free if i not in negative]
-    return [0.0, 0.0, 0.0]
+    return [0.0] * len(b)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

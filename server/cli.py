@@ -32,6 +32,7 @@ from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.lora import add_lora_arguments as _add_lora_arguments
 from server.lora import lora_config
 from server.reasoning import REASONING_PARSERS
+from server.slo import add_slo_arguments as _add_slo_arguments
 from server.tenants import TenantRegistry, TenantsFileError
 from server.tool_parsers import TOOL_PARSERS
 
@@ -74,6 +75,7 @@ class ServeConfigs:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `pagedserve serve`."""
     _add_lora_arguments(parser)
+    _add_slo_arguments(parser)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
                        help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -193,10 +195,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tenants (YAML, or TOML by suffix): API keys, priority bounds, "
                       "in-flight caps, token rates, fair-share weights, deadlines; "
                       "reloaded on SIGHUP (instead of --api-key)")
-    http.add_argument("--default-slo-ttft-ms", type=int, default=None, metavar="MS",
-                      help="time-to-first-token target of requests that give none")
-    http.add_argument("--default-slo-tpot-ms", type=int, default=None, metavar="MS",
-                      help="time-per-output-token target of requests that give none")
     http.add_argument("--max-waiting", type=int, default=None,
                       help="answer 503 while this many requests wait (default: no limit)")
     http.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -304,6 +302,8 @@ def _scheduler_config(
         ),
         fair_share=args.tenants is not None,
         background_priority=args.batch_priority,
+        calibrate_step_cost=(args.scheduling_policy == "slo" if args.calibrate_step_cost
+                             is None else args.calibrate_step_cost),
         async_scheduling=(
             cuda and args.tensor_parallel_size == 1 and args.simulate_step_ms is None
             if args.async_scheduling is None

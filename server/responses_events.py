@@ -100,14 +100,16 @@ def status_of(finish_reason: str | None) -> tuple[str, str | None]:
 
 
 def response_usage(prompt: list[int], choice: Choice) -> dict[str, Any]:
-    """The Responses shape of a choice's usage."""
+    """The Responses shape of a choice's usage, with whether each latency target it
+    carried was met (`slo`; the other routes say it on the choice: a response has none)."""
     u = usage([prompt], [choice])
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
     # NOTE: no tokens are written to a cache on request (OpenAI's explicit caching)
-    return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+    shape = {"input_tokens": u.prompt_tokens,
+             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+             "output_tokens": u.completion_tokens,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+    return shape if choice.slo is None else {**shape, "slo": choice.slo}
 
 
 # ------------------------------------------------------------------ items

@@ -14,6 +14,7 @@ waits is refused the same way by the scheduler.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,6 +52,18 @@ class ResolvedSlo:
     @property
     def tpot_s(self) -> float | None:
         return None if self.tpot_ms is None else self.tpot_ms / 1000.0
+
+
+def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The latency-target flags of `pagedserve serve`."""
+    slo = parser.add_argument_group("latency targets")
+    slo.add_argument("--default-slo-ttft-ms", type=int, default=None, metavar="MS",
+                     help="time-to-first-token target of requests that give none")
+    slo.add_argument("--default-slo-tpot-ms", type=int, default=None, metavar="MS",
+                     help="time-per-output-token target of requests that give none")
+    slo.add_argument("--calibrate-step-cost", action=argparse.BooleanOptionalAction,
+                     default=None, help="time a few steps at start to seed the step-cost "
+                     "model (default: with --scheduling-policy slo, which plans with it)")
 
 
 def resolve_slo(request: SloTargets | None, tenant: SloTargets | None,

@@ -9,17 +9,19 @@ import random
 import pytest
 
 from kvcache.config import CacheConfig
+from scheduler import introspection
+from scheduler.budget import tokens_within
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.slo import PLAN_SHARE, StepWork
-from scheduler.step_cost import StepCost, StepCostModel
+from scheduler.step_cost import StepCost, StepCostModel, prompt_keys
 from tests.support.scheduler_helpers import FakeClock, make_runner_output, scheduled_ids, step
 
-# 10 ms a step, 1 ms a decode row, 0.1 ms a prefill token
-SEED = (0.010, 0.001, 0.0001)
+# 10 ms a step, 1 ms a decode row, 0.1 ms a prefill token and as much again at context 2,048
+SEED = StepCost(0.010, 0.001, 0.0001, 0.0001 / 2048)
 
 
 def slo_scheduler(clock: FakeClock, *, max_num_seqs: int = 16, budget: int = 4096,
@@ -52,35 +54,45 @@ def slo_request(name: str, num_prompt: int, *, arrival: float = 0.0, priority: i
 # ---- the step-cost model ----
 
 def test_cost_model_recovers_synthetic_coefficients() -> None:
-    truth = StepCost(fixed_s=0.008, per_decode_s=0.0015, per_prefill_s=0.0002)
-    model = StepCostModel(StepCost(0.05, 0.01, 0.001), window=128)
+    # chunks of prompts at contexts 0 to 4,000: a token at context 1,000 costs 2x one at 0
+    truth = StepCost(fixed_s=0.008, per_decode_s=0.0015, per_prefill_s=0.0002,
+                     per_prefill_key_s=0.0002 / 1000)
+    model = StepCostModel(StepCost(0.05, 0.01, 0.001, 0.0), window=128)
     rng = random.Random(0)
     for _ in range(200):
-        rows, prefill = rng.randint(1, 64), rng.choice([0, 0, rng.randint(16, 2000)])
+        rows, start = rng.randint(1, 64), rng.randint(0, 4000)
+        tokens = rng.choice([0, 0, rng.randint(16, 512)])
+        keys = prompt_keys(start, tokens)
         noise = rng.uniform(-0.0002, 0.0002)
-        model.observe(rows, prefill, truth.predict(rows, prefill) + noise)
+        model.observe(rows, tokens, keys, truth.predict(rows, tokens, keys) + noise)
     fit = model.cost
     assert fit.fixed_s == pytest.approx(truth.fixed_s, rel=0.1)
     assert fit.per_decode_s == pytest.approx(truth.per_decode_s, rel=0.05)
     assert fit.per_prefill_s == pytest.approx(truth.per_prefill_s, rel=0.05)
+    assert fit.per_prefill_key_s == pytest.approx(truth.per_prefill_key_s, rel=0.05)
     assert model.num_observed == 200
+    # a late chunk of a long prompt: predicted as it runs, not as a chunk at context 0
+    late = prompt_keys(3000, 64)
+    assert fit.predict(16, 64, late) == pytest.approx(truth.predict(16, 64, late), rel=0.02)
+    assert fit.predict(16, 64, late) > 1.3 * fit.predict(16, 64, 0)
 
 
 def test_cost_model_keeps_the_seed_where_the_steps_say_nothing() -> None:
-    seed = StepCost(0.01, 0.001, 0.0003)
+    seed = StepCost(0.01, 0.001, 0.0003, 1e-7)
     model = StepCostModel(seed)
     for rows in range(1, 40):  # decode-only steps: nothing about prefill
-        model.observe(rows, 0, 0.02 + 0.002 * rows)
+        model.observe(rows, 0, 0, 0.02 + 0.002 * rows)
     assert model.cost.per_prefill_s == pytest.approx(seed.per_prefill_s)
+    assert model.cost.per_prefill_key_s == pytest.approx(seed.per_prefill_key_s)
     assert model.cost.per_decode_s == pytest.approx(0.002, rel=0.1)
 
 
 def test_cost_model_forgets_steps_beyond_its_window() -> None:
     model = StepCostModel(StepCost(0.01, 0.001, 0.0), window=50)
     for _ in range(50):
-        model.observe(10, 0, 0.5)  # a slow phase
+        model.observe(10, 0, 0, 0.5)  # a slow phase
     for _ in range(50):
-        model.observe(10, 0, 0.02)
+        model.observe(10, 0, 0, 0.02)
     assert model.cost.predict(10, 0) == pytest.approx(0.02, rel=0.05)
 
 
@@ -153,14 +165,60 @@ def test_prefill_beside_decodes_stays_within_the_tightest_tpot() -> None:
     scheduler.add_request(slo_request("long", 2000))
     out = scheduler.schedule()
     work = scheduler.last_step_work
-    assert work.num_decode_rows == 16 and work.prefill_cost > 0
-    predicted = scheduler.slo.cost.predict(work.num_decode_rows, work.prefill_cost)
+    assert work.num_decode_rows == 16 and work.prefill_tokens > 0
+    predicted = work.seconds(scheduler.slo.cost)
     target = PLAN_SHARE * 0.1  # planned with a margin for jitter
     assert predicted <= target
     # the room was used, not wasted: one more prefill token would exceed it
-    assert predicted + 2 * SEED[2] > target - 1e-9
+    assert predicted + 3 * SEED.per_prefill_s > target - 1e-9
     scheduler.update(out, make_runner_output(out))
     assert scheduler.stats.num_steps_over_tpot == 0
+
+
+def test_a_long_prompts_late_chunks_stay_within_the_tpot_at_their_context() -> None:
+    # attention dominates: a token at context 256 costs twice one at 0. The room is
+    # counted at the fitted exchange, so each chunk shrinks as the context grows and
+    # every step stays within the target
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=17)
+    _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+    scheduler.slo.model.cost = StepCost(0.010, 0.001, 0.0001, 0.0001 / 256)
+    scheduler.add_request(slo_request("long", 2000))
+    chunks = []
+    while scheduler.requests["long"].num_output_tokens == 0:
+        out = scheduler.schedule()
+        work = scheduler.last_step_work
+        assert work.seconds(scheduler.slo.cost) <= PLAN_SHARE * 0.1
+        chunks.append(work.prefill_tokens)
+        scheduler.update(out, make_runner_output(out))
+    assert chunks[0] > 3 * chunks[-2] > 0  # late chunks at context ~1,900 are smaller
+    assert scheduler.stats.num_steps_over_tpot == 0
+
+
+def test_worse_decodes_without_a_tpot_sit_out_a_feasible_prompts_steps() -> None:
+    # background streams (priority 10, no target) give their rows to an interactive
+    # prompt's prefill while its first token can still be on time; streams with a tpot
+    # target keep theirs; once the prompt has its token (or is late) all decode again
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=8, budget=64, threshold=16)
+    for name in ("bg0", "bg1"):
+        scheduler.add_request(slo_request(name, 16, priority=10, max_tokens=100))
+    scheduler.add_request(slo_request("bg-tpot", 16, priority=10, tpot_s=0.2, max_tokens=100))
+    step(scheduler)
+    step(scheduler)  # all three decoding
+    scheduler.add_request(slo_request("urgent", 100, ttft_s=1.0))
+    out, _ = step(scheduler)  # its first chunk: within the tpot room of bg-tpot's 0.2 s
+    assert scheduled_ids(out) == ["bg-tpot", "urgent"]
+    while scheduler.requests["urgent"].num_output_tokens == 0:
+        out, _ = step(scheduler)
+        assert "bg0" not in scheduled_ids(out) and "bg-tpot" in scheduled_ids(out)
+    out, _ = step(scheduler)
+    assert {"bg0", "bg1", "bg-tpot", "urgent"} <= set(scheduled_ids(out))
+    # a prompt that can no longer be on time takes no rows from anyone
+    scheduler.add_request(slo_request("late", 100, arrival=0.0, ttft_s=0.5))
+    clock.now = 1.0
+    out, _ = step(scheduler)
+    assert {"bg0", "bg1"} <= set(scheduled_ids(out))
 
 
 def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
@@ -173,8 +231,10 @@ def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
     scheduler.slo.model.cost = StepCost(0.05, 0.005, 0.0001)
     over = scheduler.stats.num_steps_over_tpot
     scheduler.schedule()
-    # no size keeps it: the prompt goes on at the policy-free cap, max(32, 2 x 17)
-    assert 30 <= scheduler.last_step_work.prefill_cost <= 34
+    # no size keeps it: the prompt goes on at the policy-free cap, max(32, 2 x 17) of
+    # prefill cost (at its context a token counts for more than one)
+    start = scheduler.requests["long"].num_computed_tokens
+    assert scheduler.last_step_work.prefill_tokens == tokens_within(34, start, 2048)
     assert scheduler.stats.num_steps_over_tpot == over + 1
 
 
@@ -185,7 +245,7 @@ def test_the_priority_policy_keeps_its_own_cap() -> None:
     _sixteen_decodes(FakeClock(), scheduler, tpot_s=0.1)
     scheduler.add_request(slo_request("long", 2000))
     scheduler.schedule()
-    assert scheduler.last_step_work.prefill_cost > 2000  # no tpot room under priority
+    assert scheduler.last_step_work.prefill_tokens == 2000  # no tpot room under priority
 
 
 # ---- preemption among equals ----
@@ -238,17 +298,51 @@ def test_cost_model_refits_without_a_coefficient_that_would_be_negative() -> Non
     model = StepCostModel(StepCost(0.02, 0.001, 0.0005))
     for i in range(60):
         prefill = 0 if i % 3 else 400 + 10 * i
-        model.observe(16, prefill, 0.1 + 1e-6 * prefill ** 2)
+        model.observe(16, prefill, 0, 0.1 + 1e-6 * prefill ** 2)  # keys not counted
     fit = model.cost
-    assert min(fit.fixed_s, fit.per_decode_s, fit.per_prefill_s) >= 0
+    assert min(fit.fixed_s, fit.per_decode_s, fit.per_prefill_s, fit.per_prefill_key_s) >= 0
     assert fit.predict(16, 0) == pytest.approx(0.1, rel=0.2)  # its own decode steps
 
 
 def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
     scheduler = slo_scheduler(FakeClock(0.0))
-    scheduler.observe_step(StepWork(8, 0), 0.02)
+    scheduler.observe_step(StepWork(8), 0.02)
     state = scheduler.snapshot()["step_cost"]
     assert state["num_steps_observed"] == 1
-    assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "num_steps_observed"}
+    assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
+                          "num_steps_observed", "seed", "calibration_s"}
+    assert state["seed"] == SEED.as_dict() and state["calibration_s"] is None
     assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
-                                         state["per_prefill_s"])
+                                         state["per_prefill_s"], state["per_prefill_key_s"])
+
+
+def test_the_model_is_solved_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fcfs and priority observe every step but never plan with the fit: only the stats
+    # that go out (a change), the state or the slo planner solve it
+    fits = []
+    solve = StepCostModel._fit
+    monkeypatch.setattr(StepCostModel, "_fit", lambda self: fits.append(1) or solve(self))
+    scheduler = slo_scheduler(FakeClock(0.0))
+    sent = introspection.changed_stats(scheduler, None)
+    for rows in range(1, 21):
+        scheduler.observe_step(StepWork(rows), 0.01 + 0.001 * rows)
+        assert introspection.changed_stats(scheduler, sent) is None  # nothing else changed
+    assert fits == []
+    assert scheduler.snapshot()["step_cost"]["per_decode_s"] == pytest.approx(0.001, rel=0.05)
+    assert scheduler.stats.step_cost[1] == pytest.approx(0.001, rel=0.05)
+    assert len(fits) == 1  # read twice, solved once
+
+
+def test_cost_model_forgets_long_prompts_without_a_residue() -> None:
+    # long prompts' key counts (~1e6 a step, ~1e12 squared) leave the window; the
+    # decode-only window that follows says nothing of prefill: the seed's, exactly
+    seed = StepCost(0.01, 0.001, 0.0003, 1e-7)
+    model = StepCostModel(seed, window=64)
+    for i in range(64):
+        keys = prompt_keys(2000 + 37 * i, 512)
+        model.observe(8, 512, keys, 0.2 + 3e-7 * keys)
+    for rows in range(1, 129):
+        model.observe(rows % 16 + 1, 0, 0, 0.02 + 0.002 * (rows % 16 + 1))
+    assert model.cost.per_prefill_key_s == pytest.approx(seed.per_prefill_key_s, rel=1e-6)
+    assert model.cost.per_prefill_s == pytest.approx(seed.per_prefill_s, rel=1e-6)
+    assert model.cost.per_decode_s == pytest.approx(0.002, rel=0.01)

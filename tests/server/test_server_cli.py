@@ -268,3 +268,11 @@ def test_lora_flags_reach_the_model_and_server_configs() -> None:
 def test_bad_lora_flags_are_refused_naming_them(flags: list[str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         configs(*flags)
+
+
+def test_the_step_cost_is_calibrated_at_start_where_a_policy_plans_with_it() -> None:
+    assert configs("--scheduling-policy", "slo").scheduler.calibrate_step_cost
+    assert not configs("--scheduling-policy", "slo",
+                       "--no-calibrate-step-cost").scheduler.calibrate_step_cost
+    assert not configs().scheduler.calibrate_step_cost
+    assert configs("--calibrate-step-cost").scheduler.calibrate_step_cost

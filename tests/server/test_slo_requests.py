@@ -153,6 +153,25 @@ def test_a_stream_says_in_its_last_chunk_whether_its_targets_were_met(slo_client
     assert all("slo" not in c["choices"][0] for c in chunks if c not in last)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_says_in_its_usage_whether_its_targets_were_met(slo_client,
+                                                                   stream: bool) -> None:
+    client, _, _, _ = slo_client()
+    body = {**ROUTES["/v1/responses"], "stream": stream, "slo": {"ttft_ms": 60_000}}
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(line.removeprefix("data: "))
+                  for line in response.text.splitlines() if line.startswith("data: {")]
+        [completed] = [e for e in events if e["type"] == "response.completed"]
+        usage = completed["response"]["usage"]
+    else:
+        usage = response.json()["usage"]
+    assert usage["slo"] == {"ttft_met": True}
+    plain = client.post("/v1/responses", json=ROUTES["/v1/responses"]).json()
+    assert "slo" not in plain["usage"]  # no target, no verdict
+
+
 def test_a_request_that_turns_late_in_the_queue_is_a_503_when_it_asked(slo_client) -> None:
     # the door lets it in (the model says it could be on time if it went next), but its
     # 1 ms target has passed by the scheduler's next step: refused there, holding nothing
