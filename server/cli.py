@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -32,6 +31,7 @@ from server.limits import LIMIT_FLAGS, RequestLimits, flag_of
 from server.lora import add_lora_arguments as _add_lora_arguments
 from server.lora import lora_config
 from server.reasoning import REASONING_PARSERS
+from server.sizes import kv_cache_memory, parse_size
 from server.slo import add_slo_arguments as _add_slo_arguments
 from server.tenants import TenantRegistry, TenantsFileError
 from server.tool_parsers import TOOL_PARSERS
@@ -41,24 +41,6 @@ logger = logging.getLogger("pagedserve")
 METRICS_API_KEY_ENV = "PAGEDSERVE_METRICS_API_KEY"
 _CPU_MAX_NUM_SEQS, _CPU_MAX_NUM_BATCHED_TOKENS = 128, 512
 _CUDA_MAX_NUM_SEQS, _CUDA_MAX_NUM_BATCHED_TOKENS = 256, 8192
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5GB", "2G" or "1073741824".
-
-    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
-    """
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB or 512MiB)")
-    number, unit, binary, b = match.groups()
-    base = 1000 if unit and b and not binary else 1024
-    size = int(float(number) * base ** _SIZE_POWERS[unit.lower()])
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return size
 
 
 @dataclass(frozen=True)
@@ -123,7 +105,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV cache blocks (default: from the memory budget)")
-    cache.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
+    cache.add_argument("--kv-cache-memory", type=kv_cache_memory, default=None,
                        help="CPU KV cache budget, e.g. 2GiB, 512MiB or bytes (default auto: "
                        "half the memory available once the model is loaded; the pages are "
                        "taken as blocks are first written)")
@@ -253,10 +235,6 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
                         args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
-
-
-def _kv_cache_memory(text: str) -> int | None:
-    return None if text == "auto" else parse_size(text)
 
 
 def _model_config(

@@ -11,9 +11,10 @@ import pytest
 
 from engine.metrics import OTHER_PRIORITY, PriorityLabels
 from scheduler.config import SpeculativeConfig
-from server.cli import build_configs, build_parser, parse_size
+from server.cli import build_configs, build_parser
 from server.config import ServerConfig
 from server.limits import RequestLimits
+from server.sizes import parse_size
 
 
 def configs(*flags: str, cuda: bool = False):
