@@ -9,7 +9,8 @@ the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matri
 their rows of the fused output, scale folded in), added to the base output at those
 rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
 between two steps only installs it. A step without adapter rows costs each projection one
-check. Such a step runs the Python layers (not the C++ decode stack, nor CUDA graphs).
+check. The C++ decode stack runs such a step too, from each adapter's matrices laid out
+as it reads them (`LoRAStep.stacked`); CUDA graphs do not.
 """
 
 from __future__ import annotations
@@ -33,10 +34,23 @@ _FUSED = {
 
 class LoRAStep:
     """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
-    Empty: no adapter in the step."""
+    Empty: no adapter in the step. `stacked`: each adapter held, as the C++ decode stack
+    reads it (per layer, A and B of qkv, o, gate_up and down; empty where not targeted),
+    or None when the model's layers are not the stack's four projections each."""
 
     def __init__(self) -> None:
         self.runs: list[tuple[str, int, int]] = []
+        self.stacked: dict[str, list[torch.Tensor]] | None = None
+
+    def stack_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The runs as the decode stack takes them: (the adapter's index among the step's,
+        start, stop) one after the other, and those adapters' matrices in that order."""
+        assert self.stacked is not None
+        order: dict[str, int] = {}
+        runs: list[int] = []
+        for name, start, stop in self.runs:
+            runs += (order.setdefault(name, len(order)), start, stop)
+        return runs, [tensor for name in order for tensor in self.stacked[name]]
 
 
 # One projection's weights of an adapter: A [R, in] and B [out, R] (None: not targeted)
@@ -111,6 +125,9 @@ class LoRAModel:
         for layer_id, layer in enumerate(model.layers):
             for owner in (layer.self_attn, layer.mlp):
                 self._attach(layer_id, owner)
+        stack_order = [(i, parts) for i in range(len(model.layers)) for parts in _FUSED.values()]
+        if [(i, p.parts) for i, p in self.projections] == stack_order:
+            self.step.stacked = {}
         model.lora_step = self.step
 
     def _attach(self, layer_id: int, owner: nn.Module) -> None:
@@ -141,9 +158,15 @@ class LoRAModel:
             if weights is not None:
                 projection.adapters[name] = weights
         self.adapters[name] = ready.adapter
+        if self.step.stacked is not None:
+            none = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.step.stacked[name] = [tensor for weights in ready.weights
+                                       for tensor in (weights or (none, none))]
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
+        if self.step.stacked is not None:
+            self.step.stacked.pop(name, None)
         for _, projection in self.projections:
             projection.adapters.pop(name, None)
 

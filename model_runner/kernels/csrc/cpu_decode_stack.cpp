@@ -1,5 +1,6 @@
 // A decoder's layers (Llama-style, Qwen3's q/k norms, Gemma's sandwich norms, gelu gate and
-// per-layer RoPE tables, NoPE layers, Granite's residual multiplier) for a decode step of a few rows, in one C++ call
+// per-layer RoPE tables, NoPE layers, Granite's residual multiplier, LoRA adapters' rows) for a
+// decode step of a few rows, in one C++ call
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
 // the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
@@ -118,6 +119,30 @@ at::Tensor scaled(const at::Tensor& h, double multiplier) {
   return multiplier == 1.0 ? h : h * multiplier;
 }
 
+// The step's LoRA adapters (forward's lora_runs and lora_weights): runs of rows of one
+// adapter, each projection's delta added after its base output as
+// model_runner/lora_layers.py adds it, out[start:stop] += (x[start:stop] @ A^T) @ B^T (the
+// scale is in B); base rows pay nothing.
+struct LoRARuns {
+  static constexpr size_t kPerLayer = 8;  // qkv, o, gate_up, down: A and B each
+  const std::vector<int64_t>& runs;       // (adapter, start, stop) after each other
+  const std::vector<at::Tensor>& weights;  // per adapter, per layer: kPerLayer tensors
+  size_t per_adapter;
+
+  void add(at::Tensor& out, const at::Tensor& x, size_t layer, size_t projection) const {
+    for (size_t i = 0; i < runs.size(); i += 3) {
+      const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 2;
+      const at::Tensor& shrink = weights[first];
+      if (shrink.numel() == 0) continue;  // the adapter does not target this projection
+      const int64_t start = runs[i + 1], length = runs[i + 2] - runs[i + 1];
+      PROFILED("lora");
+      out.narrow(0, start, length)
+          .add_(at::matmul(at::matmul(x.narrow(0, start, length), shrink.t()),
+                           weights[first + 1].t()));
+    }
+  }
+};
+
 }  // namespace
 
 DecodeStack::DecodeStack(std::vector<std::string> kind_names,
@@ -178,22 +203,36 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
                                 std::vector<at::Tensor> sin,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor context_lens, std::vector<at::Tensor> k_caches,
-                                std::vector<at::Tensor> v_caches) {
+                                std::vector<at::Tensor> v_caches, std::vector<int64_t> lora_runs,
+                                std::vector<at::Tensor> lora_weights) {
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DecodeStack.forward: one k and one v cache a layer");
+  const int64_t rows = x.size(0);
+  const LoRARuns lora{lora_runs, lora_weights, layers_.size() * LoRARuns::kPerLayer};
+  const int64_t num_adapters = static_cast<int64_t>(lora_weights.size() / lora.per_adapter);
+  TORCH_CHECK(lora_runs.size() % 3 == 0 && lora_weights.size() % lora.per_adapter == 0,
+              "DecodeStack.forward: LoRA runs of three numbers, ", LoRARuns::kPerLayer,
+              " LoRA tensors a layer for each adapter");
+  for (size_t i = 0; i < lora_runs.size(); i += 3) {
+    TORCH_CHECK(lora_runs[i] >= 0 && lora_runs[i] < num_adapters && lora_runs[i + 1] >= 0 &&
+                    lora_runs[i + 1] < lora_runs[i + 2] && lora_runs[i + 2] <= rows,
+                "DecodeStack.forward: a LoRA run of adapter ", lora_runs[i], " of ",
+                num_adapters, " over rows ", lora_runs[i + 1], "..", lora_runs[i + 2], " of ", rows);
+  }
   TORCH_CHECK(cos.size() == sin.size(), "DecodeStack.forward: a sin table for each cos table");
   for (const Layer& layer : layers_) {
     TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()),
                 "DecodeStack.forward: a layer reads RoPE table ", layer.rope, " of ", cos.size());
   }
-  const int64_t rows = x.size(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     at::Tensor& k_cache = k_caches[i];
     at::Tensor& v_cache = v_caches[i];
     const int64_t q_size = layer.num_heads * layer.head_dim;
     const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
-    at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
+    const at::Tensor attention_in = norm(x, layer.input_norm, layer.eps);
+    at::Tensor qkv = layer.qkv(attention_in);
+    lora.add(qkv, attention_in, i, 0);
     if (layer.rope < 0) {
       // a layer without positions: q and k as projected
     } else if (layer.q_norm) {
@@ -220,12 +259,16 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
       return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
                               layer.window, layer.softcap, layer.sinks);
     }();
-    const at::Tensor attention_out = layer.o(attended.view({rows, q_size}));
+    const at::Tensor o_in = attended.view({rows, q_size});
+    at::Tensor attention_out = layer.o(o_in);
+    lora.add(attention_out, o_in, i, 1);
     x = x + scaled(layer.attention_out_norm
                        ? norm(attention_out, *layer.attention_out_norm, layer.eps)
                        : attention_out,
                    layer.residual_multiplier);
-    const at::Tensor gate_up = layer.gate_up(norm(x, layer.mlp_norm, layer.eps));
+    const at::Tensor mlp_in = norm(x, layer.mlp_norm, layer.eps);
+    at::Tensor gate_up = layer.gate_up(mlp_in);
+    lora.add(gate_up, mlp_in, i, 2);
     const at::Tensor activated = [&] {
       if (layer.activation == Activation::gelu_tanh) {
         PROFILED("gelu_tanh_and_mul");
@@ -234,7 +277,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
       PROFILED("silu_and_mul");
       return silu_and_mul(gate_up);
     }();
-    const at::Tensor mlp_out = layer.down(activated);
+    at::Tensor mlp_out = layer.down(activated);
+    lora.add(mlp_out, activated, i, 3);
     x = x + scaled(layer.mlp_out_norm ? norm(mlp_out, *layer.mlp_out_norm, layer.eps) : mlp_out,
                    layer.residual_multiplier);
   }

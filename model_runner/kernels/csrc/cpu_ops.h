@@ -76,11 +76,15 @@ struct DecodeStack : torch::CustomClassHolder {
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
   // stream before the final norm. cos and sin: the RoPE tables the layers read, each
-  // [n, head_dim / 2]; caches: one pair a layer.
+  // [n, head_dim / 2]; caches: one pair a layer. LoRA adapters' rows: lora_runs holds
+  // (adapter, start, stop) of each run of rows of one adapter, after each other (empty: no
+  // adapter in the step); lora_weights, for each adapter of the step, for each layer, its
+  // A [r, in] and B [out, r] (scaled) of qkv, o, gate_up and down (empty where not targeted).
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     std::vector<int64_t> lora_runs, std::vector<at::Tensor> lora_weights);
 
  private:
   struct Layer;
