@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model_runner.lora_adapters import LoRAAdapter, read_adapter
+from model_runner.lora_adapters import LoRAAdapter, check_adapter, read_adapter
 
 # our fused projection -> the PEFT projections it holds, in their order of rows
 _FUSED = {
@@ -148,6 +148,11 @@ class LoRAModel:
         adapter = read_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
         return ReadyAdapter(adapter, [projection.lay_out(adapter, layer, self.dtype, self.device)
                                       for layer, projection in self.projections])
+
+    def check(self, name: str, path: str) -> None:
+        """Check the adapter in the PEFT folder `path` against this model from its config
+        and its weights' shapes, without reading them (AdapterError naming why not)."""
+        check_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
 
     def add(self, ready: ReadyAdapter) -> None:
         """Hold an adapter read (replacing one of the same name): dict entries only, between

