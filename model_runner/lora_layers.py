@@ -9,8 +9,8 @@ the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matri
 their rows of the fused output, scale folded in), added to the base output at those
 rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
 between two steps only installs it. A step without adapter rows costs each projection one
-check. The C++ decode stack runs such a step too, from each adapter's matrices laid out
-as it reads them (`LoRAStep.stacked`); CUDA graphs do not.
+check. A decode step with adapter rows runs in the C++ decode stack too (its own loops,
+on each adapter's matrices as `LoRAStep.stacked` holds them); not in CUDA graphs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 // decode step of a few rows, in one C++ call
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
-// the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
+// the "cpu" backend), so the hidden states are the same to the bit (with LoRA adapters'
+// rows, to float32 rounding: their deltas are summed in loops of its own). At batch 1 a step's
 // arithmetic is ~10 ms and its ~500 op calls from Python cost ~3 ms more; here each layer
 // costs one loop turn. model_runner/models/decode_stack.py builds it from the layers' own
 // forms and says when it runs.
@@ -11,6 +12,7 @@
 #include <ATen/record_function.h>
 
 #include "cpu_ops.h"
+#include "vec8.h"
 
 #include <cstdint>
 #include <optional>
@@ -119,10 +121,21 @@ at::Tensor scaled(const at::Tensor& h, double multiplier) {
   return multiplier == 1.0 ? h : h * multiplier;
 }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec8 sums{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) sums += load8(a + i) * load8(b + i);
+  float sum = sum8(sums);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 // The step's LoRA adapters (forward's lora_runs and lora_weights): runs of rows of one
-// adapter, each projection's delta added after its base output as
-// model_runner/lora_layers.py adds it, out[start:stop] += (x[start:stop] @ A^T) @ B^T (the
-// scale is in B); base rows pay nothing.
+// adapter, each projection's delta added after its base output, out[r] += B (A x[r]) (the
+// scale is in B); base rows pay nothing. NOTE: on this thread, in plain loops: an
+// adapter's work at a few rows is ~1e5 multiply-adds a projection, less than a thread
+// pool's wake-up (a GEMM's, ~0.1 ms each on a busy host). The sums' order is not
+// torch's: the Python layers' deltas (model_runner/lora_layers.py) to float32 rounding.
 struct LoRARuns {
   static constexpr size_t kPerLayer = 8;  // qkv, o, gate_up, down: A and B each
   const std::vector<int64_t>& runs;       // (adapter, start, stop) after each other
@@ -132,13 +145,28 @@ struct LoRARuns {
   void add(at::Tensor& out, const at::Tensor& x, size_t layer, size_t projection) const {
     for (size_t i = 0; i < runs.size(); i += 3) {
       const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 2;
-      const at::Tensor& shrink = weights[first];
+      const at::Tensor& shrink = weights[first];  // [R, in]
+      const at::Tensor& expand = weights[first + 1];  // [out, R]
       if (shrink.numel() == 0) continue;  // the adapter does not target this projection
-      const int64_t start = runs[i + 1], length = runs[i + 2] - runs[i + 1];
+      const int64_t rank = shrink.size(0), width = x.size(1), out_features = out.size(1);
+      TORCH_CHECK(shrink.is_contiguous() && expand.is_contiguous() &&
+                      shrink.scalar_type() == at::kFloat && expand.scalar_type() == at::kFloat &&
+                      x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                      x.stride(1) == 1 && out.stride(1) == 1 && shrink.size(1) == width &&
+                      expand.size(0) == out_features && expand.size(1) == rank,
+                  "DecodeStack.forward: LoRA A [r, in] and B [out, r], float32 and contiguous");
       PROFILED("lora");
-      out.narrow(0, start, length)
-          .add_(at::matmul(at::matmul(x.narrow(0, start, length), shrink.t()),
-                           weights[first + 1].t()));
+      std::vector<float> shrunk(rank);
+      const float* a = shrink.data_ptr<float>();
+      const float* b = expand.data_ptr<float>();
+      for (int64_t row = runs[i + 1]; row < runs[i + 2]; ++row) {
+        const float* x_row = x.data_ptr<float>() + row * x.stride(0);
+        float* out_row = out.data_ptr<float>() + row * out.stride(0);
+        for (int64_t k = 0; k < rank; ++k) shrunk[k] = dot(a + k * width, x_row, width);
+        for (int64_t j = 0; j < out_features; ++j) {
+          out_row[j] += dot(b + j * rank, shrunk.data(), rank);
+        }
+      }
     }
   }
 };
