@@ -13,9 +13,9 @@ runner alone (tests/support's `RunnerLoop`: no scheduler, no HTTP), float32 on t
 - an adapter's load: the folder read and checked (off the step, on the core's loader
   thread) and its hand-over to the runner between two steps (on the step's thread).
 Steps alternate between the two sides so that a shared machine disturbs both alike; the
-table gives each side's median step and their ratio. The base model's steps may take the
-C++ decode stack; the adapters' take the Python layers (docs/models.md): the third column
-is the base model through the Python layers, for what the adapters' deltas alone cost.
+table gives each side's median step and their ratio. Decode steps of up to eight rows
+take the C++ decode stack, adapters' rows among them (docs/models.md); the third column
+is the base model through the Python layers, for what the stack saves.
 """
 
 from __future__ import annotations

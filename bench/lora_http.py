@@ -12,7 +12,7 @@ One pagedserve server (float32, the default model) serving four random adapters 
 - one stream (W0's 32 in / 64 out, one in flight), base and one adapter in turn: TPOT p50;
 - four base streams while requests name an adapter one after another: a warm one (held)
   against cold ones, each read from disk on the core's loader thread while the streams go
-  on: the streams' inter-token p50, p90 and p99, and the adapter requests' TTFT.
+  on, twice in turn: the streams' inter-token p50, p90 and p99, and the adapter requests' TTFT.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def measure(url: str, base: str, args: argparse.Namespace) -> None:
     print("\n| 4 base streams, requests naming | ITL p50 (ms) | ITL p90 | ITL p99 | "
           "adapter TTFT p50 |")
     print("|---|---|---|---|---|", flush=True)
-    for label, names in ((f"one held adapter ({WARM[0]})", WARM[:1]),
-                         (f"{len(COLD)} cold adapters in turn (each read)", COLD)):
+    for label, names in 2 * ((f"one held adapter ({WARM[0]})", WARM[:1]),
+                             (f"{len(COLD)} cold adapters in turn (each read)", COLD)):
         row = during_loads(url, base, names)
         print(f"| {label} | {row['itl_p50']:.1f} | {row['itl_p90']:.1f} | "
               f"{row['itl_p99']:.1f} | {row['adapter_ttft_p50']:.0f} |", flush=True)

@@ -9,8 +9,9 @@ the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matri
 their rows of the fused output, scale folded in), added to the base output at those
 rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
 between two steps only installs it. A step without adapter rows costs each projection one
-check. A decode step with adapter rows runs in the C++ decode stack too (its own loops,
-on each adapter's matrices as `LoRAStep.stacked` holds them); not in CUDA graphs.
+check. On the CPU in float32 each delta is the C++ kernels' `lora_add_`, and a decode
+step with adapter rows runs in the C++ decode stack too (on each adapter's matrices as
+`LoRAStep.stacked` holds them); not in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.lora_adapters import LoRAAdapter, check_adapter, read_adapter
 
 # our fused projection -> the PEFT projections it holds, in their order of rows
@@ -41,6 +43,7 @@ class LoRAStep:
     def __init__(self) -> None:
         self.runs: list[tuple[str, int, int]] = []
         self.stacked: dict[str, list[torch.Tensor]] | None = None
+        self.native = False  # deltas by the C++ kernels' lora_add_ (CPU, float32)
 
     def stack_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
         """The runs as the decode stack takes them: (the adapter's index among the step's,
@@ -98,13 +101,20 @@ class LoRAProjection:
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
-        on its runs of rows of the step (in place)."""
+        on its runs of rows of the step (in place); on the CPU in float32, the C++
+        kernels' `lora_add_` (the decode stack's, on the step's thread: no GEMM's thread
+        pool woken twice a projection)."""
+        native = (self.step.native and x.dtype == torch.float32 and x.dim() == 2
+                  and x.stride(1) == 1 and out.stride(1) == 1)
         for name, start, stop in self.step.runs:
             pair = self.adapters.get(name)
             if pair is None:  # the adapter does not target this projection
                 continue
             shrink, expand = pair
-            out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
+            if native:
+                torch.ops.pagedserve.lora_add_(out, x, shrink, expand, start, stop)
+            else:
+                out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
         return out
 
 
@@ -128,6 +138,8 @@ class LoRAModel:
         stack_order = [(i, parts) for i in range(len(model.layers)) for parts in _FUSED.values()]
         if [(i, p.parts) for i, p in self.projections] == stack_order:
             self.step.stacked = {}
+        self.step.native = (self.device.type == "cpu" and self.dtype == torch.float32
+                            and cpu_kernels_available())
         model.lora_step = self.step
 
     def _attach(self, layer_id: int, owner: nn.Module) -> None:

@@ -18,7 +18,7 @@ on a small-batch path of cpu_kernel_table.py), or a reason why not, and so do it
 attention and MLP. A step with LoRA adapters' rows runs here too: the model hands the
 stack the step's runs of rows by adapter and their A and B matrices
 (model_runner/lora_layers.py), whose deltas follow each base projection as in Python
-(to float32 rounding: the stack sums them in its own loops). A family
+(the same kernel, `lora_add_`). A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
 (tests/runner/test_decode_stack.py holds every subclass here to that).
 """

@@ -4,7 +4,7 @@
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
 // the "cpu" backend), so the hidden states are the same to the bit (with LoRA adapters'
-// rows, to float32 rounding: their deltas are summed in loops of its own). At batch 1 a step's
+// rows too: their deltas are lora_add_'s, as the Python layers' on the CPU). At batch 1 a step's
 // arithmetic is ~10 ms and its ~500 op calls from Python cost ~3 ms more; here each layer
 // costs one loop turn. model_runner/models/decode_stack.py builds it from the layers' own
 // forms and says when it runs.
@@ -130,12 +130,38 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+}  // namespace
+
+// NOTE: on the calling thread, in plain loops: an adapter's work at a few rows is ~1e5
+// multiply-adds a projection, less than a thread pool's wake-up (a GEMM's, ~0.1 ms each on
+// a busy host, two a projection).
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
+               const at::Tensor& expand, int64_t start, int64_t stop) {
+  const int64_t rank = shrink.size(0), width = x.size(1), out_features = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && shrink.dim() == 2 && expand.dim() == 2 &&
+                  shrink.is_contiguous() && expand.is_contiguous() &&
+                  shrink.scalar_type() == at::kFloat && expand.scalar_type() == at::kFloat &&
+                  x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && out.stride(1) == 1 && shrink.size(1) == width &&
+                  expand.size(0) == out_features && expand.size(1) == rank &&
+                  0 <= start && start <= stop && stop <= x.size(0) && stop <= out.size(0),
+              "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B [out, r], float32");
+  std::vector<float> shrunk(rank);
+  const float* a = shrink.data_ptr<float>();
+  const float* b = expand.data_ptr<float>();
+  for (int64_t row = start; row < stop; ++row) {
+    const float* x_row = x.data_ptr<float>() + row * x.stride(0);
+    float* out_row = out.data_ptr<float>() + row * out.stride(0);
+    for (int64_t k = 0; k < rank; ++k) shrunk[k] = dot(a + k * width, x_row, width);
+    for (int64_t j = 0; j < out_features; ++j) out_row[j] += dot(b + j * rank, shrunk.data(), rank);
+  }
+}
+
+namespace {
+
 // The step's LoRA adapters (forward's lora_runs and lora_weights): runs of rows of one
-// adapter, each projection's delta added after its base output, out[r] += B (A x[r]) (the
-// scale is in B); base rows pay nothing. NOTE: on this thread, in plain loops: an
-// adapter's work at a few rows is ~1e5 multiply-adds a projection, less than a thread
-// pool's wake-up (a GEMM's, ~0.1 ms each on a busy host). The sums' order is not
-// torch's: the Python layers' deltas (model_runner/lora_layers.py) to float32 rounding.
+// adapter, each projection's delta added after its base output (lora_add_); base rows pay
+// nothing.
 struct LoRARuns {
   static constexpr size_t kPerLayer = 8;  // qkv, o, gate_up, down: A and B each
   const std::vector<int64_t>& runs;       // (adapter, start, stop) after each other
@@ -145,28 +171,9 @@ struct LoRARuns {
   void add(at::Tensor& out, const at::Tensor& x, size_t layer, size_t projection) const {
     for (size_t i = 0; i < runs.size(); i += 3) {
       const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 2;
-      const at::Tensor& shrink = weights[first];  // [R, in]
-      const at::Tensor& expand = weights[first + 1];  // [out, R]
-      if (shrink.numel() == 0) continue;  // the adapter does not target this projection
-      const int64_t rank = shrink.size(0), width = x.size(1), out_features = out.size(1);
-      TORCH_CHECK(shrink.is_contiguous() && expand.is_contiguous() &&
-                      shrink.scalar_type() == at::kFloat && expand.scalar_type() == at::kFloat &&
-                      x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                      x.stride(1) == 1 && out.stride(1) == 1 && shrink.size(1) == width &&
-                      expand.size(0) == out_features && expand.size(1) == rank,
-                  "DecodeStack.forward: LoRA A [r, in] and B [out, r], float32 and contiguous");
-      PROFILED("lora");
-      std::vector<float> shrunk(rank);
-      const float* a = shrink.data_ptr<float>();
-      const float* b = expand.data_ptr<float>();
-      for (int64_t row = runs[i + 1]; row < runs[i + 2]; ++row) {
-        const float* x_row = x.data_ptr<float>() + row * x.stride(0);
-        float* out_row = out.data_ptr<float>() + row * out.stride(0);
-        for (int64_t k = 0; k < rank; ++k) shrunk[k] = dot(a + k * width, x_row, width);
-        for (int64_t j = 0; j < out_features; ++j) {
-          out_row[j] += dot(b + j * rank, shrunk.data(), rank);
-        }
-      }
+      if (weights[first].numel() == 0) continue;  // the adapter does not target it
+      PROFILED("lora_add_");
+      lora_add_(out, x, weights[first], weights[first + 1], runs[i + 1], runs[i + 2]);
     }
   }
 };

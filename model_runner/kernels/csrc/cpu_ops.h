@@ -52,6 +52,11 @@ at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const a
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias);
 
+// cpu_decode_stack.cpp: a LoRA adapter's delta on rows start..stop of a projection's output,
+// out[r] += B (A x[r]) (B scaled), summed on the calling thread.
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
+               const at::Tensor& expand, int64_t start, int64_t stop);
+
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
 // which it checks against its own projection kinds.
