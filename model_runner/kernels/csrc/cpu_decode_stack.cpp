@@ -146,14 +146,23 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                   expand.size(0) == out_features && expand.size(1) == rank &&
                   0 <= start && start <= stop && stop <= x.size(0) && stop <= out.size(0),
               "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B [out, r], float32");
-  std::vector<float> shrunk(rank);
+  // each row of A and of B read once for all the run's rows: the weights, not the rows,
+  // are what a step streams from memory
+  const int64_t rows = stop - start;
+  std::vector<float> shrunk(rows * rank);
   const float* a = shrink.data_ptr<float>();
   const float* b = expand.data_ptr<float>();
-  for (int64_t row = start; row < stop; ++row) {
-    const float* x_row = x.data_ptr<float>() + row * x.stride(0);
-    float* out_row = out.data_ptr<float>() + row * out.stride(0);
-    for (int64_t k = 0; k < rank; ++k) shrunk[k] = dot(a + k * width, x_row, width);
-    for (int64_t j = 0; j < out_features; ++j) out_row[j] += dot(b + j * rank, shrunk.data(), rank);
+  const float* x_rows = x.data_ptr<float>() + start * x.stride(0);
+  float* out_rows = out.data_ptr<float>() + start * out.stride(0);
+  for (int64_t k = 0; k < rank; ++k) {
+    for (int64_t r = 0; r < rows; ++r) {
+      shrunk[r * rank + k] = dot(a + k * width, x_rows + r * x.stride(0), width);
+    }
+  }
+  for (int64_t j = 0; j < out_features; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      out_rows[r * out.stride(0) + j] += dot(b + j * rank, shrunk.data() + r * rank, rank);
+    }
   }
 }
 
