@@ -17,6 +17,7 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.client import EngineClient, EngineStart
@@ -192,12 +193,14 @@ def create_data_parallel_engine(
     data_parallel_size: int, start: Callable[..., EngineStart], **kwargs: Any
 ) -> DataParallelEngine:
     """`data_parallel_size` engines from `start` (engine.client.start_engine and its
-    `kwargs`), core i named "core<i>", with its share of the CPU's threads and its view of
+    `kwargs`), core i named "core<i>", with its share of the CPU's threads and of the host's
+    memory (model_config.memory_share, for an automatic KV budget) and its view of
     one set of metrics labelled `engine="<i>"`; on CUDA core i sees only the i-th visible
     GPU, or with tensor parallelism the i-th group of tensor_parallel_size GPUs
     (CUDA_VISIBLE_DEVICES, inherited by its process and its workers). Every core starts
     before any is waited for, so they load at once; if one fails, the others are stopped."""
     threads = max(1, len(os.sched_getaffinity(0)) // data_parallel_size)
+    kwargs["model_config"] = replace(kwargs["model_config"], memory_share=1 / data_parallel_size)
     gpus = _visible_gpus(kwargs["model_config"].device)
     per_core = kwargs["model_config"].tensor_parallel_size
     if gpus is not None and len(gpus) < data_parallel_size * per_core:

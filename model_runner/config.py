@@ -48,8 +48,10 @@ class ModelConfig:
     projection weights in float16 (see cpu_linear.py); kv_cache_dtype "float16" or
     "bfloat16" stores a float32 CPU model's keys and values in 2 bytes (half the cache
     memory and attention bytes; attention still sums in float32). The KV cache has
-    num_kv_blocks blocks when given, else as many as fit in kv_cache_memory bytes (CPU) or
-    gpu_memory_utilization of the GPU.
+    num_kv_blocks blocks when given, else as many as fit in kv_cache_memory bytes (CPU;
+    None: half the memory available once the weights are loaded, kv_cache.cpu_kv_budget) or
+    gpu_memory_utilization of the GPU. memory_share: this engine core's part of the host
+    (1 / --data-parallel-size), for the automatic CPU budget.
     """
 
     model: str | None = None
@@ -60,8 +62,9 @@ class ModelConfig:
     block_size: int = 16
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
-    kv_cache_memory: int = 2 * 1024**3
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    memory_share: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # "torch" (the reference, any device), "cpu" (C++ kernels), "triton" (CUDA), "auto"
@@ -87,13 +90,13 @@ class ModelConfig:
             raise ValueError("block_size must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
-        if self.kv_cache_memory < 1:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError("kv_cache_memory must be > 0")
+        if not 0 < self.memory_share <= 1:
+            raise ValueError("memory_share must be in (0, 1]")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")

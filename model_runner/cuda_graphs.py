@@ -13,6 +13,12 @@ written into pinned host buffers and copied with non_blocking=True, then the buc
 graph replays. Without CUDA graphs (the CPU, or tests) the same forward runs eagerly on
 the same static buffers, so the padding logic is tested everywhere.
 
+With LoRA adapters in slot buffers (model_runner/lora_stacks.py, as on CUDA) a second
+graph per bucket runs the adapters' Triton kernels: a decode step with adapter rows stages
+each row's slot into a static int32 buffer (-1 for base and padding rows) and replays it;
+the slot buffers never move, so an adapter loaded after the capture runs in it too. A
+step without adapter rows replays the plain graph and pays nothing.
+
 NOTE: the Triton decode kernel picks its split count from meta.max_context_len, a host
 int that a graph freezes. The static metadata sets it to max_model_len, so each bucket
 has one fixed split count; every split computes its own key range from context_lens on
@@ -34,6 +40,7 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import KVCaches
+from model_runner.lora_layers import LoRAModel
 from model_runner.models.llama import LlamaForCausalLM
 from scheduler.output import ScheduledRequest
 
@@ -78,9 +85,11 @@ def create_decode_graph_runner(
     config: ModelConfig,
     max_model_len: int,
     device: torch.device,
+    loras: LoRAModel | None = None,
 ) -> DecodeGraphRunner | None:
     """The graph runner a ModelRunner uses by default: on CUDA with the Triton backend
-    unless enforce_eager, else None (decodes then run eagerly like any other step)."""
+    unless enforce_eager, else None (decodes then run eagerly like any other step);
+    `loras`: the model's adapters, whose decode steps it then runs too."""
     if device.type != "cuda" or config.enforce_eager:
         return None
     if attn.name != "triton":
@@ -95,6 +104,7 @@ def create_decode_graph_runner(
         max_model_len=max_model_len,
         block_size=config.block_size,
         use_cuda_graphs=True,
+        loras=loras,
     )
 
 
@@ -103,7 +113,8 @@ class DecodeGraphRunner:
 
     With use_cuda_graphs, call `capture(kv_caches)` once before `forward`; without, the
     forward runs eagerly on the static buffers (CPU, tests). `profile(kv_caches)` runs the
-    largest bucket eagerly, for the memory profile before the KV cache is sized.
+    largest bucket eagerly, for the memory profile before the KV cache is sized. `loras`:
+    the model's adapters; their decode steps run here too when they sit in slot buffers.
     """
 
     def __init__(
@@ -115,6 +126,7 @@ class DecodeGraphRunner:
         max_model_len: int,
         block_size: int,
         use_cuda_graphs: bool,
+        loras: LoRAModel | None = None,
     ) -> None:
         weight = model.embed_tokens.weight
         device = weight.device
@@ -140,6 +152,8 @@ class DecodeGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # fixed
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=weight.dtype, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.loras = loras if loras is not None and loras.use_stacks else None
+        self.row_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.slot_mapping.fill_(-1)
         self._metas = {b: self._meta(b) for b in self.batch_sizes}
 
@@ -152,6 +166,7 @@ class DecodeGraphRunner:
         self._copied = torch.cuda.Event() if pin else None  # the staging buffers are free
 
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._captured_kv: KVCaches | None = None
 
     def _meta(self, batch_size: int) -> AttentionMetadata:
@@ -172,11 +187,11 @@ class DecodeGraphRunner:
             raise ValueError(f"no decode bucket for {num_seqs} sequences (1..{self.max_num_seqs})")
         return self.batch_sizes[i]
 
-    def can_run(self, requests: Sequence[ScheduledRequest]) -> bool:
-        """True for a decode-only step (every request one new token) that fits."""
-        return 0 < len(requests) <= self.max_num_seqs and all(
-            r.num_new_tokens == 1 for r in requests
-        )
+    def can_run(self, requests: Sequence[ScheduledRequest], lora_rows: bool = False) -> bool:
+        """True for a decode-only step (every request one new token) that fits; with
+        adapter rows (`lora_rows`), when their slot buffers are ours."""
+        return (0 < len(requests) <= self.max_num_seqs and (not lora_rows or bool(self.loras))
+                and all(r.num_new_tokens == 1 for r in requests))
 
     def forward(
         self,
@@ -196,10 +211,11 @@ class DecodeGraphRunner:
         self._stage(requests, block_tables, batch_size)
         if placeholders is not None:
             self.input_ids[placeholders[0]] = placeholders[1]
+        lora_rows = self._stage_lora_rows(num_seqs, batch_size)
         if self.use_cuda_graphs:
             if kv_caches is not self._captured_kv:
                 raise ValueError("the decode graphs were captured over another KV cache")
-            self._graphs[batch_size].replay()
+            (self._lora_graphs if lora_rows else self._graphs)[batch_size].replay()
         else:
             self._run(batch_size, kv_caches)
         sample = np.fromiter((r.sample for r in requests), bool, num_seqs)
@@ -247,6 +263,17 @@ class DecodeGraphRunner:
         if self._copied is not None:
             self._copied.record()
 
+    def _stage_lora_rows(self, num_seqs: int, batch_size: int) -> bool:
+        """Whether the step has adapter rows (LoRAModel.begin_step): then each row's slot
+        copied into the static buffer, and the adapters' kernels pointed at it."""
+        step = None if self.loras is None else self.loras.step
+        if step is None or step.row_slots is None:
+            return False
+        self.row_slots[:num_seqs].copy_(step.row_slots, non_blocking=True)
+        self.row_slots[num_seqs:batch_size] = -1
+        step.row_slots = self.row_slots[:batch_size]
+        return True
+
     def _run(self, batch_size: int, kv_caches: KVCaches) -> None:
         """The forward of one bucket on the static buffers, into the static output."""
         meta = self._metas[batch_size]
@@ -283,19 +310,19 @@ class DecodeGraphRunner:
         reserved = torch.cuda.memory_reserved(self.device)
         self._reset_to_padding()
         self._graphs.clear()
+        self._lora_graphs.clear()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for batch_size in reversed(self.batch_sizes):
-            # NOTE: warm-up on a side stream, as torch's CUDA graph docs ask.
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(NUM_WARMUP_RUNS):
-                    self._run(batch_size, kv_caches)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(batch_size, kv_caches)
-            self._graphs[batch_size] = graph
+            self._graphs[batch_size] = self._capture_one(batch_size, kv_caches, pool, side)
+            if self.loras is not None:  # the same with the adapters' kernels, on no slot
+                step = self.loras.step
+                step.runs, step.row_slots = [("", 0, batch_size)], self.row_slots[:batch_size]
+                try:
+                    self._lora_graphs[batch_size] = self._capture_one(
+                        batch_size, kv_caches, pool, side)
+                finally:
+                    step.runs, step.row_slots = [], None
         torch.cuda.synchronize(self.device)
         self._captured_kv = kv_caches
         logger.info(
@@ -305,3 +332,16 @@ class DecodeGraphRunner:
             time.perf_counter() - start,
             (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
+
+    def _capture_one(self, batch_size: int, kv_caches: KVCaches, pool: tuple[int, int],
+                     side: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        # NOTE: warm-up on a side stream, as torch's CUDA graph docs ask.
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(NUM_WARMUP_RUNS):
+                self._run(batch_size, kv_caches)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._run(batch_size, kv_caches)
+        return graph

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +85,34 @@ def num_blocks_for_memory(budget_bytes: int, block_bytes: int) -> int:
             "raise --kv-cache-memory / --gpu-memory-utilization or set --num-kv-blocks"
         )
     return num_blocks
+
+
+# NOTE: the CPU cache's pages are taken only as its blocks are first written (zeroed), so a
+# large budget costs nothing until it is used; half of what is free leaves the rest of the
+# host (other processes, the page cache of a mapped GGUF) its room when the cache fills.
+AUTO_KV_FRACTION = 0.5
+
+
+def cpu_kv_budget(config_bytes: int | None, memory_share: float, ranks: int) -> int:
+    """The CPU KV cache's bytes for one rank: `config_bytes` (--kv-cache-memory) when set,
+    else AUTO_KV_FRACTION of the memory available now (after the weights are loaded),
+    shared among the engine cores (`memory_share`) and the tensor-parallel `ranks`."""
+    if config_bytes is not None:
+        return config_bytes
+    return int(available_memory() * AUTO_KV_FRACTION * memory_share / ranks)
+
+
+def available_memory() -> int:
+    """The host's available memory in bytes (Linux's MemAvailable: free plus what the kernel
+    can reclaim), or half the physical memory where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def profile_cuda_num_blocks(

@@ -11,7 +11,14 @@ rows. An adapter is read, checked and laid out on the loader thread (`read`); `a
 between two steps only installs it. A step without adapter rows costs each projection one
 check. On the CPU in float32 each delta is the C++ kernels' `lora_add_`, and a decode
 step with adapter rows runs in the C++ decode stack too (on each adapter's matrices as
-`LoRAStep.stacked` holds them); not in CUDA graphs.
+`LoRAStep.stacked` holds them).
+
+On CUDA each projection's adapters sit in slot buffers (model_runner/lora_stacks.py) and
+one Triton kernel pair adds every row's delta, grouped by slot, whatever the runs (decode
+steps in CUDA graphs, model_runner/cuda_graphs.py). Under tensor parallelism a rank holds
+its slice of each adapter, cut as the base weight is (the model's `checkpoint_slices`): a
+column-parallel part (q, k, v, gate, up) its rows of B, a row-parallel one (o, down) its
+columns of A, so that its delta is a partial sum, all-reduced with the base projection's.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model_runner.config import LoRAConfig
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.lora_adapters import LoRAAdapter, check_adapter, read_adapter
+from model_runner.lora_stacks import LoRAStack, ProjectionWeights, SlotTable
 
 # our fused projection -> the PEFT projections it holds, in their order of rows
 _FUSED = {
@@ -36,12 +45,14 @@ _FUSED = {
 
 class LoRAStep:
     """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
-    Empty: no adapter in the step. `stacked`: each adapter held, as the C++ decode stack
-    reads it (per layer, A and B of qkv, o, gate_up and down; empty where not targeted),
-    or None when the model's layers are not the stack's four projections each."""
+    Empty: no adapter in the step. With slot buffers, `row_slots`: each row's slot [T].
+    `stacked`: each adapter held, as the C++ decode stack reads it (per layer, A and B of
+    qkv, o, gate_up and down; empty where not targeted), or None when the model's layers
+    are not the stack's four projections each."""
 
     def __init__(self) -> None:
         self.runs: list[tuple[str, int, int]] = []
+        self.row_slots: torch.Tensor | None = None
         self.stacked: dict[str, list[torch.Tensor]] | None = None
         self.native = False  # deltas by the C++ kernels' lora_add_ (CPU, float32)
 
@@ -56,8 +67,8 @@ class LoRAStep:
         return runs, [tensor for name in order for tensor in self.stacked[name]]
 
 
-# One projection's weights of an adapter: A [R, in] and B [out, R] (None: not targeted)
-ProjectionWeights = tuple[torch.Tensor, torch.Tensor] | None
+# a part's tensor-parallel cut: (dim, start, stop) of its weight this rank holds
+Cut = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -71,24 +82,30 @@ class ReadyAdapter:
 
 class LoRAProjection:
     """One fused projection's adapters: name -> (A [R, in], B [out, R]), R the sum of the
-    ranks of the parts the adapter targets (a part it skips has no rows in A and B)."""
+    ranks of the parts the adapter targets (a part it skips has no rows in A and B);
+    `stack`: their slot buffers, on CUDA (then the pairs are views into them)."""
 
     def __init__(self, step: LoRAStep, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
         self.step = step
         self.parts = parts
         self.sizes = sizes  # the parts' output rows
         self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stack: LoRAStack | None = None
 
     def lay_out(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
-                device: torch.device) -> ProjectionWeights:
+                device: torch.device, cuts: dict[str, Cut]) -> ProjectionWeights:
         """`adapter`'s A matrices of this layer's parts stacked, its B matrices at their
-        parts' rows of the fused output (None: it targets none of them)."""
+        parts' rows of the fused output (None: it targets none of them); each part cut
+        to this rank's slice (`cuts`)."""
         shrinks, expands, offset = [], [], 0
         out_size = sum(self.sizes)
         for part, size in zip(self.parts, self.sizes, strict=True):
             pair = adapter.weights.get((layer, part))
             if pair is not None:
                 a, b = pair
+                if part in cuts:
+                    dim, start, stop = cuts[part]
+                    a, b = (a, b[start:stop]) if dim == 0 else (a[:, start:stop], b)
                 expand = torch.zeros(out_size, a.shape[0])
                 expand[offset : offset + size] = b
                 shrinks.append(a)
@@ -104,6 +121,8 @@ class LoRAProjection:
         on its runs of rows of the step (in place); on the CPU in float32, the C++
         kernels' `lora_add_` (the decode stack's, on the step's thread: no GEMM's thread
         pool woken twice a projection)."""
+        if self.stack is not None and self.step.row_slots is not None:
+            return self.stack.apply_(x, out, self.step.row_slots)
         native = (self.step.native and x.dtype == torch.float32 and x.dim() == 2
                   and x.stride(1) == 1 and out.stride(1) == 1)
         for name, start, stop in self.step.runs:
@@ -119,12 +138,14 @@ class LoRAProjection:
 
 
 class LoRAModel:
-    """The adapters a model holds (`adapters`), those it may load (`paths`), and the
-    step's runs of rows by adapter."""
+    """The adapters a model holds (`adapters`, at most --max-cpu-loras), those it may load
+    (`paths`), and the step's runs of rows by adapter. `use_stacks`: slot buffers and the
+    Triton kernel (None: on CUDA)."""
 
-    def __init__(self, model: nn.Module, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig,
+                 use_stacks: bool | None = None) -> None:
         self.model = model
-        self.max_rank = max_rank
+        self.max_rank = config.max_lora_rank
         self.paths: dict[str, str] = {}  # every adapter it may load: name -> PEFT folder
         self.step = LoRAStep()
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -132,34 +153,48 @@ class LoRAModel:
         self.shapes: dict[str, tuple[int, int]] = {}
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.table = SlotTable(config.cpu_loras)
+        self.use_stacks = self.device.type == "cuda" if use_stacks is None else use_stacks
+        self.cuts: dict[str, Cut] = {}
+        slices = model.checkpoint_slices()  # {} on one rank
         for layer_id, layer in enumerate(model.layers):
             for owner in (layer.self_attn, layer.mlp):
-                self._attach(layer_id, owner)
+                self._attach(layer_id, owner, slices)
         stack_order = [(i, parts) for i in range(len(model.layers)) for parts in _FUSED.values()]
-        if [(i, p.parts) for i, p in self.projections] == stack_order:
+        if not self.use_stacks and [(i, p.parts) for i, p in self.projections] == stack_order:
             self.step.stacked = {}
         self.step.native = (self.device.type == "cpu" and self.dtype == torch.float32
                             and cpu_kernels_available())
         model.lora_step = self.step
 
-    def _attach(self, layer_id: int, owner: nn.Module) -> None:
+    def _attach(self, layer_id: int, owner: nn.Module,
+                slices: dict[str, tuple[int, int, int, int]]) -> None:
         for fused, parts in _FUSED.items():
             linear = getattr(owner, fused, None)
             if linear is None or not hasattr(linear, "lora"):
                 continue
             sizes = _part_sizes(owner, fused)
             projection = LoRAProjection(self.step, parts, sizes)
+            if self.use_stacks:
+                projection.stack = LoRAStack(self.table.num_slots, self.max_rank * len(parts),
+                                             linear.in_features, sum(sizes), self.dtype,
+                                             self.device)
             linear.lora = projection
             self.projections.append((layer_id, projection))
             for part, size in zip(parts, sizes, strict=True):
-                self.shapes[part] = (size, linear.in_features)
+                self.shapes[part] = (size, linear.in_features)  # the whole (out, in)
+                if part in slices:
+                    dim, start, stop, whole = slices[part]
+                    self.cuts[part] = (dim, start, stop)
+                    self.shapes[part] = (whole, linear.in_features) if dim == 0 else (size, whole)
 
     def read(self, name: str, path: str) -> ReadyAdapter:
         """The adapter in the PEFT folder `path`, checked against this model and laid out
         for its projections (no state changes: it runs on the loader thread)."""
         adapter = read_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
-        return ReadyAdapter(adapter, [projection.lay_out(adapter, layer, self.dtype, self.device)
-                                      for layer, projection in self.projections])
+        return ReadyAdapter(adapter, [
+            projection.lay_out(adapter, layer, self.dtype, self.device, self.cuts)
+            for layer, projection in self.projections])
 
     def check(self, name: str, path: str) -> None:
         """Check the adapter in the PEFT folder `path` against this model from its config
@@ -171,7 +206,10 @@ class LoRAModel:
         two steps."""
         name = ready.adapter.name
         self.remove(name)
+        slot = self.table.take(name)
         for (_, projection), weights in zip(self.projections, ready.weights, strict=True):
+            if projection.stack is not None:  # held once, in the slot
+                weights = projection.stack.put(slot, weights)
             if weights is not None:
                 projection.adapters[name] = weights
         self.adapters[name] = ready.adapter
@@ -182,6 +220,7 @@ class LoRAModel:
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
+        self.table.release(name)
         if self.step.stacked is not None:
             self.step.stacked.pop(name, None)
         for _, projection in self.projections:
@@ -203,6 +242,9 @@ class LoRAModel:
                     runs.append((name, start, start + n))
             start += n
         self.step.runs = runs
+        self.step.row_slots = None
+        if runs and self.use_stacks:
+            self.step.row_slots = self.table.row_slots(names, num_rows, self.device)
         return bool(runs)
 
 

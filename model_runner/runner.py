@@ -22,6 +22,7 @@ from model_runner.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
+    cpu_kv_budget,
     kv_cache_dtype,
     num_blocks_for_memory,
     profile_cuda_num_blocks,
@@ -56,6 +57,8 @@ class Workers(Protocol):
     def forget(self, request_ids: Sequence[str]) -> None: ...
 
     def send_step(self, requests: Sequence[ScheduledRequest]) -> None: ...
+
+    def send_loras(self, loras: LoRAModel, loads: Sequence[str]) -> None: ...
 
     def check_deaths(self, wait_s: float) -> None: ...
 
@@ -236,13 +239,11 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._previous: LaunchedStep | None = None  # the last step that sampled
         self.draft = None if draft is None else DraftModel(draft, loaded, config, self.kv_dtype)
+        self.loras = None if config.lora is None else LoRAModel(self.model, config.lora)
         # CUDA graphs for decode-only steps (None: every step runs eagerly, as with a draft
         # model, whose forward reads the step's flat inputs)
         self.decode_graphs = None if draft is not None else create_decode_graph_runner(
-            self.model, self.attn, config, self.max_model_len, self.device
-        )
-        self.loras = None if config.lora is None else LoRAModel(
-            self.model, config.lora.max_lora_rank
+            self.model, self.attn, config, self.max_model_len, self.device, self.loras
         )
         self.kv_cache = self._allocate_kv_cache(config)
         self.num_kv_blocks = self.kv_cache.num_blocks
@@ -277,6 +278,8 @@ class ModelRunner:
         if self.loras is not None:
             for name in scheduler_output.lora_evictions:
                 self.loras.remove(name)
+            if self.workers is not None:
+                self.workers.send_loras(self.loras, scheduler_output.lora_loads)
         if scheduler_output.is_empty:
             return LaunchedStep.nothing()
         # decodes first (stable, so the scheduler's order holds within each group), each
@@ -384,7 +387,8 @@ class ModelRunner:
         same forward and LM head, whose collectives meet rank 0's. Nothing is sampled.
         `freed_ids`: requests whose block tables rank 0's scheduler freed."""
         self.block_tables.forget(freed_ids)
-        self._logits(requests, None, keep_prompt_logprobs=False)
+        if requests:  # else a plan of LoRA news alone
+            self._logits(requests, None, keep_prompt_logprobs=False)
 
     def _logits(
         self,
@@ -411,11 +415,9 @@ class ModelRunner:
         through the graph runner when there is one. `placeholders`: flat positions of
         the input ids to overwrite, and their tokens."""
         graphs = self.decode_graphs
-        if self.loras is not None and self.loras.begin_step(
-            [r.lora_name for r in requests], [r.num_new_tokens for r in requests]
-        ):
-            graphs = None  # the adapters' deltas run eagerly
-        if graphs is not None and graphs.can_run(requests):
+        lora_rows = self.loras is not None and self.loras.begin_step(
+            [r.lora_name for r in requests], [r.num_new_tokens for r in requests])
+        if graphs is not None and graphs.can_run(requests, lora_rows):
             return graphs.forward(requests, self.block_tables, self.kv_cache.layers,
                                   placeholders)
         inputs = prepare_inputs(requests, self.block_tables, self.device)
@@ -454,7 +456,9 @@ class ModelRunner:
                 self.device,
             )
         else:
-            num_blocks = num_blocks_for_memory(config.kv_cache_memory, block_bytes)
+            ranks = 1 if self.model.tp is None else config.tensor_parallel_size
+            budget = cpu_kv_budget(config.kv_cache_memory, config.memory_share, ranks)
+            num_blocks = num_blocks_for_memory(budget, block_bytes)
         if self.model.tp is not None:
             num_blocks = self.model.tp.min(num_blocks)
         return self._new_kv_cache(num_blocks)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from model_runner.config import ModelConfig
-from model_runner.kv_cache import bytes_per_block, num_blocks_for_memory
+from model_runner.kv_cache import bytes_per_block, cpu_kv_budget, num_blocks_for_memory
 from model_runner.loader import ModelSpec
 from scheduler.output import (
     ModelRunnerOutput,
@@ -51,7 +51,7 @@ class SimulatedRunner:
             hf.num_hidden_layers, self.block_size, num_kv_heads, head_dim, torch.float32
         )
         self.num_kv_blocks = config.num_kv_blocks or num_blocks_for_memory(
-            config.kv_cache_memory, block_bytes
+            cpu_kv_budget(config.kv_cache_memory, config.memory_share, 1), block_bytes
         )
         special = set(spec.tokenizer.all_special_ids) | set(spec.eos_token_ids)
         vocab_size = int(hf.vocab_size)

@@ -121,8 +121,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--block-size", type=int, default=16)
     cache.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV cache blocks (default: from the memory budget)")
-    cache.add_argument("--kv-cache-memory", type=parse_size, default="2GiB",
-                       help="CPU KV cache budget, e.g. 2GiB, 512MiB or bytes (default 2GiB)")
+    cache.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
+                       help="CPU KV cache budget, e.g. 2GiB, 512MiB or bytes (default auto: "
+                       "half the memory available once the model is loaded; the pages are "
+                       "taken as blocks are first written)")
     cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="reuse cached KV blocks of shared prefixes")
@@ -253,6 +255,10 @@ def build_configs(args: argparse.Namespace, cuda: bool) -> ServeConfigs:
         raise ValueError("--stream-interval must be >= 1")
     return ServeConfigs(server, model, scheduler, args.enable_prefix_caching,
                         args.simulate_step_ms, args.stream_interval, args.data_parallel_size)
+
+
+def _kv_cache_memory(text: str) -> int | None:
+    return None if text == "auto" else parse_size(text)
 
 
 def _model_config(

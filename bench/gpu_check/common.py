@@ -16,7 +16,7 @@ H200_HBM_BYTES_PER_S = 4.8e12
 # the GPU tests, and the kernel and CUDA-graph tests of the runner, compiled on CUDA
 TEST_PATHS = ["tests/gpu", "tests/runner/test_triton_attention.py",
               "tests/runner/test_triton_layers.py", "tests/runner/test_triton_moe.py",
-              "tests/runner/test_cuda_graphs.py"]
+              "tests/runner/test_triton_lora.py", "tests/runner/test_cuda_graphs.py"]
 
 
 @dataclass

@@ -38,8 +38,10 @@ from model_runner.distributed.tensor_parallel import (
     init_tensor_parallel,
     open_store,
 )
+from model_runner.distributed.tp_lora import LoRAMirror, WorkerLoRAs
 from model_runner.distributed.tp_plan import BlockTables, PlanWriter
 from model_runner.loader import LoadedModel, load_model, load_model_spec, resolve_device
+from model_runner.lora_layers import LoRAModel
 from model_runner.models.registry import model_class
 from model_runner.process_lifetime import die_with_parent
 from model_runner.runner import ModelRunner
@@ -68,8 +70,8 @@ class Workers:
     """Rank 0's handle on the worker processes of ranks 1..N-1.
 
     `send_step` hands every worker the plan of a step; `forget` names requests whose block
-    tables were freed. A watcher thread per worker calls `on_death(reason)` when it exits
-    before `close`.
+    tables were freed; `send_loras` what changed of rank 0's LoRA adapters. A watcher
+    thread per worker calls `on_death(reason)` when it exits before `close`.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class Workers:
         on_death: Callable[[str], None],
     ) -> None:
         self._plans = PlanWriter()
+        self._loras = LoRAMirror()
+        self._lora_news: bytes | None = None
         self._closing = False
         self._on_death = on_death
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -101,9 +105,18 @@ class Workers:
     def forget(self, request_ids: Sequence[str]) -> None:
         self._plans.forget(request_ids)
 
+    def send_loras(self, loras: LoRAModel, loads: Sequence[str]) -> None:
+        """The workers' adapters brought level with `loras` (rank 0's) and the reads of
+        `loads` started, before the next step (at once: its plan may never come)."""
+        news = self._loras.news(loras, loads)
+        if news is not None:
+            self._send(self._plans.plan([], news))
+
     def send_step(self, requests: Sequence[ScheduledRequest]) -> None:
         """Every worker runs `requests` (in this order) with rank 0."""
-        data = self._plans.plan(requests)
+        self._send(self._plans.plan(requests))
+
+    def _send(self, data: bytes) -> None:
         for conn in self._conns:
             conn.send_bytes(data)
 
@@ -202,11 +215,15 @@ def worker_main(fd: int) -> None:
                           timeout=TIMEOUT)
     tp = init_tensor_parallel(setup.rank, setup.world_size, store, device)
     runner = ModelRunner(load_model(setup.model, tp), setup.model)
+    loras = None if runner.loras is None else WorkerLoRAs(runner.loras)
     tables = BlockTables()
     while True:
         try:
             data = conn.recv_bytes()
         except EOFError:  # rank 0 closed it, or is gone
             break
-        runner.execute_worker(*tables.apply(data))
+        requests, freed_ids, news = tables.apply(data)
+        if news is not None and loras is not None:
+            loras.apply(news)
+        runner.execute_worker(requests, freed_ids)
     tp.close()

@@ -250,7 +250,9 @@ def test_every_core_starts_before_any_is_waited_for_and_a_failure_stops_the_rest
     events: list[str] = []
     starts: list[FakeStart] = []
 
-    def start(core_name: str, num_threads: int, **_: object) -> FakeStart:
+    def start(core_name: str, num_threads: int, model_config: ModelConfig,
+              **_: object) -> FakeStart:
+        assert model_config.memory_share == 1 / 3  # each core's part of the host
         starts.append(FakeStart(events, core_name, fails=core_name == failing))
         return starts[-1]
 

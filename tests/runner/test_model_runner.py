@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from model_runner import gguf_file
+from model_runner import gguf_file, kv_cache
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
@@ -227,6 +227,22 @@ def test_kv_cache_sized_from_memory_budget(llama: TinyModel):
     k_cache, v_cache = runner.kv_cache.layers[0]
     assert k_cache.shape == v_cache.shape == (runner.num_kv_blocks, 8, 2, 16)
     assert len(runner.kv_cache.layers) == 2
+
+
+def test_an_unset_cpu_kv_budget_is_half_the_available_memory_shared_out(llama: TinyModel,
+                                                                        monkeypatch):
+    """No --kv-cache-memory: half of what the host has available once the weights are in,
+    split among the engine cores (memory_share) and the tensor-parallel ranks; a set budget
+    is kept as is."""
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 12 << 20)
+    assert kv_cache.cpu_kv_budget(None, 1.0, 1) == 6 << 20
+    assert kv_cache.cpu_kv_budget(None, 0.5, 2) == 3 << 19
+    assert kv_cache.cpu_kv_budget(1 << 20, 0.5, 2) == 1 << 20
+    runner = ModelRunner(llama.loaded, ModelConfig(model=llama.loaded.model_path, block_size=8,
+                                                   memory_share=0.5))
+    assert runner.num_kv_blocks == (3 << 20) // bytes_per_block(2, 8, 2, 16, torch.float32)
+    assert 0 < kv_cache.available_memory() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES")
 
 
 def test_the_cpu_kv_cache_takes_memory_as_its_blocks_are_written():

@@ -43,7 +43,8 @@ def test_cpu_defaults() -> None:
     assert c.scheduler.policy == "fcfs"
     assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens) == (128, 512)
     assert (c.model.max_num_seqs, c.model.max_num_batched_tokens) == (128, 512)
-    assert c.model.model is None and c.model.kv_cache_memory == 2 * 1024**3
+    assert c.model.model is None and c.model.kv_cache_memory is None  # auto
+    assert configs("--kv-cache-memory", "auto").model.kv_cache_memory is None
     assert c.model.block_size == 16 and c.model.num_kv_blocks is None
     assert c.enable_prefix_caching
 
@@ -255,6 +256,7 @@ def test_lora_flags_reach_the_model_and_server_configs() -> None:
     assert (lora.max_loras, lora.max_lora_rank, lora.cpu_loras) == (2, 32, 3)
     assert served.server.runtime_lora_updating
     assert configs().model.lora is None
+    assert configs("--enable-lora", "-tp", "2").model.lora is not None  # each rank its slice
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
@@ -262,7 +264,6 @@ def test_lora_flags_reach_the_model_and_server_configs() -> None:
     (["--enable-lora", "--lora-modules", "sql"], "expected NAME=PATH"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "share a name"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras"),
-    (["--enable-lora", "-tp", "2"], "tensor_parallel_size > 1"),
 ])
 def test_bad_lora_flags_are_refused_naming_them(flags: list[str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
