@@ -2,7 +2,7 @@
 in the same run, and what loading an adapter costs the step.
 
 `python -m bench.lora_bench [--batch 16] [--adapters 4] [--rank 16] [--steps 32]
-[--threads N]`
+[--threads N]`; with `--http`, the same over HTTP against a server (bench/lora_http.py).
 
 Four random adapters of rank 16 on all seven projections (PEFT folders written to a
 temporary directory, read through the runner's own checks) beside SmolLM2-135M. The model
@@ -13,9 +13,9 @@ runner alone (tests/support's `RunnerLoop`: no scheduler, no HTTP), float32 on t
 - an adapter's load: the folder read and checked (off the step, on the core's loader
   thread) and its hand-over to the runner between two steps (on the step's thread).
 Steps alternate between the two sides so that a shared machine disturbs both alike; the
-table gives each side's median step and their ratio. The base model's steps may take the
-C++ decode stack; the adapters' take the Python layers (docs/models.md): the third column
-is the base model through the Python layers, for what the adapters' deltas alone cost.
+table gives each side's median step and their ratio. Decode steps of up to eight rows
+take the C++ decode stack, adapters' rows among them (docs/models.md); the third column
+is the base model through the Python layers, for what the stack saves.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench import lora_http
 from model_runner.config import LoRAConfig, ModelConfig
 from model_runner.loader import load_model
 from model_runner.runner import ModelRunner
@@ -88,7 +89,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--http", action="store_true",
+                        help="a server over HTTP (bench/lora_http.py) instead of the runner")
+    parser.add_argument("--scale", type=float, default=1.0, help="--http: W1's size")
+    parser.add_argument("--rounds", type=int, default=2, help="--http: W1's parts in turn")
+    parser.add_argument("--single", type=int, default=4,
+                        help="--http: the single stream's requests on each side")
     args = parser.parse_args()
+    if args.http:
+        lora_http.main(args, write_adapter)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(num_kv_blocks=1))

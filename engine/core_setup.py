@@ -129,17 +129,18 @@ def _load_loras(
     config: LoRAConfig, runner: ModelRunner | SimulatedRunner, scheduler: Scheduler
 ) -> None:
     """Check every --lora-modules folder against the model (a bad one fails the start,
-    naming it: AdapterError); the first --max-cpu-loras stay loaded, the others load when
-    their requests come. The simulated runner has no weights to check: its adapters are
-    only names."""
+    naming it: AdapterError); the first --max-cpu-loras are read and stay loaded, the
+    others are read when their requests come. The simulated runner has no weights to
+    check: its adapters are only names."""
     holder = getattr(runner, "loras", None)
     for index, (name, path) in enumerate(config.modules):
         keep = index < config.cpu_loras
         if holder is not None:
             holder.paths[name] = path
-            adapter = holder.read(name, path)
             if keep:
-                holder.add(adapter)
+                holder.add(holder.read(name, path))
+            else:  # read when its requests come
+                holder.check(name, path)
         if keep:
             scheduler.lora_loaded(name)
     logger.info("LoRA adapters: %s", ", ".join(name for name, _ in config.modules) or "none")

@@ -27,6 +27,8 @@ class LoRAHolder(Protocol):
 
     def read(self, name: str, path: str) -> ReadyAdapter: ...
 
+    def check(self, name: str, path: str) -> None: ...
+
     def add(self, ready: ReadyAdapter) -> None: ...
 
     def remove(self, name: str) -> None: ...
@@ -76,9 +78,10 @@ class LoRALoader:
         return loaded, failed
 
     def update(self, name: str, path: str | None, slots: LoRASlots) -> str | None:
-        """Serve the adapter in `path` as `name` (its folder checked now, read again when
-        its requests come), or stop serving `name` (`path` None): why not, or None. An
-        adapter its unfinished requests want is not unloaded."""
+        """Serve the adapter in `path` as `name` (its folder checked now from its config
+        and weight shapes, a few milliseconds on the step's thread; its weights read off
+        the step when its requests come), or stop serving `name` (`path` None): why not,
+        or None. An adapter its unfinished requests want is not unloaded."""
         holder = self.holder
         known = holder is None or name in holder.paths
         if path is not None:
@@ -87,7 +90,7 @@ class LoRALoader:
             if known:
                 return f"The LoRA adapter {name!r} has already been loaded."
             try:
-                holder.read(name, path)
+                holder.check(name, path)
             except AdapterError as exc:
                 return str(exc)
             holder.paths[name] = path

@@ -134,7 +134,7 @@ async def _send(
     client: httpx.AsyncClient, config: BenchConfig, model: str, item: BenchItem
 ) -> Result:
     payload: dict[str, Any] = {
-        "model": model,
+        "model": item.model or model,
         "prompt": item.prompt,
         "max_tokens": item.max_tokens,
         "temperature": config.temperature,

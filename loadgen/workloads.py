@@ -19,6 +19,7 @@ class BenchItem:
     max_tokens: int
     priority: int = 0
     send_at_s: float | None = None  # fixed arrival offset, outside the concurrency gate
+    model: str | None = None  # the model (or LoRA adapter) it names; None: the run's
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -57,12 +57,24 @@ class LoRAAdapter:
     weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(
+@dataclass(frozen=True)
+class AdapterLayout:
+    """A PEFT folder checked against the model from its config and its weights' names and
+    shapes alone (no weight read): its rank, scale, and each (layer, projection)'s keys
+    of A and B in the safetensors file."""
+
+    rank: int
+    scale: float
+    keys: Mapping[tuple[int, str], tuple[str, str]]
+
+
+def check_adapter(
     name: str, path: str, max_rank: int, shapes: Mapping[str, tuple[int, int]],
     num_layers: int,
-) -> LoRAAdapter:
-    """The adapter in the PEFT folder `path`, checked against the model: `shapes` maps a
-    projection to its (out, in) sizes; a rank over `max_rank` is refused."""
+) -> AdapterLayout:
+    """The adapter in the PEFT folder `path`, checked against the model without reading
+    its weights (milliseconds): `shapes` maps a projection to its (out, in) sizes; a rank
+    over `max_rank` is refused."""
     folder = Path(path)
     config = _read_config(folder)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
@@ -74,9 +86,8 @@ def read_adapter(
                            f"{max_rank}")
     _check_options(folder, config)
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    tensors = _read_tensors(folder)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    halves: dict[tuple[int, str], dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for key, shape in _read_shapes(folder).items():
         match = _KEY.search(key)
         if match is None or match.group(2) not in PROJECTIONS:
             raise AdapterError(f"{folder / WEIGHTS_FILE}: {key!r} is not a LoRA weight of "
@@ -85,21 +96,33 @@ def read_adapter(
         if layer >= num_layers or projection not in shapes:
             raise AdapterError(f"{folder / WEIGHTS_FILE}: {key!r} names no projection of "
                                "this model")
-        halves.setdefault((layer, projection), {})[half] = tensor
-    weights = {}
+        halves.setdefault((layer, projection), {})[half] = (key, shape)
+    keys = {}
     for (layer, projection), pair in halves.items():
         out_size, in_size = shapes[projection]
         a, b = pair.get("A"), pair.get("B")
         where = f"{folder / WEIGHTS_FILE}: layer {layer} {projection}"
         if a is None or b is None:
             raise AdapterError(f"{where} lacks its lora_A or lora_B")
-        if tuple(a.shape) != (rank, in_size) or tuple(b.shape) != (out_size, rank):
-            raise AdapterError(f"{where} has shapes {tuple(a.shape)} and {tuple(b.shape)}, "
+        if a[1] != (rank, in_size) or b[1] != (out_size, rank):
+            raise AdapterError(f"{where} has shapes {a[1]} and {b[1]}, "
                                f"expected {(rank, in_size)} and {(out_size, rank)}")
-        weights[(layer, projection)] = (a.float(), b.float() * scale)
-    if not weights:
+        keys[(layer, projection)] = (a[0], b[0])
+    if not keys:
         raise AdapterError(f"{folder / WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAAdapter(name, str(folder), rank, weights)
+    return AdapterLayout(rank, scale, keys)
+
+
+def read_adapter(
+    name: str, path: str, max_rank: int, shapes: Mapping[str, tuple[int, int]],
+    num_layers: int,
+) -> LoRAAdapter:
+    """The adapter in the PEFT folder `path`, checked (`check_adapter`) and read."""
+    layout = check_adapter(name, path, max_rank, shapes, num_layers)
+    tensors = _read_tensors(Path(path))
+    weights = {where: (tensors[a].float(), tensors[b].float() * layout.scale)
+               for where, (a, b) in layout.keys.items()}
+    return LoRAAdapter(name, str(Path(path)), layout.rank, weights)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -134,6 +157,17 @@ def _check_options(folder: Path, config: dict[str, Any]) -> None:
             f"{where}: target_modules {refused} are not served: adapters apply to "
             f"{', '.join(PROJECTIONS)} (not the embedding or the LM head)"
         )
+
+
+def _read_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The safetensors file's tensor names and shapes, from its header alone."""
+    try:
+        with safe_open(folder / WEIGHTS_FILE, framework="pt") as weights:
+            return {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
+    except FileNotFoundError as exc:
+        raise AdapterError(f"no {WEIGHTS_FILE} in {folder}") from exc
+    except (OSError, SafetensorError) as exc:
+        raise AdapterError(f"{folder / WEIGHTS_FILE} cannot be read: {exc}") from exc
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -9,7 +9,9 @@ the fused parts' A matrices stacked) and expands them (@ B.T, the parts' B matri
 their rows of the fused output, scale folded in), added to the base output at those
 rows. An adapter is read, checked and laid out on the loader thread (`read`); `add`
 between two steps only installs it. A step without adapter rows costs each projection one
-check. Such a step runs the Python layers (not the C++ decode stack).
+check. On the CPU in float32 each delta is the C++ kernels' `lora_add_`, and a decode
+step with adapter rows runs in the C++ decode stack too (on each adapter's matrices as
+`LoRAStep.stacked` holds them).
 
 On CUDA each projection's adapters sit in slot buffers (model_runner/lora_stacks.py) and
 one Triton kernel pair adds every row's delta, grouped by slot, whatever the runs (decode
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 
 from model_runner.config import LoRAConfig
-from model_runner.lora_adapters import LoRAAdapter, read_adapter
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
+from model_runner.lora_adapters import LoRAAdapter, check_adapter, read_adapter
 from model_runner.lora_stacks import LoRAStack, ProjectionWeights, SlotTable
 
 # our fused projection -> the PEFT projections it holds, in their order of rows
@@ -42,11 +45,26 @@ _FUSED = {
 
 class LoRAStep:
     """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
-    Empty: no adapter in the step. With slot buffers, `row_slots`: each row's slot [T]."""
+    Empty: no adapter in the step. With slot buffers, `row_slots`: each row's slot [T].
+    `stacked`: each adapter held, as the C++ decode stack reads it (per layer, A and B of
+    qkv, o, gate_up and down; empty where not targeted), or None when the model's layers
+    are not the stack's four projections each."""
 
     def __init__(self) -> None:
         self.runs: list[tuple[str, int, int]] = []
         self.row_slots: torch.Tensor | None = None
+        self.stacked: dict[str, list[torch.Tensor]] | None = None
+        self.native = False  # deltas by the C++ kernels' lora_add_ (CPU, float32)
+
+    def stack_inputs(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The runs as the decode stack takes them: (the adapter's index among the step's,
+        start, stop) one after the other, and those adapters' matrices in that order."""
+        assert self.stacked is not None
+        order: dict[str, int] = {}
+        runs: list[int] = []
+        for name, start, stop in self.runs:
+            runs += (order.setdefault(name, len(order)), start, stop)
+        return runs, [tensor for name in order for tensor in self.stacked[name]]
 
 
 # a part's tensor-parallel cut: (dim, start, stop) of its weight this rank holds
@@ -100,15 +118,22 @@ class LoRAProjection:
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
-        on its runs of rows of the step (in place)."""
+        on its runs of rows of the step (in place); on the CPU in float32, the C++
+        kernels' `lora_add_` (the decode stack's, on the step's thread: no GEMM's thread
+        pool woken twice a projection)."""
         if self.stack is not None and self.step.row_slots is not None:
             return self.stack.apply_(x, out, self.step.row_slots)
+        native = (self.step.native and x.dtype == torch.float32 and x.dim() == 2
+                  and x.stride(1) == 1 and out.stride(1) == 1)
         for name, start, stop in self.step.runs:
             pair = self.adapters.get(name)
             if pair is None:  # the adapter does not target this projection
                 continue
             shrink, expand = pair
-            out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
+            if native:
+                torch.ops.pagedserve.lora_add_(out, x, shrink, expand, start, stop)
+            else:
+                out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
         return out
 
 
@@ -135,6 +160,11 @@ class LoRAModel:
         for layer_id, layer in enumerate(model.layers):
             for owner in (layer.self_attn, layer.mlp):
                 self._attach(layer_id, owner, slices)
+        stack_order = [(i, parts) for i in range(len(model.layers)) for parts in _FUSED.values()]
+        if not self.use_stacks and [(i, p.parts) for i, p in self.projections] == stack_order:
+            self.step.stacked = {}
+        self.step.native = (self.device.type == "cpu" and self.dtype == torch.float32
+                            and cpu_kernels_available())
         model.lora_step = self.step
 
     def _attach(self, layer_id: int, owner: nn.Module,
@@ -166,6 +196,11 @@ class LoRAModel:
             projection.lay_out(adapter, layer, self.dtype, self.device, self.cuts)
             for layer, projection in self.projections])
 
+    def check(self, name: str, path: str) -> None:
+        """Check the adapter in the PEFT folder `path` against this model from its config
+        and its weights' shapes, without reading them (AdapterError naming why not)."""
+        check_adapter(name, path, self.max_rank, self.shapes, len(self.model.layers))
+
     def add(self, ready: ReadyAdapter) -> None:
         """Hold an adapter read (replacing one of the same name): dict entries only, between
         two steps."""
@@ -178,10 +213,16 @@ class LoRAModel:
             if weights is not None:
                 projection.adapters[name] = weights
         self.adapters[name] = ready.adapter
+        if self.step.stacked is not None:
+            none = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.step.stacked[name] = [tensor for weights in ready.weights
+                                       for tensor in (weights or (none, none))]
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
         self.table.release(name)
+        if self.step.stacked is not None:
+            self.step.stacked.pop(name, None)
         for _, projection in self.projections:
             projection.adapters.pop(name, None)
 

@@ -15,7 +15,10 @@ Gemma's sandwich norms on the blocks' outputs or without, each block's output sc
 attention with full RoPE from the layer's own table or none, per-head q/k norms or none,
 any scale, window, soft cap and sinks; a SwiGLU or gelu-tanh gated MLP; every projection
 on a small-batch path of cpu_kernel_table.py), or a reason why not, and so do its norms,
-attention and MLP. A family
+attention and MLP. A step with LoRA adapters' rows runs here too: the model hands the
+stack the step's runs of rows by adapter and their A and B matrices
+(model_runner/lora_layers.py), whose deltas follow each base projection as in Python
+(the same kernel, `lora_add_`). A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
 (tests/runner/test_decode_stack.py holds every subclass here to that).
 """
@@ -147,15 +150,20 @@ class DecodeStack:
         ropes: Mapping[str, tuple[torch.Tensor, torch.Tensor]],  # name -> cos, sin [T, D / 2]
         meta: AttentionMetadata,
         kv_caches: KVCaches,
+        lora_runs: Sequence[int] = (),
+        lora_weights: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """The residual stream after the last layer (before the final norm): [T, H]."""
+        """The residual stream after the last layer (before the final norm): [T, H].
+        `lora_runs`, `lora_weights`: the step's LoRA adapters' rows and weights
+        (`LoRAStep.stack_inputs`; none: no adapter in the step)."""
         if self._split is None or self._split[0] is not kv_caches:
             self._split = (kv_caches, [k for k, _ in kv_caches], [v for _, v in kv_caches])
         _, k_caches, v_caches = self._split
         tables = [ropes[name] for name in self.ropes]
         return self.native.forward(
             x, [cos for cos, _ in tables], [sin for _, sin in tables], meta.slot_mapping,
-            meta.block_tables, meta.context_lens, k_caches, v_caches,
+            meta.block_tables, meta.context_lens, k_caches, v_caches, list(lora_runs),
+            list(lora_weights),
         )
 
 

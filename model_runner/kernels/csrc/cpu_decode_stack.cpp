@@ -1,8 +1,10 @@
 // A decoder's layers (Llama-style, Qwen3's q/k norms, Gemma's sandwich norms, gelu gate and
-// per-layer RoPE tables, NoPE layers, Granite's residual multiplier) for a decode step of a few rows, in one C++ call
+// per-layer RoPE tables, NoPE layers, Granite's residual multiplier, LoRA adapters' rows) for a
+// decode step of a few rows, in one C++ call
 // (torch.classes.pagedserve.DecodeStack, registered in cpu_bindings.cpp): the same kernels,
 // in the same order, as the Python layers call one by one (model_runner/models/layers.py on
-// the "cpu" backend), so the hidden states are the same to the bit. At batch 1 a step's
+// the "cpu" backend), so the hidden states are the same to the bit (with LoRA adapters'
+// rows too: their deltas are lora_add_'s, as the Python layers' on the CPU). At batch 1 a step's
 // arithmetic is ~10 ms and its ~500 op calls from Python cost ~3 ms more; here each layer
 // costs one loop turn. model_runner/models/decode_stack.py builds it from the layers' own
 // forms and says when it runs.
@@ -10,6 +12,7 @@
 #include <ATen/record_function.h>
 
 #include "cpu_ops.h"
+#include "vec8.h"
 
 #include <cstdint>
 #include <optional>
@@ -118,6 +121,72 @@ at::Tensor scaled(const at::Tensor& h, double multiplier) {
   return multiplier == 1.0 ? h : h * multiplier;
 }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec8 sums{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) sums += load8(a + i) * load8(b + i);
+  float sum = sum8(sums);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+}  // namespace
+
+// NOTE: on the calling thread, in plain loops: an adapter's work at a few rows is ~1e5
+// multiply-adds a projection, less than a thread pool's wake-up (a GEMM's, ~0.1 ms each on
+// a busy host, two a projection).
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
+               const at::Tensor& expand, int64_t start, int64_t stop) {
+  const int64_t rank = shrink.size(0), width = x.size(1), out_features = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && shrink.dim() == 2 && expand.dim() == 2 &&
+                  shrink.is_contiguous() && expand.is_contiguous() &&
+                  shrink.scalar_type() == at::kFloat && expand.scalar_type() == at::kFloat &&
+                  x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  x.stride(1) == 1 && out.stride(1) == 1 && shrink.size(1) == width &&
+                  expand.size(0) == out_features && expand.size(1) == rank &&
+                  0 <= start && start <= stop && stop <= x.size(0) && stop <= out.size(0),
+              "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B [out, r], float32");
+  // each row of A and of B read once for all the run's rows: the weights, not the rows,
+  // are what a step streams from memory
+  const int64_t rows = stop - start;
+  std::vector<float> shrunk(rows * rank);
+  const float* a = shrink.data_ptr<float>();
+  const float* b = expand.data_ptr<float>();
+  const float* x_rows = x.data_ptr<float>() + start * x.stride(0);
+  float* out_rows = out.data_ptr<float>() + start * out.stride(0);
+  for (int64_t k = 0; k < rank; ++k) {
+    for (int64_t r = 0; r < rows; ++r) {
+      shrunk[r * rank + k] = dot(a + k * width, x_rows + r * x.stride(0), width);
+    }
+  }
+  for (int64_t j = 0; j < out_features; ++j) {
+    for (int64_t r = 0; r < rows; ++r) {
+      out_rows[r * out.stride(0) + j] += dot(b + j * rank, shrunk.data() + r * rank, rank);
+    }
+  }
+}
+
+namespace {
+
+// The step's LoRA adapters (forward's lora_runs and lora_weights): runs of rows of one
+// adapter, each projection's delta added after its base output (lora_add_); base rows pay
+// nothing.
+struct LoRARuns {
+  static constexpr size_t kPerLayer = 8;  // qkv, o, gate_up, down: A and B each
+  const std::vector<int64_t>& runs;       // (adapter, start, stop) after each other
+  const std::vector<at::Tensor>& weights;  // per adapter, per layer: kPerLayer tensors
+  size_t per_adapter;
+
+  void add(at::Tensor& out, const at::Tensor& x, size_t layer, size_t projection) const {
+    for (size_t i = 0; i < runs.size(); i += 3) {
+      const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 2;
+      if (weights[first].numel() == 0) continue;  // the adapter does not target it
+      PROFILED("lora_add_");
+      lora_add_(out, x, weights[first], weights[first + 1], runs[i + 1], runs[i + 2]);
+    }
+  }
+};
+
 }  // namespace
 
 DecodeStack::DecodeStack(std::vector<std::string> kind_names,
@@ -178,22 +247,36 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
                                 std::vector<at::Tensor> sin,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor context_lens, std::vector<at::Tensor> k_caches,
-                                std::vector<at::Tensor> v_caches) {
+                                std::vector<at::Tensor> v_caches, std::vector<int64_t> lora_runs,
+                                std::vector<at::Tensor> lora_weights) {
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DecodeStack.forward: one k and one v cache a layer");
+  const int64_t rows = x.size(0);
+  const LoRARuns lora{lora_runs, lora_weights, layers_.size() * LoRARuns::kPerLayer};
+  const int64_t num_adapters = static_cast<int64_t>(lora_weights.size() / lora.per_adapter);
+  TORCH_CHECK(lora_runs.size() % 3 == 0 && lora_weights.size() % lora.per_adapter == 0,
+              "DecodeStack.forward: LoRA runs of three numbers, ", LoRARuns::kPerLayer,
+              " LoRA tensors a layer for each adapter");
+  for (size_t i = 0; i < lora_runs.size(); i += 3) {
+    TORCH_CHECK(lora_runs[i] >= 0 && lora_runs[i] < num_adapters && lora_runs[i + 1] >= 0 &&
+                    lora_runs[i + 1] < lora_runs[i + 2] && lora_runs[i + 2] <= rows,
+                "DecodeStack.forward: a LoRA run of adapter ", lora_runs[i], " of ",
+                num_adapters, " over rows ", lora_runs[i + 1], "..", lora_runs[i + 2], " of ", rows);
+  }
   TORCH_CHECK(cos.size() == sin.size(), "DecodeStack.forward: a sin table for each cos table");
   for (const Layer& layer : layers_) {
     TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()),
                 "DecodeStack.forward: a layer reads RoPE table ", layer.rope, " of ", cos.size());
   }
-  const int64_t rows = x.size(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     at::Tensor& k_cache = k_caches[i];
     at::Tensor& v_cache = v_caches[i];
     const int64_t q_size = layer.num_heads * layer.head_dim;
     const int64_t kv_size = layer.num_kv_heads * layer.head_dim;
-    at::Tensor qkv = layer.qkv(norm(x, layer.input_norm, layer.eps));
+    const at::Tensor attention_in = norm(x, layer.input_norm, layer.eps);
+    at::Tensor qkv = layer.qkv(attention_in);
+    lora.add(qkv, attention_in, i, 0);
     if (layer.rope < 0) {
       // a layer without positions: q and k as projected
     } else if (layer.q_norm) {
@@ -220,12 +303,16 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
       return decode_attention(q, k_cache, v_cache, block_tables, context_lens, layer.scale,
                               layer.window, layer.softcap, layer.sinks);
     }();
-    const at::Tensor attention_out = layer.o(attended.view({rows, q_size}));
+    const at::Tensor o_in = attended.view({rows, q_size});
+    at::Tensor attention_out = layer.o(o_in);
+    lora.add(attention_out, o_in, i, 1);
     x = x + scaled(layer.attention_out_norm
                        ? norm(attention_out, *layer.attention_out_norm, layer.eps)
                        : attention_out,
                    layer.residual_multiplier);
-    const at::Tensor gate_up = layer.gate_up(norm(x, layer.mlp_norm, layer.eps));
+    const at::Tensor mlp_in = norm(x, layer.mlp_norm, layer.eps);
+    at::Tensor gate_up = layer.gate_up(mlp_in);
+    lora.add(gate_up, mlp_in, i, 2);
     const at::Tensor activated = [&] {
       if (layer.activation == Activation::gelu_tanh) {
         PROFILED("gelu_tanh_and_mul");
@@ -234,7 +321,8 @@ at::Tensor DecodeStack::forward(at::Tensor x, std::vector<at::Tensor> cos,
       PROFILED("silu_and_mul");
       return silu_and_mul(gate_up);
     }();
-    const at::Tensor mlp_out = layer.down(activated);
+    at::Tensor mlp_out = layer.down(activated);
+    lora.add(mlp_out, activated, i, 3);
     x = x + scaled(layer.mlp_out_norm ? norm(mlp_out, *layer.mlp_out_norm, layer.eps) : mlp_out,
                    layer.residual_multiplier);
   }

@@ -52,6 +52,11 @@ at::Tensor q4_1_planes_matvec(const at::Tensor& x, const at::Tensor& qs, const a
 at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                             const std::optional<at::Tensor>& bias);
 
+// cpu_decode_stack.cpp: a LoRA adapter's delta on rows start..stop of a projection's output,
+// out[r] += B (A x[r]) (B scaled), summed on the calling thread.
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
+               const at::Tensor& expand, int64_t start, int64_t stop);
+
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
 // which it checks against its own projection kinds.
@@ -76,11 +81,15 @@ struct DecodeStack : torch::CustomClassHolder {
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
   // stream before the final norm. cos and sin: the RoPE tables the layers read, each
-  // [n, head_dim / 2]; caches: one pair a layer.
+  // [n, head_dim / 2]; caches: one pair a layer. LoRA adapters' rows: lora_runs holds
+  // (adapter, start, stop) of each run of rows of one adapter, after each other (empty: no
+  // adapter in the step); lora_weights, for each adapter of the step, for each layer, its
+  // A [r, in] and B [out, r] (scaled) of qkv, o, gate_up and down (empty where not targeted).
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     std::vector<int64_t> lora_runs, std::vector<at::Tensor> lora_weights);
 
  private:
   struct Layer;
