@@ -37,6 +37,11 @@ TORCH_LIBRARY(pagedserve, m) {
         &pagedserve::q8_0_int8_matvec);
   m.def("q4_1_planes_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
         &pagedserve::q4_1_planes_matvec);
+  m.def("q4_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q4_k_matvec);
+  m.def("q5_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_k_matvec);
+  m.def("q6_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q6_k_matvec);
+  // cpu_matvec_kquants.cpp: K-quant blocks dequantized (a larger batch's scratch)
+  m.def("dequantize_k_(Tensor(a!) out, Tensor blocks, int kind) -> ()", &pagedserve::dequantize_k_);
 
   // cpu_decode_stack.cpp
   m.class_<pagedserve::DecodeStack>("DecodeStack")

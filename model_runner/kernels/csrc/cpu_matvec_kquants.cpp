@@ -1,0 +1,282 @@
+// y = x @ W.T + bias on a weight kept in a GGUF's K-quant blocks as the file stores them
+// (Q4_K, Q5_K, Q6_K: super-blocks of 256 weights of a row, 144, 176 or 210 bytes), as
+// torch ops (torch.ops.pagedserve.q4_k_matvec, q5_k_matvec, q6_k_matvec), and the same
+// blocks dequantized into a float32 buffer (dequantize_k_: the larger batches' scratch).
+//
+// Exact on the dequantized weights: a super-block's weights are made in float32 as gguf-py
+// (gguf.quants.dequantize) makes them, to the bit:
+//   Q4_K, Q5_K: w = (d * sc) * q - (dmin * m), sc and m 6-bit, q 0..15 or 0..31
+//   Q6_K:       w = (d * sc) * q, sc int8, q -32..31
+// (d * sc and (d * sc) * q are exact in float32 - at most 11 + 7 + 5 bits - so a fused
+// multiply-add rounds as the separate ones). Each super-block is made once into 256 floats
+// on the stack and dotted with every row of x (up to eight: a verification's token and
+// drafts cost about one row's weight reads), two accumulators of eight lanes a row, in
+// float32; only the order of the sums differs from x @ dequantize(W).T.
+//
+// Built per ISA as every kernel here (model_runner/kernels/cpu_kernels.py): AVX2 + FMA +
+// F16C vectors of eight on AVX2 and AVX-512 hosts alike, plain C++ vector code elsewhere.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+
+#include "cpu_ops.h"
+#include "vec8.h"
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using pagedserve::load8;
+using pagedserve::sum8;
+using pagedserve::Vec8;
+
+constexpr int64_t kSuper = 256;  // weights a super-block
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kGrain = 16;  // output rows a thread takes at least
+
+enum class KQuant : int64_t { q4_k = 0, q5_k = 1, q6_k = 2 };
+constexpr int64_t kBytes[] = {144, 176, 210};  // a super-block's bytes, by KQuant
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's twelve scale bytes.
+inline void scale_min(int j, const uint8_t* s, float& sc, float& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+typedef int32_t Int32x8 __attribute__((vector_size(32)));
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+// Eight bytes from p, widened to int32 lanes (one vpmovzxbd under AVX2).
+inline Int32x8 bytes8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<Int32x8>(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  U8x8 v;
+  std::memcpy(&v, p, 8);
+  return __builtin_convertvector(v, Int32x8);
+#endif
+}
+
+inline Vec8 to_float(Int32x8 q) { return __builtin_convertvector(q, Vec8); }
+
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Q4_K: d, dmin (float16), 12 scale bytes, 128 bytes of nibbles; Q5_K the same with 32
+// bytes of fifth bits (qh) before the nibbles. Four chunks of 64 weights: the low nibbles
+// of 32 bytes, then their high nibbles, each sub-block of 32 with its own scale and min.
+template <bool kFifthBit>
+inline void q45_k_block(const uint8_t* b, float* w) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (kFifthBit ? 48 : 16);
+  for (int j = 0; j < 4; ++j, qs += 32, w += 64) {
+    float sc0, m0, sc1, m1;
+    scale_min(2 * j, scales, sc0, m0);
+    scale_min(2 * j + 1, scales, sc1, m1);
+    const Vec8 d0 = Vec8{} + d * sc0, n0 = Vec8{} + dmin * m0;
+    const Vec8 d1 = Vec8{} + d * sc1, n1 = Vec8{} + dmin * m1;
+    for (int l = 0; l < 32; l += 8) {
+      const Int32x8 q = bytes8(qs + l);
+      Int32x8 lo = q & 0xF, hi = q >> 4;
+      if constexpr (kFifthBit) {
+        const Int32x8 h = bytes8(qh + l);
+        lo |= ((h >> (2 * j)) & 1) << 4;
+        hi |= ((h >> (2 * j + 1)) & 1) << 4;
+      }
+      store8(w + l, d0 * to_float(lo) - n0);
+      store8(w + 32 + l, d1 * to_float(hi) - n1);
+    }
+  }
+}
+
+// Q6_K: 128 bytes of low nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales (one per
+// 16 weights), d (float16). Two halves of 128 weights, each four runs of 32.
+inline void q6_k_block(const uint8_t* b, float* w) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, w += 128) {
+    for (int l = 0; l < 32; l += 8) {
+      const int is = l / 16;
+      const Int32x8 a = bytes8(ql + l), c = bytes8(ql + 32 + l), h = bytes8(qh + l);
+      const Int32x8 q0 = ((a & 0xF) | ((h & 3) << 4)) - 32;
+      const Int32x8 q1 = ((c & 0xF) | (((h >> 2) & 3) << 4)) - 32;
+      const Int32x8 q2 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32;
+      const Int32x8 q3 = ((c >> 4) | (((h >> 6) & 3) << 4)) - 32;
+      store8(w + l, (Vec8{} + d * static_cast<float>(sc[is])) * to_float(q0));
+      store8(w + l + 32, (Vec8{} + d * static_cast<float>(sc[is + 2])) * to_float(q1));
+      store8(w + l + 64, (Vec8{} + d * static_cast<float>(sc[is + 4])) * to_float(q2));
+      store8(w + l + 96, (Vec8{} + d * static_cast<float>(sc[is + 6])) * to_float(q3));
+    }
+  }
+}
+
+template <KQuant K>
+inline void dequantize_block(const uint8_t* b, float* w) {
+  if constexpr (K == KQuant::q6_k) {
+    q6_k_block(b, w);
+  } else {
+    q45_k_block<K == KQuant::q5_k>(b, w);
+  }
+}
+
+// Rows of x (R of them) dotted with one output row's super-blocks, each made once.
+template <KQuant K, int R>
+inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t x_stride,
+                     float* out) {
+  alignas(64) float w[kSuper];
+  Vec8 even[R] = {}, odd[R] = {};
+  for (int64_t k = 0; k < blocks; ++k) {
+    dequantize_block<K>(row + k * kBytes[static_cast<int>(K)], w);
+    const float* xk = x + k * kSuper;
+    for (int i = 0; i < kSuper; i += 16) {
+      const Vec8 w0 = load8(w + i), w1 = load8(w + i + 8);
+      for (int r = 0; r < R; ++r) {
+        even[r] += w0 * load8(xk + r * x_stride + i);
+        odd[r] += w1 * load8(xk + r * x_stride + i + 8);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = sum8(even[r] + odd[r]);
+}
+
+template <KQuant K>
+void matvec_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64_t x_stride,
+                 int64_t num_rows, const float* bias, float* y, int64_t out_features) {
+  const int64_t per_row = row_bytes / kBytes[static_cast<int>(K)];
+  at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
+    float dots[kMaxRows];
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* row = blocks + o * row_bytes;
+      switch (num_rows) {
+        case 1: dot_rows<K, 1>(row, per_row, x, x_stride, dots); break;
+        case 2: dot_rows<K, 2>(row, per_row, x, x_stride, dots); break;
+        case 3: dot_rows<K, 3>(row, per_row, x, x_stride, dots); break;
+        case 4: dot_rows<K, 4>(row, per_row, x, x_stride, dots); break;
+        case 5: dot_rows<K, 5>(row, per_row, x, x_stride, dots); break;
+        case 6: dot_rows<K, 6>(row, per_row, x, x_stride, dots); break;
+        case 7: dot_rows<K, 7>(row, per_row, x, x_stride, dots); break;
+        default: dot_rows<K, 8>(row, per_row, x, x_stride, dots); break;
+      }
+      const float b = bias == nullptr ? 0.f : bias[o];
+      for (int64_t r = 0; r < num_rows; ++r) y[r * out_features + o] = dots[r] + b;
+    }
+  });
+}
+
+// blocks: contiguous uint8 [out, in / 256 * bytes]; `op` names the op in the error.
+void check_blocks(const at::Tensor& blocks, KQuant kind, int64_t in_features, const char* op) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
+                  blocks.stride(1) == 1 && blocks.stride(0) == blocks.size(1) &&
+                  in_features % kSuper == 0 &&
+                  blocks.size(1) == in_features / kSuper * kBytes[static_cast<int>(kind)],
+              op, ": blocks must be contiguous uint8 [out, in / 256 * ",
+              kBytes[static_cast<int>(kind)], "] (in a multiple of 256)");
+}
+
+at::Tensor kquant_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                         const std::optional<at::Tensor>& bias, KQuant kind, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(0) <= kMaxRows,
+              op, ": x must be float32 [n <= 8, in] with contiguous columns");
+  check_blocks(blocks, kind, x.size(1), op);
+  const int64_t out_features = blocks.size(0);
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->dim() == 1 && bias->size(0) == out_features &&
+                   bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              op, ": bias must be float32 [out]");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const auto run = [&](auto k) {
+    matvec_rows<decltype(k)::value>(blocks.data_ptr<uint8_t>(), blocks.size(1),
+                                    x.data_ptr<float>(), x.stride(0), x.size(0), b,
+                                    y.data_ptr<float>(), out_features);
+  };
+  switch (kind) {
+    case KQuant::q4_k: run(std::integral_constant<KQuant, KQuant::q4_k>{}); break;
+    case KQuant::q5_k: run(std::integral_constant<KQuant, KQuant::q5_k>{}); break;
+    default: run(std::integral_constant<KQuant, KQuant::q6_k>{}); break;
+  }
+  return y;
+}
+
+template <KQuant K>
+void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, float* out, int64_t rows,
+                     int64_t in_features) {
+  const int64_t per_row = in_features / kSuper;
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      for (int64_t k = 0; k < per_row; ++k) {
+        dequantize_block<K>(blocks + o * row_bytes + k * kBytes[static_cast<int>(K)],
+                            out + o * in_features + k * kSuper);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace pagedserve {
+
+// x [n <= 8, in] float32, blocks [out, in / 256 * 144] uint8 (Q4_K as the file has them):
+// [n, out] float32.
+at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias) {
+  return kquant_matvec(x, blocks, bias, KQuant::q4_k, "q4_k_matvec");
+}
+
+// As q4_k_matvec, blocks [out, in / 256 * 176] (Q5_K).
+at::Tensor q5_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias) {
+  return kquant_matvec(x, blocks, bias, KQuant::q5_k, "q5_k_matvec");
+}
+
+// As q4_k_matvec, blocks [out, in / 256 * 210] (Q6_K).
+at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias) {
+  return kquant_matvec(x, blocks, bias, KQuant::q6_k, "q6_k_matvec");
+}
+
+// out [out, in] float32, contiguous: the K-quant blocks (kind 0 Q4_K, 1 Q5_K, 2 Q6_K)
+// dequantized, gguf-py's values to the bit.
+void dequantize_k_(at::Tensor& out, const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "dequantize_k_: kind 0 (Q4_K), 1 (Q5_K) or 2 (Q6_K)");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == blocks.size(0),
+              "dequantize_k_: out must be contiguous float32 [out, in]");
+  const auto k = static_cast<KQuant>(kind);
+  check_blocks(blocks, k, out.size(1), "dequantize_k_");
+  const auto run = [&](auto kq) {
+    dequantize_rows<decltype(kq)::value>(blocks.data_ptr<uint8_t>(), blocks.size(1),
+                                         out.data_ptr<float>(), out.size(0), out.size(1));
+  };
+  switch (k) {
+    case KQuant::q4_k: run(std::integral_constant<KQuant, KQuant::q4_k>{}); break;
+    case KQuant::q5_k: run(std::integral_constant<KQuant, KQuant::q5_k>{}); break;
+    default: run(std::integral_constant<KQuant, KQuant::q6_k>{}); break;
+  }
+}
+
+}  // namespace pagedserve
