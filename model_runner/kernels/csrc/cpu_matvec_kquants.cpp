@@ -27,6 +27,8 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
+#include <algorithm>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -186,6 +188,76 @@ void matvec_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64
   });
 }
 
+// Larger batches: a panel of output rows (as many as fit kPanelFloats) dequantized whole
+// into a thread's buffer, each weight made once for every row of x; then, for each tile
+// of kTile rows of x (read once a panel, from L1), the panel's rows kGroup at a time:
+// kGroup * kTile accumulators (twelve of AVX2's sixteen registers), each x vector and
+// each weight vector loaded once for them.
+constexpr int kGroup = 3;
+constexpr int kTile = 3;
+constexpr int64_t kPanelFloats = 1 << 17;  // 512 KiB: an L2's share
+
+template <int P, int X>
+inline void group_tile(const float* w, int64_t width, const float* x, int64_t x_stride,
+                       float* out, int64_t out_stride) {
+  Vec8 acc[X][P] = {};
+  for (int64_t i = 0; i < width; i += 8) {
+    Vec8 wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = load8(w + p * width + i);
+    for (int r = 0; r < X; ++r) {
+      const Vec8 xv = load8(x + r * x_stride + i);
+      for (int p = 0; p < P; ++p) acc[r][p] += wv[p] * xv;
+    }
+  }
+  for (int r = 0; r < X; ++r) {
+    for (int p = 0; p < P; ++p) out[r * out_stride + p] = sum8(acc[r][p]);
+  }
+}
+
+// x's rows [0, X) against a panel's `rows` weight rows, kGroup at a time.
+template <int X>
+void tile_panel(const float* w, int64_t rows, int64_t width, const float* x,
+                int64_t x_stride, float* out, int64_t out_stride) {
+  int64_t p = 0;
+  for (; p + kGroup <= rows; p += kGroup) {
+    group_tile<kGroup, X>(w + p * width, width, x, x_stride, out + p, out_stride);
+  }
+  if (rows - p == 2) group_tile<2, X>(w + p * width, width, x, x_stride, out + p, out_stride);
+  if (rows - p == 1) group_tile<1, X>(w + p * width, width, x, x_stride, out + p, out_stride);
+}
+
+template <KQuant K>
+void gemm_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64_t x_stride,
+               int64_t num_rows, int64_t width, const float* bias, float* y,
+               int64_t out_features) {
+  const int64_t panel = std::max<int64_t>(kGroup, kPanelFloats / width / kGroup * kGroup);
+  const int64_t panels = (out_features + panel - 1) / panel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(panel * width);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t o = n * panel, rows = std::min(panel, out_features - o);
+      for (int64_t p = 0; p < rows; ++p) {
+        for (int64_t k = 0; k < width / kSuper; ++k) {
+          dequantize_block<K>(blocks + (o + p) * row_bytes + k * kBytes[static_cast<int>(K)],
+                              w.data() + p * width + k * kSuper);
+        }
+      }
+      for (int64_t r = 0; r < num_rows; r += kTile) {
+        const float* xr = x + r * x_stride;
+        float* yr = y + r * out_features + o;
+        switch (std::min<int64_t>(kTile, num_rows - r)) {
+          case 1: tile_panel<1>(w.data(), rows, width, xr, x_stride, yr, out_features); break;
+          case 2: tile_panel<2>(w.data(), rows, width, xr, x_stride, yr, out_features); break;
+          default: tile_panel<3>(w.data(), rows, width, xr, x_stride, yr, out_features); break;
+        }
+        for (int64_t i = 0; bias != nullptr && i < std::min<int64_t>(kTile, num_rows - r); ++i) {
+          for (int64_t p = 0; p < rows; ++p) yr[i * out_features + p] += bias[o + p];
+        }
+      }
+    }
+  });
+}
+
 // blocks: contiguous uint8 [out, in / 256 * bytes]; `op` names the op in the error.
 void check_blocks(const at::Tensor& blocks, KQuant kind, int64_t in_features, const char* op) {
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
@@ -196,11 +268,12 @@ void check_blocks(const at::Tensor& blocks, KQuant kind, int64_t in_features, co
               kBytes[static_cast<int>(kind)], "] (in a multiple of 256)");
 }
 
-at::Tensor kquant_matvec(const at::Tensor& x, const at::Tensor& blocks,
-                         const std::optional<at::Tensor>& bias, KQuant kind, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(0) <= kMaxRows,
-              op, ": x must be float32 [n <= 8, in] with contiguous columns");
+// y = x @ W.T + bias: the matvec's rows (`gemm` false) or the panels' (any rows).
+at::Tensor kquant_product(const at::Tensor& x, const at::Tensor& blocks,
+                          const std::optional<at::Tensor>& bias, KQuant kind, const char* op,
+                          bool gemm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              op, ": x must be float32 [n, in] with contiguous columns");
   check_blocks(blocks, kind, x.size(1), op);
   const int64_t out_features = blocks.size(0);
   TORCH_CHECK(!bias.has_value() ||
@@ -210,9 +283,14 @@ at::Tensor kquant_matvec(const at::Tensor& x, const at::Tensor& blocks,
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const auto run = [&](auto k) {
-    matvec_rows<decltype(k)::value>(blocks.data_ptr<uint8_t>(), blocks.size(1),
-                                    x.data_ptr<float>(), x.stride(0), x.size(0), b,
-                                    y.data_ptr<float>(), out_features);
+    constexpr KQuant K = decltype(k)::value;
+    if (gemm) {
+      gemm_rows<K>(blocks.data_ptr<uint8_t>(), blocks.size(1), x.data_ptr<float>(),
+                   x.stride(0), x.size(0), x.size(1), b, y.data_ptr<float>(), out_features);
+    } else {
+      matvec_rows<K>(blocks.data_ptr<uint8_t>(), blocks.size(1), x.data_ptr<float>(),
+                     x.stride(0), x.size(0), b, y.data_ptr<float>(), out_features);
+    }
   };
   switch (kind) {
     case KQuant::q4_k: run(std::integral_constant<KQuant, KQuant::q4_k>{}); break;
@@ -220,6 +298,14 @@ at::Tensor kquant_matvec(const at::Tensor& x, const at::Tensor& blocks,
     default: run(std::integral_constant<KQuant, KQuant::q6_k>{}); break;
   }
   return y;
+}
+
+at::Tensor kquant_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                         const std::optional<at::Tensor>& bias, KQuant kind, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(0) <= kMaxRows,
+              op, ": x must be float32 [n <= 8, in] with contiguous columns");
+  return kquant_product(x, blocks, bias, kind, op, false);
 }
 
 template <KQuant K>
@@ -257,6 +343,14 @@ at::Tensor q5_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
 at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias) {
   return kquant_matvec(x, blocks, bias, KQuant::q6_k, "q6_k_matvec");
+}
+
+// x [n, in] float32 (any n: a prefill chunk or a larger decode batch), blocks of `kind` (0
+// Q4_K, 1 Q5_K, 2 Q6_K) as q4_k_matvec's: [n, out] float32, from the panels.
+at::Tensor k_quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "k_quant_gemm: kind 0 (Q4_K), 1 (Q5_K) or 2 (Q6_K)");
+  return kquant_product(x, blocks, bias, static_cast<KQuant>(kind), "k_quant_gemm", true);
 }
 
 // out [out, in] float32, contiguous: the K-quant blocks (kind 0 Q4_K, 1 Q5_K, 2 Q6_K)

@@ -60,6 +60,8 @@ at::Tensor q5_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
 at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
+at::Tensor k_quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const std::optional<at::Tensor>& bias);
 void dequantize_k_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
 
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
