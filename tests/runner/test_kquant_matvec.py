@@ -60,6 +60,22 @@ def test_the_matvec_is_exact_on_gguf_pys_dequantized_weights(
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))
+def test_the_larger_batches_panels_are_exact_on_the_dequantized_weights(kind: str) -> None:
+    """k_quant_gemm: any rows, a panel's odd last rows and x's odd last tile."""
+    raw = random_blocks(kind, 103, 512, seed=5)
+    weight = torch.from_numpy(dequantize(raw, TYPES[kind][0])).double()
+    torch.manual_seed(5)
+    bias = torch.randn(103)
+    for rows in (1, 2, 3, 5, 9, 17, 40):
+        x = torch.randn(rows, 1024)[:, :512]
+        for b in (None, bias):
+            y = torch.ops.pagedserve.k_quant_gemm(x, torch.from_numpy(raw), TYPES[kind][1], b)
+            expected = x.double() @ weight.T + (0 if b is None else b.double())
+            tolerance = 1e-6 * (x.double().abs() @ weight.abs().T).amax() + 1e-6
+            assert (y.double() - expected).abs().amax() <= tolerance, rows
+
+
+@pytest.mark.parametrize("kind", sorted(TYPES))
 def test_dequantize_gives_gguf_pys_values_to_the_bit(kind: str) -> None:
     raw = random_blocks(kind, 19, 512, seed=3)
     out = torch.empty(19, 512)
