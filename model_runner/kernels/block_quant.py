@@ -10,6 +10,10 @@ with the float32 matvec's result to the bit. Weights off such a grid (a model sa
 float32 or bfloat16) get None and keep the float32 matvec. `block_form` lays the same
 blocks out for the path cpu_kernel_table.py gives a weight dtype: in groups of eight output
 rows for `--weight-dtype int8` and (Q4_1) `float16` (csrc/cpu_matvec_blocks_int8.cpp).
+
+A GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) are never float32 first: the GGUF reader hands
+their blocks over as the file stores them (`KQuantBlocks`, csrc/cpu_matvec_kquants.cpp),
+a fused projection's parts joined when they are of one type (`joined_blocks`).
 """
 
 from __future__ import annotations
