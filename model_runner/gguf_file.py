@@ -15,8 +15,11 @@ first, ~20 s for Gemma 3), read from the memory map, dequantized by gguf-py
 GGUF tables (llama.cpp's tensor names to Hugging Face's, the Q/K row permutation of
 Llama-family attention undone, Gemma's norms stored as 1 + w): the values transformers
 loads from the file, to the bit. Of the block types, the CPU kernels read Q4_1 and Q8_0 as
-blocks (recovered exactly from those values: kernels/block_quant.py); every other type is
-dequantized to float32 at load, with one log line saying so.
+blocks (recovered exactly from those values: kernels/block_quant.py), and a model packed
+for them takes a K-quant matrix's (Q4_K, Q5_K, Q6_K) blocks straight from the mapped file,
+its rows reordered as transformers reorders them (`FileBlocks`: no float32 copy, the
+kernels' values gguf-py's to the bit); every other type is dequantized to float32 at load,
+with one log line saying so.
 """
 
 # ruff: noqa: E402 (HF_HUB_OFFLINE must be set before transformers is imported)
@@ -56,7 +59,9 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
+from model_runner.kernels.block_quant import K_QUANT_FORMS
 from model_runner.models.registry import model_class
+from model_runner.models.weights import FileBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ logger = logging.getLogger(__name__)
 # (Q4_1, Q8_0: recovered exactly from their values, kernels/block_quant.py)
 KERNEL_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.Q4_1,
                           GGMLQuantizationType.Q8_0})
+# the types whose blocks are handed from the file to the kernels as they are (a matrix the
+# model packs on the CPU: `keep_blocks`)
+K_QUANT_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                           GGMLQuantizationType.Q6_K})
 
 
 def cache_root() -> Path:
@@ -158,20 +167,27 @@ def _processor(hf_config: PretrainedConfig, architecture: str) -> TensorProcesso
 
 
 def gguf_weights(
-    gguf: Path, hf_config: PretrainedConfig, names: dict[str, str]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    gguf: Path, hf_config: PretrainedConfig, names: dict[str, str], keep_blocks: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | FileBlocks]]:
     """Every weight of `gguf` under its Hugging Face name (`names`: `hf_names`), as
     float32, read one tensor at a time from the memory-mapped file (the values transformers
-    loads from it)."""
+    loads from it); with `keep_blocks` (the model packs its projections on the CPU kernels)
+    a K-quant matrix as its blocks in the mapped file instead (`FileBlocks`)."""
     header = _read_header(gguf)
-    _log_dequantized(gguf, header)
+    _log_dequantized(gguf, header, keep_blocks)
     processor = _processor(hf_config, header.architecture)
     with gguf.open("rb") as f:
-        blob = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+        # NOTE: copy-on-write, so that the blocks are writable tensors without a copy
+        blob = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), np.uint8)
     # the MoE processors gather per-expert tensors here (kwargs as transformers passes them)
     parsed: dict[str, Any] = {"tensors": {}}
     for info in header.tensors:
-        values = _dequantized(blob[info.offset : info.offset + info.nbytes], info)
+        raw = blob[info.offset : info.offset + info.nbytes]
+        kept = _file_blocks(raw, info, processor, names) if keep_blocks else None
+        if kept is not None:
+            yield kept
+            continue
+        values = _dequantized(raw, info)
         result = processor.process(weights=values, name=info.name, tensor_key_mapping=names,
                                    parsed_parameters=parsed)
         if result.name in names:
@@ -179,6 +195,33 @@ def gguf_weights(
             yield names[result.name], torch.from_numpy(np.require(result.weights, np.float32,
                                                                   ["C", "W"]))
     yield from parsed["tensors"].items()
+
+
+def _file_blocks(
+    raw: np.ndarray, info: TensorInfo, processor: TensorProcessor, names: dict[str, str]
+) -> tuple[str, FileBlocks] | None:
+    """A K-quant matrix's blocks under its Hugging Face name, its rows in transformers'
+    order, or None (another type, or a processor that does more than reorder its rows).
+
+    The processor is run on the row numbers (Llama's Q/K permutation undone on them), and
+    the blocks' rows, each a whole number of super-blocks, are taken in that order."""
+    form = K_QUANT_FORMS.get(info.kind.name.lower())
+    if form is None or len(info.shape) != 2:
+        return None
+    rows = info.shape[0]
+    numbers = np.arange(rows, dtype=np.float64)
+    result = processor.process(weights=numbers[:, None], name=info.name,
+                               tensor_key_mapping=names, parsed_parameters={"tensors": {}})
+    order = np.asarray(result.weights)
+    if result.name not in names or order.shape != (rows, 1):
+        return None
+    order = order[:, 0]
+    if not np.array_equal(np.sort(order), numbers):
+        return None
+    table = raw.reshape(rows, -1)
+    if not np.array_equal(order, numbers):
+        table = table[order.astype(np.int64)]
+    return names[result.name], FileBlocks(form(torch.from_numpy(table), info.shape[1]))
 
 
 # gguf-py dequantizes 16 rows at a time; rows of a narrow model (Gemma 3 270M's are 640
@@ -276,9 +319,10 @@ def _nbytes(kind: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     return math.prod(shape) // block * size
 
 
-def _log_dequantized(gguf: Path, header: Header) -> None:
+def _log_dequantized(gguf: Path, header: Header, keep_blocks: bool) -> None:
     """One line naming the tensor types no kernel reads as they are stored."""
-    types = Counter(info.kind for info in header.tensors if info.kind not in KERNEL_TYPES)
+    read = KERNEL_TYPES | (K_QUANT_TYPES if keep_blocks else frozenset())
+    types = Counter(info.kind for info in header.tensors if info.kind not in read)
     if types:
         listed = ", ".join(f"{count} {kind.name}" for kind, count in sorted(types.items()))
         logger.info("%s: %s tensors have no kernel here: dequantized to float32 at load",

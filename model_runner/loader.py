@@ -33,6 +33,7 @@ from transformers import (
 from model_runner.config import ModelConfig
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.gguf_file import gguf_weights, metadata_folder, read_hf_names
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
 from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.registry import model_class
@@ -141,11 +142,13 @@ def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedM
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config, tp)
     model = model.to(dtype).to_empty(device=device)
+    packs = can_pack(device, dtype, config.weight_dtype)
     model.load_weights(_iter_safetensors(spec.folder) if spec.gguf is None
-                       else gguf_weights(spec.gguf, hf_config, read_hf_names(spec.folder)))
+                       else gguf_weights(spec.gguf, hf_config, read_hf_names(spec.folder),
+                                         keep_blocks=packs and cpu_kernels_available()))
     model.init_rope_cache(max_model_len)
     model.eval()
-    if can_pack(device, dtype, config.weight_dtype):
+    if packs:
         model.pack_weights(config.weight_dtype)
 
     return LoadedModel(

@@ -10,10 +10,15 @@ with the float32 matvec's result to the bit. Weights off such a grid (a model sa
 float32 or bfloat16) get None and keep the float32 matvec. `block_form` lays the same
 blocks out for the path cpu_kernel_table.py gives a weight dtype: in groups of eight output
 rows for `--weight-dtype int8` and (Q4_1) `float16` (csrc/cpu_matvec_blocks_int8.cpp).
+
+A GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) are never float32 first: the GGUF reader hands
+their blocks over as the file stores them (`KQuantBlocks`, csrc/cpu_matvec_kquants.cpp),
+a fused projection's parts joined when they are of one type (`joined_blocks`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -57,7 +62,50 @@ class Q80Blocks(BlockForm):
         self.tensors = (qs, d)
 
 
-Blocks = Q41Blocks | Q80Blocks
+class KQuantBlocks(BlockForm):
+    """A GGUF's K-quant super-blocks of 256 weights as the file stores them: [out, in / 256
+    * bytes] uint8, read from the mapped file (csrc/cpu_matvec_kquants.cpp). No float32
+    values exist to find them in: the GGUF reader hands them over (gguf_file.py)."""
+
+    kind: ClassVar[str]
+    code: ClassVar[int]  # the kernels' number for the type (k_quant_gemm, dequantize_k_)
+    bytes_per_block: ClassVar[int]
+
+    def __init__(self, blocks: torch.Tensor, in_features: int) -> None:
+        self.blocks, self.in_features = blocks, in_features
+        self.tensors = (blocks,)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.in_features
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [N, in] (any N) times the weight: its panels dequantized on the fly."""
+        return torch.ops.pagedserve.k_quant_gemm(x, self.blocks, self.code, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [out, in] weight (gguf-py's values to the bit)."""
+        out = torch.empty(self.shape)
+        torch.ops.pagedserve.dequantize_k_(out, self.blocks, self.code)
+        return out
+
+
+class Q4KBlocks(KQuantBlocks):
+    path, kind, code, bytes_per_block = "q4_k_matvec", "q4_k", 0, 144
+
+
+class Q5KBlocks(KQuantBlocks):
+    path, kind, code, bytes_per_block = "q5_k_matvec", "q5_k", 1, 176
+
+
+class Q6KBlocks(KQuantBlocks):
+    path, kind, code, bytes_per_block = "q6_k_matvec", "q6_k", 2, 210
+
+
+K_QUANT_FORMS: dict[str, type[KQuantBlocks]] = {
+    form.kind: form for form in (Q4KBlocks, Q5KBlocks, Q6KBlocks)}
+
+Blocks = Q41Blocks | Q80Blocks | KQuantBlocks
 
 GROUP = 8  # output rows whose blocks the grouped paths read side by side
 # a Q4_1 group's eight integer sums end in this order of its rows; its d and m are so stored
@@ -111,7 +159,8 @@ class Q80Int8Groups(BlockForm):
 
 # each path that reads blocks -> the form it reads them in
 _FORMS: dict[str, type[BlockForm]] = {form.path: form for form in (
-    Q41Blocks, Q80Blocks, Q41Int8Groups, Q80Int8Groups, Q41PlanesGroups)}
+    Q41Blocks, Q80Blocks, Q41Int8Groups, Q80Int8Groups, Q41PlanesGroups,
+    *K_QUANT_FORMS.values())}
 
 
 def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
@@ -121,6 +170,27 @@ def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
     if form is None or isinstance(blocks, form):
         return None if form is None else blocks
     return form(blocks)  # type: ignore[call-arg]  # a grouped form, from the blocks
+
+
+def joined_blocks(
+    parts: Sequence[tuple[int, KQuantBlocks]], shape: tuple[int, ...]
+) -> KQuantBlocks | None:
+    """The K-quant blocks of an [out, in] weight given as parts (row offset, blocks; a fused
+    projection's q, k and v), or None unless they are of one type and cover every row."""
+    ordered = sorted(parts, key=lambda part: part[0])
+    if not ordered or len({type(blocks) for _, blocks in ordered}) != 1:
+        return None
+    row = 0
+    for offset, blocks in ordered:
+        if offset != row or blocks.in_features != shape[1]:
+            return None
+        row += blocks.shape[0]
+    if row != shape[0]:
+        return None
+    first = ordered[0][1]
+    if len(ordered) == 1:
+        return first
+    return type(first)(torch.cat([blocks.blocks for _, blocks in ordered]), first.in_features)
 
 
 def _grouped(per_row: torch.Tensor) -> torch.Tensor:

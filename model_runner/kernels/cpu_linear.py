@@ -24,18 +24,27 @@ where its float32 values are a GGUF's Q4_1 or Q8_0 blocks (the default model's),
 blocks (block_quant.py): the float32 matvec's result to the bit
 (csrc/cpu_matvec_blocks.cpp), in float16 too (exact, and a quarter of float16's bytes); in
 int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
+
+A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) is packed from its file's blocks instead
+(`pack_linear`'s `parts`, KQuantLinear): no float copy at all, every batch on those blocks.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import BlockForm, block_form, find_blocks
+from model_runner.kernels.block_quant import (
+    BlockForm,
+    KQuantBlocks,
+    block_form,
+    find_blocks,
+    joined_blocks,
+)
 from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
     PATHS,
@@ -89,14 +98,23 @@ class DecodeForm:
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 
 
+@torch.no_grad()
 def pack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str,
     table: KernelTable = DEFAULT_TABLE, kept: bool = False,
+    parts: Sequence[tuple[int, KQuantBlocks]] = (),
 ) -> PackedLinear:
     """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack),
     its small batches as `table` says (cpu_kernel_table.py). `kept`: the model keeps the
     weight itself anyway (a tied LM head: the embedding table), so that float32 runs its
-    larger batches on it (torch's GEMM) rather than on a reordered copy."""
+    larger batches on it (torch's GEMM) rather than on a reordered copy. `parts`: rows of
+    it left in a GGUF's K-quant blocks (row offset, blocks): packed as they are where they
+    are of one type and cover it (KQuantLinear), else dequantized into it first."""
+    blocks = joined_blocks(parts, tuple(weight.shape)) if parts else None
+    if blocks is not None:
+        return KQuantLinear(blocks, bias, weight_dtype, table)
+    for offset, part in parts:  # K-quant parts of mixed types, or beside float rows
+        weight.detach()[offset : offset + part.shape[0]].copy_(part.dequantized())
     if weight_dtype == "float16":
         return Float16Linear(weight, bias, table)
     if weight_dtype == "int8":
@@ -211,6 +229,36 @@ class Float16Linear(FloatMatvecCopy):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matvec(x)
         return y if y is not None else torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+class KQuantLinear(SmallBatchPath):
+    """A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) on its file's blocks, the only copy of it:
+    small batches on its K-quant path (cpu_kernel_table.py), larger ones on its panels
+    dequantized on the fly (k_quant_gemm); float32 sums of its dequantized values whatever
+    the weight dtype (csrc/cpu_matvec_kquants.cpp)."""
+
+    def __init__(
+        self, blocks: KQuantBlocks, bias: torch.Tensor | None, weight_dtype: str,
+        table: KernelTable = DEFAULT_TABLE,
+    ) -> None:
+        self.form = blocks
+        self.bias = None if bias is None else bias.detach()
+        self.path = small_batch_path(weight_dtype, blocks.kind, *blocks.shape)
+        self.blocks = None if self.path is None else blocks
+        self.rows_weight = None
+        self.use_table(table)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.shape[0] <= self.max_rows and self.blocks is not None:
+            return self.blocks(x, self.bias)
+        return self.form.gemm(x, self.bias)
+
+    def decode_form(self) -> DecodeForm | None:
+        if self.path is None or self.blocks is None:
+            return None
+        return DecodeForm(self.path, self.blocks.tensors, self.bias)
 
 
 class Int8Linear(SmallBatchPath):

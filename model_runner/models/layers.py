@@ -12,6 +12,7 @@ the ranks (one all-reduce each).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,7 @@ from model_runner.attention.backend import (
 )
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kernels.block_quant import KQuantBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
@@ -48,8 +50,12 @@ class Linear(nn.Linear):
     packed: PackedLinear | None = None
     lora: LoRAProjection | None = None
 
-    def pack(self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE) -> None:
-        self.packed = pack_linear(self.weight, self.bias, weight_dtype, table)
+    def pack(
+        self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE,
+        parts: Sequence[tuple[int, KQuantBlocks]] = (),
+    ) -> None:
+        """`parts`: rows of the weight left in a GGUF's K-quant blocks (cpu_linear.py)."""
+        self.packed = pack_linear(self.weight, self.bias, weight_dtype, table, parts=parts)
         self.weight = dropped(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

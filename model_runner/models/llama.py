@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
+from model_runner.kernels.block_quant import KQuantBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
@@ -42,7 +43,7 @@ from model_runner.models.decode_stack import (
 from model_runner.models.layers import MLP, Attention, Linear, RMSNorm, dropped, is_first
 from model_runner.models.rope import rope_cache, rotary_dim
 from model_runner.models.sliding_windows import layer_windows
-from model_runner.models.weights import WeightSource, read
+from model_runner.models.weights import FileBlocks, WeightSource, read
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack_off: str | None = "not packed"
         # the step's rows by LoRA adapter, once adapters are attached (lora_layers.py)
         self.lora_step: LoRAStep | None = None
+        # a projection's rows left in a GGUF's K-quant blocks (row offset, blocks) by
+        # `load_weights`, until `pack_weights` packs them as they are
+        self.file_blocks: dict[str, list[tuple[int, KQuantBlocks]]] = {}
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -250,11 +254,12 @@ class LlamaForCausalLM(nn.Module):
         """Pack every projection and the LM head for the CPU (see cpu_linear.can_pack), their
         small batches as `table` says (cpu_kernel_table.py); the decode stack of the layers
         when they declare one (decode_stack.py)."""
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.pack(weight_dtype, table)
+                module.pack(weight_dtype, table, self.file_blocks.pop(f"{name}.weight", ()))
         self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table,
-                                          kept=self.tie_word_embeddings)
+                                          kept=self.tie_word_embeddings,
+                                          parts=self.file_blocks.pop("lm_head.weight", ()))
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
         stack = build_decode_stack(self.layers, table)
@@ -278,7 +283,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy Hugging Face checkpoint weights (name, tensor or safetensors slice) into the
-        fused parameters, reading only this rank's slice of each under tensor parallelism.
+        fused parameters, reading only this rank's slice of each under tensor parallelism;
+        a whole projection's GGUF K-quant blocks (`FileBlocks`) are kept for `pack_weights`
+        instead (`file_blocks`).
 
         Raises ValueError when a parameter is left without a weight or a shape differs.
         """
@@ -293,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", mlp.intermediate_size),
         }
         slices = self.checkpoint_slices()
+        packed = self.packed_weights()
         loaded: set[str] = set()
         fused_rows: dict[str, int] = {}
         for hf_name, source in weights:
@@ -313,30 +321,47 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} in the checkpoint")
             param = params[target]
-            tensor = read(hf_name, source, where)
-            if module in ("embed_tokens", "lm_head") and tensor.shape[0] < param.shape[0]:
+            kept = source if isinstance(source, FileBlocks) and where is None and (
+                target in packed) else None
+            tensor = None if kept is not None else read(hf_name, source, where)
+            if (tensor is not None and module in ("embed_tokens", "lm_head")
+                    and tensor.shape[0] < param.shape[0]):
                 tensor = F.pad(tensor, (0, 0, 0, param.shape[0] - tensor.shape[0]))
+            shape = tuple(kept.get_shape() if kept is not None else tensor.shape)
             if offset is None:
-                if tuple(param.shape) != tuple(tensor.shape):
+                if tuple(param.shape) != shape:
                     raise ValueError(
-                        f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}"
+                        f"weight {hf_name!r} has shape {shape}, expected {tuple(param.shape)}"
                     )
-                param.copy_(tensor)
+                self._put(target, param, 0, tensor, kept)
                 loaded.add(target)
             else:
-                rows = tensor.shape[0]
-                if offset + rows > param.shape[0] or tuple(tensor.shape[1:]) != tuple(
-                    param.shape[1:]
-                ):
+                rows = shape[0]
+                if offset + rows > param.shape[0] or shape[1:] != tuple(param.shape[1:]):
                     raise ValueError(f"weight {hf_name!r} has an unexpected shape")
-                param[offset : offset + rows].copy_(tensor)
+                self._put(target, param, offset, tensor, kept)
                 fused_rows[target] = fused_rows.get(target, 0) + rows
                 if fused_rows[target] == param.shape[0]:
                     loaded.add(target)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}")
+
+    def _put(self, target: str, param: nn.Parameter, offset: int,
+             tensor: torch.Tensor | None, kept: FileBlocks | None) -> None:
+        """Rows [offset, ...) of `param` from `tensor`, or left in `kept`'s blocks until
+        packed."""
+        if kept is not None:
+            self.file_blocks.setdefault(target, []).append((offset, kept.blocks))
+        else:
+            assert tensor is not None
+            param[offset : offset + tensor.shape[0]].copy_(tensor)
+
+    def packed_weights(self) -> frozenset[str]:
+        """The weights `pack_weights` packs: every Linear's and an untied LM head's."""
+        names = {f"{name}.weight" for name, module in self.named_modules()
+                 if isinstance(module, Linear)}
+        return frozenset(names | (set() if self.tie_word_embeddings else {"lm_head.weight"}))
 
     def checkpoint_params(self) -> dict[str, nn.Parameter]:
         """The parameters `load_weights` fills (a family loading some itself leaves them

@@ -1,5 +1,6 @@
 """Checkpoint weights as the models read them: whole, or only the slice one tensor-parallel
-rank holds, from a tensor or a lazy safetensors slice (or rows of one, `RowRange`)."""
+rank holds, from a tensor or a lazy safetensors slice (or rows of one, `RowRange`), or a
+GGUF's K-quant blocks kept as the file has them (`FileBlocks`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 import torch
 
-# A checkpoint weight: a tensor, a safetensors slice (read only as far as indexed), or a
-# RowRange of either.
+from model_runner.kernels.block_quant import KQuantBlocks
+
+# A checkpoint weight: a tensor, a safetensors slice (read only as far as indexed), a
+# RowRange of either, or FileBlocks.
 WeightSource = Any
 
 
@@ -49,3 +52,18 @@ class RowRange:
         if cols is None:
             return self.source[picked.start : picked.stop]
         return self.source[picked.start : picked.stop, cols]
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """A weight in its GGUF file's K-quant blocks (gguf_file.py): a projection the model
+    packs takes them as they are (cpu_linear.pack_linear's `parts`); any other reader
+    indexes it as float32 values (gguf-py's, dequantized then)."""
+
+    blocks: KQuantBlocks
+
+    def get_shape(self) -> list[int]:
+        return list(self.blocks.shape)
+
+    def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
+        return self.blocks.dequantized()[key]

@@ -71,9 +71,12 @@ class CountingStack:
         return self.stack(*args)
 
 
-def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[torch.Tensor]:
-    """Every step's final hidden rows of a greedy run of prompts of `lengths`, with the
-    model's decode stack set to `stack` (None: the Python layers)."""
+def hidden_states(
+    loaded, stack, lengths: list[int], max_tokens: int, vocab: int | None = None
+) -> list[torch.Tensor]:
+    """Every step's final hidden rows of a greedy run of prompts of `lengths` (ids below
+    `vocab`, default the default model's), with the model's decode stack set to `stack`
+    (None: the Python layers)."""
     model = loaded.model
     seen: list[torch.Tensor] = []
     compute_logits = model.compute_logits
@@ -85,7 +88,10 @@ def hidden_states(loaded, stack, lengths: list[int], max_tokens: int) -> list[to
     model.decode_stack, model.compute_logits = stack, recording
     try:
         runner = ModelRunner(loaded, ModelConfig(block_size=4, num_kv_blocks=128))
-        RunnerLoop(runner).run(greedy_seqs(lengths, max_tokens))
+        seqs = greedy_seqs(lengths, max_tokens)
+        for seq in seqs if vocab is not None else ():
+            seq.prompt = [token % vocab for token in seq.prompt]
+        RunnerLoop(runner).run(seqs)
     finally:
         del model.compute_logits
     return seen

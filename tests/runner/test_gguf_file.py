@@ -20,7 +20,11 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
-from model_runner.loader import resolve_model_folder
+from model_runner.kernels.cpu_linear import KQuantLinear
+from model_runner.loader import LoadedModel, resolve_model_folder
+from model_runner.models.registry import model_class
+from model_runner.models.weights import FileBlocks
+from tests.runner.test_decode_stack import hidden_states
 
 Q = GGMLQuantizationType
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320  # K-quant rows: 256 wide
@@ -62,7 +66,22 @@ def blocks_of(values: np.ndarray, kind: Q, rng: np.random.Generator) -> np.ndarr
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", TENSORS)
+
+
+# every projection in K-quant blocks, one type per fused projection: each a KQuantLinear
+K_QUANT_TENSORS = {
+    **TENSORS,
+    **{f"blk.0.attn_{part}.weight": (TENSORS[f"blk.0.attn_{part}.weight"][0], Q.Q4_K)
+       for part in ("q", "k", "v")},
+    "blk.0.attn_output.weight": ((HIDDEN, HEADS * HEAD_DIM), Q.Q6_K),
+    "blk.0.ffn_gate.weight": ((FFN, HIDDEN), Q.Q5_K),
+    "blk.0.ffn_up.weight": ((FFN, HIDDEN), Q.Q5_K),
+    "blk.0.ffn_down.weight": ((HIDDEN, FFN), Q.Q4_K),
+}
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[tuple[int, ...], Q]]) -> Path:
     writer = GGUFWriter(path, "llama")
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -75,7 +94,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
     rng = np.random.default_rng(0)
-    for name, (shape, kind) in TENSORS.items():
+    for name, (shape, kind) in tensors.items():
         values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
         if kind == Q.F32:
             writer.add_tensor(name, values)
@@ -127,3 +146,82 @@ def test_the_default_gguf_leaves_its_config_tokenizer_and_names_only() -> None:
     assert {"config.json", "generation_config.json", "tokenizer.json", NAMES_FILE} <= set(kept)
     assert not [name for name in kept if name.endswith((".safetensors", ".bin", ".gguf"))]
     assert sum(kept.values()) < 8 * 2**20  # bytes; the GGUF is 100 MB
+
+
+def test_k_quant_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> None:
+    """Packed on the CPU kernels, a K-quant matrix is handed over as its blocks: the same
+    values, its rows in transformers' order (q's permuted), and no "no kernel" line for it."""
+    kwargs = {"gguf_file": tiny_gguf.name, "local_files_only": True}
+    hf_config = AutoConfig.from_pretrained(tiny_gguf.parent, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
+    expected = hf.state_dict()
+    with caplog.at_level(logging.INFO, logger="model_runner.gguf_file"):
+        ours = dict(gguf_weights(tiny_gguf, hf_config, hf_names(hf_config, "llama"),
+                                 keep_blocks=True))
+    kept = {name: source for name, source in ours.items() if isinstance(source, FileBlocks)}
+    assert sorted(kept) == ["lm_head.weight", "model.layers.0.self_attn.k_proj.weight",
+                            "model.layers.0.self_attn.q_proj.weight"]
+    for name, source in ours.items():
+        assert torch.equal(source[:], expected[name]), name
+    (dequantized,) = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
+    assert "_K" not in dequantized and "1 Q5_0" in dequantized
+
+
+def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConfig]:
+    """Ours of the GGUF at `path`, packed on the CPU kernels from its blocks, and HF's."""
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    hf_config = AutoConfig.from_pretrained(path.parent, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    with torch.device("meta"):
+        model = model_class(hf_config)(hf_config)
+    model = model.to_empty(device="cpu")
+    model.load_weights(gguf_weights(path, hf_config, hf_names(hf_config, "llama"),
+                                    keep_blocks=True))
+    model.init_rope_cache(128)
+    model.eval().pack_weights("auto")
+    return model, hf, hf_config
+
+
+def test_a_projection_of_mixed_types_is_dequantized_into_its_weight(tiny_gguf: Path) -> None:
+    """q Q4_K, k Q5_K, v Q4_1: one fused projection no single kernel reads."""
+    model, hf, _ = packed_model(tiny_gguf)
+    attn, hf_attn = model.layers[0].self_attn, hf.model.layers[0].self_attn
+    assert not isinstance(attn.qkv_proj.packed, KQuantLinear)
+    x = torch.randn(3, HIDDEN)
+    expected = torch.cat([hf_attn.q_proj(x), hf_attn.k_proj(x), hf_attn.v_proj(x)], dim=1)
+    torch.testing.assert_close(attn.qkv_proj(x), expected)
+    assert isinstance(model.packed_lm_head, KQuantLinear)
+
+
+def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
+    """Every projection on its file's blocks (no float copy), the decode stack on their
+    kinds: the projections are x @ dequantize(W).T (transformers' W) at every batch size,
+    and the stack gives the Python layers' hidden states to the bit."""
+    path = write_gguf(tmp_path / "k-quant-llama.gguf", K_QUANT_TENSORS)
+    model, hf, hf_config = packed_model(path)
+    layer, hf_layer = model.layers[0], hf.model.layers[0]
+    cases = {  # ours, HF's [out, in] weight, the path
+        "qkv": (layer.self_attn.qkv_proj, torch.cat([hf_layer.self_attn.q_proj.weight,
+               hf_layer.self_attn.k_proj.weight, hf_layer.self_attn.v_proj.weight]), "q4_k"),
+        "o": (layer.self_attn.o_proj, hf_layer.self_attn.o_proj.weight, "q6_k"),
+        "gate_up": (layer.mlp.gate_up_proj, torch.cat([hf_layer.mlp.gate_proj.weight,
+                    hf_layer.mlp.up_proj.weight]), "q5_k"),
+        "down": (layer.mlp.down_proj, hf_layer.mlp.down_proj.weight, "q4_k"),
+    }
+    for what, (ours, weight, kind) in cases.items():
+        assert isinstance(ours.packed, KQuantLinear) and ours.weight.numel() == 0, what
+        assert ours.packed.decode_form().path.name == f"{kind}_matvec"
+        for rows in (1, 3, 8, 21):  # the K-quant path, then the panels
+            x = torch.randn(rows, weight.shape[1])
+            expected = x.double() @ weight.double().T
+            tolerance = 1e-6 * (x.double().abs() @ weight.double().abs().T).amax()
+            assert (ours(x).double() - expected).abs().amax() <= tolerance, (what, rows)
+    assert isinstance(model.packed_lm_head, KQuantLinear)
+    loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "k", str(path),
+                         torch.device("cpu"), torch.float32)
+    stack = model.decode_stack
+    assert stack is not None
+    with_stack = hidden_states(loaded, stack, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)

@@ -37,6 +37,13 @@ TORCH_LIBRARY(pagedserve, m) {
         &pagedserve::q8_0_int8_matvec);
   m.def("q4_1_planes_matvec(Tensor x, Tensor qs, Tensor d, Tensor m, Tensor? bias) -> Tensor",
         &pagedserve::q4_1_planes_matvec);
+  m.def("q4_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q4_k_matvec);
+  m.def("q5_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_k_matvec);
+  m.def("q6_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q6_k_matvec);
+  // cpu_matvec_kquants.cpp: the K-quant blocks' larger batches, and their values
+  m.def("k_quant_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
+        &pagedserve::k_quant_gemm);
+  m.def("dequantize_k_(Tensor(a!) out, Tensor blocks, int kind) -> ()", &pagedserve::dequantize_k_);
 
   // cpu_decode_stack.cpp
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, int start, "

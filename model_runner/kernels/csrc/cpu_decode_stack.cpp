@@ -38,13 +38,17 @@ enum class Kind : int64_t {
   q4_1_int8_matvec,    // [qs, d, m]: Q4_1 blocks times int8 activations
   q8_0_int8_matvec,    // [qs, d]: Q8_0 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
   q4_1_planes_matvec,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
+  q4_k_matvec,         // [blocks]: a GGUF's K-quant blocks as stored (cpu_matvec_kquants.cpp)
+  q5_k_matvec,         // [blocks]
+  q6_k_matvec,         // [blocks]
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
     "q4_1_int8_matvec", "q8_0_int8_matvec", "q4_1_planes_matvec",
+    "q4_k_matvec", "q5_k_matvec", "q6_k_matvec",
 };
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q4_1_planes_matvec) + 1;
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q6_k_matvec) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Projection {
@@ -78,6 +82,18 @@ struct Projection {
       case Kind::q8_0_int8_matvec: {
         PROFILED("q8_0_int8_matvec");
         return q8_0_int8_matvec(x, weights[0], weights[1], bias);
+      }
+      case Kind::q4_k_matvec: {
+        PROFILED("q4_k_matvec");
+        return q4_k_matvec(x, weights[0], bias);
+      }
+      case Kind::q5_k_matvec: {
+        PROFILED("q5_k_matvec");
+        return q5_k_matvec(x, weights[0], bias);
+      }
+      case Kind::q6_k_matvec: {
+        PROFILED("q6_k_matvec");
+        return q6_k_matvec(x, weights[0], bias);
       }
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
