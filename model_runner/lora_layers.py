@@ -81,7 +81,7 @@ class ReadyAdapter:
 
 
 class LoRAProjection:
-    """One fused projection's adapters: name -> (A [R, in], B [out, R]), R the sum of the
+    """One fused projection's adapters: name -> (A [R, in], B.T [R, out]), R the sum of the
     ranks of the parts the adapter targets (a part it skips has no rows in A and B);
     `stack`: their slot buffers, on CUDA (then the pairs are views into them)."""
 
@@ -94,8 +94,8 @@ class LoRAProjection:
 
     def lay_out(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
                 device: torch.device, cuts: dict[str, Cut]) -> ProjectionWeights:
-        """`adapter`'s A matrices of this layer's parts stacked, its B matrices at their
-        parts' rows of the fused output (None: it targets none of them); each part cut
+        """`adapter`'s A matrices of this layer's parts stacked, its B matrices (as B.T) at
+        their parts' columns of the fused output (None: it targets none of them); each part cut
         to this rank's slice (`cuts`)."""
         shrinks, expands, offset = [], [], 0
         out_size = sum(self.sizes)
@@ -106,15 +106,15 @@ class LoRAProjection:
                 if part in cuts:
                     dim, start, stop = cuts[part]
                     a, b = (a, b[start:stop]) if dim == 0 else (a[:, start:stop], b)
-                expand = torch.zeros(out_size, a.shape[0])
-                expand[offset : offset + size] = b
+                expand = torch.zeros(a.shape[0], out_size)  # B.T: its rows added whole
+                expand[:, offset : offset + size] = b.T
                 shrinks.append(a)
                 expands.append(expand)
             offset += size
         if not shrinks:
             return None
         return (torch.cat(shrinks).to(device=device, dtype=dtype),
-                torch.cat(expands, dim=1).to(device=device, dtype=dtype))
+                torch.cat(expands).to(device=device, dtype=dtype))
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
@@ -133,7 +133,7 @@ class LoRAProjection:
             if native:
                 torch.ops.pagedserve.lora_add_(out, x, shrink, expand, start, stop)
             else:
-                out[start:stop] += (x[start:stop] @ shrink.T) @ expand.T
+                out[start:stop] += (x[start:stop] @ shrink.T) @ expand
         return out
 
 

@@ -14,7 +14,9 @@
 #include "cpu_ops.h"
 #include "vec8.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -159,11 +161,12 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                   shrink.scalar_type() == at::kFloat && expand.scalar_type() == at::kFloat &&
                   x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   x.stride(1) == 1 && out.stride(1) == 1 && shrink.size(1) == width &&
-                  expand.size(0) == out_features && expand.size(1) == rank &&
+                  expand.size(0) == rank && expand.size(1) == out_features &&
                   0 <= start && start <= stop && stop <= x.size(0) && stop <= out.size(0),
-              "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B [out, r], float32");
-  // each row of A and of B read once for all the run's rows: the weights, not the rows,
-  // are what a step streams from memory
+              "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B.T [r, out], float32");
+  // each row of A read once for all the run's rows (the weights, not the rows, are what a
+  // step streams from memory); B.T in panels of 64 columns (held in L1 across the rows),
+  // each row's 64 sums in registers
   const int64_t rows = stop - start;
   std::vector<float> shrunk(rows * rank);
   const float* a = shrink.data_ptr<float>();
@@ -175,9 +178,29 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
       shrunk[r * rank + k] = dot(a + k * width, x_rows + r * x.stride(0), width);
     }
   }
-  for (int64_t j = 0; j < out_features; ++j) {
+  constexpr int64_t kPanel = 64;
+  for (int64_t j0 = 0; j0 < out_features; j0 += kPanel) {
+    const int64_t cols = std::min(kPanel, out_features - j0);
     for (int64_t r = 0; r < rows; ++r) {
-      out_rows[r * out.stride(0) + j] += dot(b + j * rank, shrunk.data() + r * rank, rank);
+      const float* s = shrunk.data() + r * rank;
+      float* o = out_rows + r * out.stride(0) + j0;
+      if (cols < kPanel) {
+        for (int64_t j = 0; j < cols; ++j) {
+          float sum = 0.0f;
+          for (int64_t k = 0; k < rank; ++k) sum += b[k * out_features + j0 + j] * s[k];
+          o[j] += sum;
+        }
+        continue;
+      }
+      Vec8 sums[kPanel / 8] = {};
+      for (int64_t k = 0; k < rank; ++k) {
+        const float* b_row = b + k * out_features + j0;
+        for (int v = 0; v < kPanel / 8; ++v) sums[v] += load8(b_row + 8 * v) * s[k];
+      }
+      for (int v = 0; v < kPanel / 8; ++v) {
+        const Vec8 sum = load8(o + 8 * v) + sums[v];
+        std::memcpy(o + 8 * v, &sum, sizeof(sum));
+      }
     }
   }
 }

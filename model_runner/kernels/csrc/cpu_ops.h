@@ -54,7 +54,7 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
                             const std::optional<at::Tensor>& bias);
 
 // cpu_decode_stack.cpp: a LoRA adapter's delta on rows start..stop of a projection's output,
-// out[r] += B (A x[r]) (B scaled), summed on the calling thread.
+// out[r] += B (A x[r]) (B scaled, given as B.T [r, out]), summed on the calling thread.
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                const at::Tensor& expand, int64_t start, int64_t stop);
 
@@ -96,7 +96,7 @@ struct DecodeStack : torch::CustomClassHolder {
   // [n, head_dim / 2]; caches: one pair a layer. LoRA adapters' rows: lora_runs holds
   // (adapter, start, stop) of each run of rows of one adapter, after each other (empty: no
   // adapter in the step); lora_weights, for each adapter of the step, for each layer, its
-  // A [r, in] and B [out, r] (scaled) of qkv, o, gate_up and down (empty where not targeted).
+  // A [r, in] and B.T [r, out] (scaled) of qkv, o, gate_up and down (empty where not targeted).
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens,
