@@ -46,8 +46,8 @@ _FUSED = {
 class LoRAStep:
     """The step's runs of consecutive rows of one adapter: (adapter name, start, stop).
     Empty: no adapter in the step. With slot buffers, `row_slots`: each row's slot [T].
-    `stacked`: each adapter held, as the C++ decode stack reads it (per layer, A and B of
-    qkv, o, gate_up and down; empty where not targeted), or None when the model's layers
+    `stacked`: each adapter held, as the C++ decode stack reads it (per layer, A, B.T and
+    parts of qkv, o, gate_up and down; empty where not targeted), or None when the model's layers
     are not the stack's four projections each."""
 
     def __init__(self) -> None:
@@ -81,23 +81,25 @@ class ReadyAdapter:
 
 
 class LoRAProjection:
-    """One fused projection's adapters: name -> (A [R, in], B.T [R, out]), R the sum of the
-    ranks of the parts the adapter targets (a part it skips has no rows in A and B);
+    """One fused projection's adapters: name -> (A [R, in], B.T [R, out], parts), R the sum
+    of the ranks of the parts the adapter targets (a part it skips has no rows in A and B),
+    parts [P, 4] int64: each targeted part's rows of R and columns of the fused output, the
+    block of B.T that is not zero (what `lora_add_` reads);
     `stack`: their slot buffers, on CUDA (then the pairs are views into them)."""
 
     def __init__(self, step: LoRAStep, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
         self.step = step
         self.parts = parts
         self.sizes = sizes  # the parts' output rows
-        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.stack: LoRAStack | None = None
 
     def lay_out(self, adapter: LoRAAdapter, layer: int, dtype: torch.dtype,
                 device: torch.device, cuts: dict[str, Cut]) -> ProjectionWeights:
         """`adapter`'s A matrices of this layer's parts stacked, its B matrices (as B.T) at
-        their parts' columns of the fused output (None: it targets none of them); each part cut
-        to this rank's slice (`cuts`)."""
-        shrinks, expands, offset = [], [], 0
+        their parts' columns of the fused output, and where each sits (None: it targets none
+        of them); each part cut to this rank's slice (`cuts`)."""
+        shrinks, expands, spans, offset, rank = [], [], [], 0, 0
         out_size = sum(self.sizes)
         for part, size in zip(self.parts, self.sizes, strict=True):
             pair = adapter.weights.get((layer, part))
@@ -110,11 +112,14 @@ class LoRAProjection:
                 expand[:, offset : offset + size] = b.T
                 shrinks.append(a)
                 expands.append(expand)
+                spans.append((rank, rank + a.shape[0], offset, offset + size))
+                rank += a.shape[0]
             offset += size
         if not shrinks:
             return None
         return (torch.cat(shrinks).to(device=device, dtype=dtype),
-                torch.cat(expands).to(device=device, dtype=dtype))
+                torch.cat(expands).to(device=device, dtype=dtype),
+                torch.tensor(spans, dtype=torch.int64))
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [T, out] of the base projection of `x` [T, in], plus each adapter's delta
@@ -129,9 +134,9 @@ class LoRAProjection:
             pair = self.adapters.get(name)
             if pair is None:  # the adapter does not target this projection
                 continue
-            shrink, expand = pair
+            shrink, expand, parts = pair
             if native:
-                torch.ops.pagedserve.lora_add_(out, x, shrink, expand, start, stop)
+                torch.ops.pagedserve.lora_add_(out, x, shrink, expand, parts, start, stop)
             else:
                 out[start:stop] += (x[start:stop] @ shrink.T) @ expand
         return out
@@ -216,7 +221,7 @@ class LoRAModel:
         if self.step.stacked is not None:
             none = torch.empty(0, dtype=self.dtype, device=self.device)
             self.step.stacked[name] = [tensor for weights in ready.weights
-                                       for tensor in (weights or (none, none))]
+                                       for tensor in (weights or (none, none, none))]
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)

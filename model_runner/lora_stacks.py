@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-ProjectionWeights = tuple[torch.Tensor, torch.Tensor] | None  # A [R, in], B.T [R, out]
+# A [R, in], B.T [R, out], parts [P, 4] (lora_layers.LoRAProjection)
+ProjectionWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 
 class SlotTable:
@@ -60,16 +61,16 @@ class LoRAStack:
 
     def put(self, slot: int, weights: ProjectionWeights) -> ProjectionWeights:
         """Hold an adapter's weights (None: it skips this projection) in `slot`: its views
-        there, as `weights` are (A [r, in], B.T [r, out]), or None."""
+        there, as `weights` are (A [r, in], B.T [r, out], parts), or None."""
         self.shrink[slot].zero_()
         self.expand[slot].zero_()
         if weights is None:
             return None
-        a, b = weights
+        a, b, parts = weights
         rank = a.shape[0]
         self.shrink[slot, :rank].copy_(a)
         self.expand[slot, :rank].copy_(b)
-        return self.shrink[slot, :rank], self.expand[slot, :rank]
+        return self.shrink[slot, :rank], self.expand[slot, :rank], parts
 
     def apply_(self, x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
         """`out` plus each row's adapter delta (triton_lora.add_lora), in place."""

@@ -132,6 +132,23 @@ def test_the_decode_stack_adds_the_adapters_deltas_as_the_python_layers_do(famil
         assert torch.equal(a, b)  # both add lora_add_'s deltas
 
 
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs the C++ CPU kernels")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_lora_add_reads_only_each_parts_block_of_b(rows: int):
+    # a fused q|k|v of 100|70|70 columns (panels of 64 and a tail) with q and v targeted:
+    # B.T's zero blocks are filled with noise, which must not reach the output
+    torch.manual_seed(0)
+    x, out = torch.randn(rows + 2, 48), torch.randn(rows + 2, 240)
+    shrink, expand = torch.randn(8 + 16, 48), torch.randn(8 + 16, 240)
+    parts = torch.tensor([[0, 8, 0, 100], [8, 24, 170, 240]])
+    exact = torch.zeros_like(expand)
+    exact[:8, :100], exact[8:, 170:] = expand[:8, :100], expand[8:, 170:]
+    expected = out.clone()
+    expected[1 : 1 + rows] += (x[1 : 1 + rows] @ shrink.T) @ exact
+    torch.ops.pagedserve.lora_add_(out, x, shrink, expand, parts, 1, 1 + rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
 @torch.inference_mode()
 def test_a_prefix_hit_and_a_preemption_on_adapter_rows(family: Family):
     block_size = 4

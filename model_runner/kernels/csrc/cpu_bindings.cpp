@@ -46,8 +46,8 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("dequantize_k_(Tensor(a!) out, Tensor blocks, int kind) -> ()", &pagedserve::dequantize_k_);
 
   // cpu_decode_stack.cpp
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, int start, "
-        "int stop) -> ()", &pagedserve::lora_add_);
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, Tensor parts, "
+        "int start, int stop) -> ()", &pagedserve::lora_add_);
   m.class_<pagedserve::DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<std::string>, std::vector<int64_t>>())
       .def("add_layer", &pagedserve::DecodeStack::add_layer)

@@ -154,7 +154,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // multiply-adds a projection, less than a thread pool's wake-up (a GEMM's, ~0.1 ms each on
 // a busy host, two a projection).
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
-               const at::Tensor& expand, int64_t start, int64_t stop) {
+               const at::Tensor& expand, const at::Tensor& parts, int64_t start,
+               int64_t stop) {
   const int64_t rank = shrink.size(0), width = x.size(1), out_features = out.size(1);
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && shrink.dim() == 2 && expand.dim() == 2 &&
                   shrink.is_contiguous() && expand.is_contiguous() &&
@@ -164,9 +165,21 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                   expand.size(0) == rank && expand.size(1) == out_features &&
                   0 <= start && start <= stop && stop <= x.size(0) && stop <= out.size(0),
               "lora_add_: out [n, out] and x [n, in] rows, A [r, in] and B.T [r, out], float32");
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous() &&
+                  parts.scalar_type() == at::kLong,
+              "lora_add_: parts [p, 4] int64 (rank start, rank stop, column start, stop)");
+  const int64_t* spans = parts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < parts.size(0); ++p) {
+    const int64_t* span = spans + 4 * p;
+    TORCH_CHECK(0 <= span[0] && span[0] <= span[1] && span[1] <= rank && 0 <= span[2] &&
+                    span[2] <= span[3] && span[3] <= out_features,
+                "lora_add_: part ", p, " outside A's ", rank, " rows or ", out_features,
+                " columns");
+  }
   // each row of A read once for all the run's rows (the weights, not the rows, are what a
-  // step streams from memory); B.T in panels of 64 columns (held in L1 across the rows),
-  // each row's 64 sums in registers
+  // step streams from memory); of B.T only each part's block (its rows of the rank, its
+  // columns of the fused output: the rest is zero), in panels of 64 columns (held in L1
+  // across the rows), each row's 64 sums in registers
   const int64_t rows = stop - start;
   std::vector<float> shrunk(rows * rank);
   const float* a = shrink.data_ptr<float>();
@@ -179,27 +192,31 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
     }
   }
   constexpr int64_t kPanel = 64;
-  for (int64_t j0 = 0; j0 < out_features; j0 += kPanel) {
-    const int64_t cols = std::min(kPanel, out_features - j0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* s = shrunk.data() + r * rank;
-      float* o = out_rows + r * out.stride(0) + j0;
-      if (cols < kPanel) {
-        for (int64_t j = 0; j < cols; ++j) {
-          float sum = 0.0f;
-          for (int64_t k = 0; k < rank; ++k) sum += b[k * out_features + j0 + j] * s[k];
-          o[j] += sum;
+  for (int64_t p = 0; p < parts.size(0); ++p) {
+    const int64_t k0 = spans[4 * p], k1 = spans[4 * p + 1];
+    const int64_t column_stop = spans[4 * p + 3];
+    for (int64_t j0 = spans[4 * p + 2]; j0 < column_stop; j0 += kPanel) {
+      const int64_t cols = std::min(kPanel, column_stop - j0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = shrunk.data() + r * rank;
+        float* o = out_rows + r * out.stride(0) + j0;
+        if (cols < kPanel) {
+          for (int64_t j = 0; j < cols; ++j) {
+            float sum = 0.0f;
+            for (int64_t k = k0; k < k1; ++k) sum += b[k * out_features + j0 + j] * s[k];
+            o[j] += sum;
+          }
+          continue;
         }
-        continue;
-      }
-      Vec8 sums[kPanel / 8] = {};
-      for (int64_t k = 0; k < rank; ++k) {
-        const float* b_row = b + k * out_features + j0;
-        for (int v = 0; v < kPanel / 8; ++v) sums[v] += load8(b_row + 8 * v) * s[k];
-      }
-      for (int v = 0; v < kPanel / 8; ++v) {
-        const Vec8 sum = load8(o + 8 * v) + sums[v];
-        std::memcpy(o + 8 * v, &sum, sizeof(sum));
+        Vec8 sums[kPanel / 8] = {};
+        for (int64_t k = k0; k < k1; ++k) {
+          const float* b_row = b + k * out_features + j0;
+          for (int v = 0; v < kPanel / 8; ++v) sums[v] += load8(b_row + 8 * v) * s[k];
+        }
+        for (int v = 0; v < kPanel / 8; ++v) {
+          const Vec8 sum = load8(o + 8 * v) + sums[v];
+          std::memcpy(o + 8 * v, &sum, sizeof(sum));
+        }
       }
     }
   }
@@ -211,17 +228,18 @@ namespace {
 // adapter, each projection's delta added after its base output (lora_add_); base rows pay
 // nothing.
 struct LoRARuns {
-  static constexpr size_t kPerLayer = 8;  // qkv, o, gate_up, down: A and B each
+  static constexpr size_t kPerLayer = 12;  // qkv, o, gate_up, down: A, B.T and parts each
   const std::vector<int64_t>& runs;       // (adapter, start, stop) after each other
   const std::vector<at::Tensor>& weights;  // per adapter, per layer: kPerLayer tensors
   size_t per_adapter;
 
   void add(at::Tensor& out, const at::Tensor& x, size_t layer, size_t projection) const {
     for (size_t i = 0; i < runs.size(); i += 3) {
-      const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 2;
+      const size_t first = runs[i] * per_adapter + layer * kPerLayer + projection * 3;
       if (weights[first].numel() == 0) continue;  // the adapter does not target it
       PROFILED("lora_add_");
-      lora_add_(out, x, weights[first], weights[first + 1], runs[i + 1], runs[i + 2]);
+      lora_add_(out, x, weights[first], weights[first + 1], weights[first + 2], runs[i + 1],
+                runs[i + 2]);
     }
   }
 };

@@ -55,8 +55,11 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
 
 // cpu_decode_stack.cpp: a LoRA adapter's delta on rows start..stop of a projection's output,
 // out[r] += B (A x[r]) (B scaled, given as B.T [r, out]), summed on the calling thread.
+// parts [p, 4]: (rank start, rank stop, column start, column stop) of each fused part the
+// adapter targets: B.T is read only there (zero elsewhere).
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
-               const at::Tensor& expand, int64_t start, int64_t stop);
+               const at::Tensor& expand, const at::Tensor& parts, int64_t start,
+               int64_t stop);
 
 // cpu_matvec_kquants.cpp
 at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
@@ -96,7 +99,8 @@ struct DecodeStack : torch::CustomClassHolder {
   // [n, head_dim / 2]; caches: one pair a layer. LoRA adapters' rows: lora_runs holds
   // (adapter, start, stop) of each run of rows of one adapter, after each other (empty: no
   // adapter in the step); lora_weights, for each adapter of the step, for each layer, its
-  // A [r, in] and B.T [r, out] (scaled) of qkv, o, gate_up and down (empty where not targeted).
+  // A [r, in], B.T [r, out] (scaled) and parts (lora_add_'s) of qkv, o, gate_up and down
+  // (empty where not targeted).
   at::Tensor forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor context_lens,
