@@ -6,19 +6,21 @@
 Systems (bench/systems.py): `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype
 float16 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV),
 `pagedserve-int8` (`--weight-dtype int8 --kv-cache-dtype float16`: int8 products, see
-cpu_linear.py), `pagedserve-spec` (float32 with n-gram speculation, k = 4),
-`llama-server` and `llama-server-spec` (llama.cpp without and with its n-gram
-speculation, built separately: --llama-server PATH) and `baseline-tree` (pagedserve
-float32 from another checkout: --baseline-tree PATH) are started as servers here and
-driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and `hf-cb` are Hugging Face
-`generate` sequential, static batching and continuous batching, run in this process on
-the same converted weights (token-id workloads only). Every output is forced to its
-requested length. Prints one table per workload with each system's output tokens/s, its
-TTFT, ITL (a streamed chunk: a speculating server's carries several tokens) and TPOT
-(time per output token after the first) p50, and its ratio to `pagedserve` and every peer;
-a workload of two priorities also gets each priority's TPOT and throughput. --json writes
-the raw results too. WP also measures the high-priority TTFT on an idle server and the
-low-priority throughput without high-priority arrivals, the two references of its targets.
+cpu_linear.py), `pagedserve-bf16` (`--weight-dtype bfloat16 --kv-cache-dtype bfloat16`:
+larger batches on bfloat16, AMX tiles where the CPU has them), `pagedserve-spec` (float32
+with n-gram speculation, k = 4), `llama-server` and `llama-server-spec` (llama.cpp without
+and with its n-gram speculation, built separately: --llama-server PATH) and
+`baseline-tree` (pagedserve float32 from another checkout: --baseline-tree PATH) are
+started as servers here and driven by loadgen.client over HTTP; `hf-seq`, `hf-static` and
+`hf-cb` are Hugging Face `generate` sequential, static batching and continuous batching,
+run in this process on the same converted weights (token-id workloads only). Every output
+is forced to its requested length. Prints one table per workload with each system's output
+tokens/s, its TTFT, ITL (a streamed chunk: a speculating server's carries several tokens)
+and TPOT (time per output token after the first) p50, and its ratio to `pagedserve` and
+every peer; a workload of two priorities also gets each priority's TPOT and throughput.
+--json writes the raw results too. WP also measures the high-priority TTFT on an idle
+server and the low-priority throughput without high-priority arrivals, the two references
+of its targets.
 """
 
 from __future__ import annotations
@@ -214,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=None,
                         help="default: pagedserve,pagedserve-fp16,hf-static,hf-seq,hf-cb, and "
                         "llama-server when --llama-server is given; also pagedserve-int8, "
-                        "pagedserve-spec, llama-server-spec, baseline-tree")
+                        "pagedserve-bf16, pagedserve-spec, llama-server-spec, baseline-tree")
     parser.add_argument("--scale", type=float, default=1.0, help="scale every request count")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="pagedserve's and Hugging Face's model dtype (the -fp16, -int8 "
+                        "and -bf16 variants stay float32 models with those weights)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""),
                         help="path to llama.cpp's llama-server binary")

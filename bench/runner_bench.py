@@ -1,7 +1,8 @@
 """Model-runner throughput on the default model, against Hugging Face `generate`.
 
-`python -m bench.runner_bench [--dtypes float32,float16,float16-weights,int8,bfloat16]
-[--batch-sizes 1,16,64,128] [--decode-steps 8] [--threads N]`
+`python -m bench.runner_bench [--dtypes
+float32,float16,float16-weights,int8,bfloat16-weights,bfloat16] [--batch-sizes 1,16,64,128]
+[--decode-steps 8] [--threads N]`
 
 Per dtype: decode tokens/s at each batch size (prompts of ~16 tokens, so the context stays
 short), and one 512-token prefill. Hugging Face runs the same prompts as static batches,
@@ -9,7 +10,9 @@ left-padded, in the same process. Decode time is measured from the first sampled
 the last, so prefill is left out on both sides, and taken as the median step (prefill as
 the best of a few runs): CI machines are often shared. "float16-weights" is float32 with
 `--weight-dtype float16`, "float16" that and `--kv-cache-dtype float16` (HF runs float32);
-"int8" is `--weight-dtype int8 --kv-cache-dtype float16`. Their greedy token agreement
+"int8" is `--weight-dtype int8 --kv-cache-dtype float16`, "bfloat16-weights" `--weight-dtype
+bfloat16 --kv-cache-dtype bfloat16` (larger batches on AMX where the CPU has it), "bfloat16"
+a bfloat16 model (`--dtype bfloat16`; HF runs bfloat16 too). Their greedy token agreement
 with float32 is reported on 16 random prompts of 64 new tokens, and their teacher-forced
 top-1 agreement and perplexity on a fixed text (tests/support/quality.py).
 """
@@ -168,6 +171,7 @@ VARIANTS = {
     "float16": ("float32", "float16", "float16"),
     "float16-weights": ("float32", "float16", "auto"),
     "int8": ("float32", "int8", "float16"),
+    "bfloat16-weights": ("float32", "bfloat16", "bfloat16"),
     "bfloat16": ("bfloat16", "auto", "auto"),
 }
 AGREEMENT_PROMPTS, AGREEMENT_TOKENS = 16, 64
@@ -193,7 +197,7 @@ def bench_variant(
     hf = load_hf_model(loaded.model_path, loaded.dtype)
     hf.generation_config.eos_token_id = None  # fixed lengths
     # the tied LM head once; float16 weights are 2 bytes, int8 ones 1
-    weight_size = {"float16": 2, "int8": 1}.get(weight_dtype, loaded.dtype.itemsize)
+    weight_size = {"float16": 2, "bfloat16": 2, "int8": 1}.get(weight_dtype, loaded.dtype.itemsize)
     weight_bytes = sum(p.numel() for p in hf.parameters()) * weight_size
     vocab = int(loaded.hf_config.vocab_size)
     warm = make_prompts(2, vocab, seed=1)

@@ -26,6 +26,7 @@ PAGEDSERVE_VARIANTS = {
     "pagedserve": [],
     "pagedserve-fp16": ["--weight-dtype", "float16", "--kv-cache-dtype", "float16"],
     "pagedserve-int8": ["--weight-dtype", "int8", "--kv-cache-dtype", "float16"],
+    "pagedserve-bf16": ["--weight-dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"],
     "pagedserve-spec": ["--speculative-config", json.dumps(NGRAM_SPECULATION)],
 }
 LLAMA_SERVERS = ("llama-server", "llama-server-spec")
@@ -58,9 +59,13 @@ def parse_systems(
 def pagedserve_flags(
     system: str, dtype: str, num_kv_blocks: int | None, extra: Sequence[str] = ()
 ) -> list[str]:
-    """`pagedserve serve` flags of a pagedserve variant (`make serve`'s policy)."""
+    """`pagedserve serve` flags of a pagedserve variant (`make serve`'s policy); a variant
+    with its own weight dtype is a float32 model whatever `dtype`."""
+    variant = PAGEDSERVE_VARIANTS[system]
+    if "--weight-dtype" in variant:
+        dtype = "float32"
     flags = ["--scheduling-policy", "priority", "--dtype", dtype, "--log-level", "warning"]
-    flags += PAGEDSERVE_VARIANTS[system]
+    flags += variant
     if num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(num_kv_blocks)]
     return flags + list(extra)

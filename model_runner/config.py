@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-WEIGHT_DTYPES = ("auto", "float16", "int8")  # projections' weights (kernels/cpu_linear.py)
+# projections' weights (kernels/cpu_linear.py)
+WEIGHT_DTYPES = ("auto", "float16", "bfloat16", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/selection.py
 
 

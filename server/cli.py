@@ -77,10 +77,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                        help="float16: a float32 CPU model keeps its projection weights in "
                        "float16 (half the bytes per step, float32 sums; greedy output may "
-                       "differ from float32 on a few tokens); int8: int8 weights and "
-                       "activations (Hadamard-rotated, a grid per token; faster than float16 "
-                       "from batch ~16 and in prefill, output drifts from float32 as a "
-                       "quantized model's does)")
+                       "differ from float32 on a few tokens); bfloat16: its larger batches in "
+                       "bfloat16 on oneDNN (AMX tiles where the CPU has them); int8: int8 "
+                       "weights and activations (Hadamard-rotated, a grid per token; faster "
+                       "than float16 from batch ~16 and in prefill, output drifts from float32 "
+                       "as a quantized model's does)")
     model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="float16/bfloat16: a float32 CPU model keeps its KV cache in 2 "
                        "bytes (twice the blocks in --kv-cache-memory, half the attention "

@@ -87,10 +87,14 @@ SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("float16", "q4_1"): ("q4_1_planes_matvec", "q4_1_matvec"),
     ("float16", "q8_0"): ("q8_0_matvec",),
     ("float16", None): ("matvec",),
+    # bfloat16 is for the GEMM's larger batches (AMX): small ones as float16's
+    ("bfloat16", "q4_1"): ("q4_1_planes_matvec", "q4_1_matvec"),
+    ("bfloat16", "q8_0"): ("q8_0_matvec",),
+    ("bfloat16", None): ("matvec",),
     ("int8", "q4_1"): ("q4_1_int8_matvec", "int8_matvec"),
     ("int8", "q8_0"): ("q8_0_int8_matvec", "int8_matvec"),
     ("int8", None): ("int8_matvec",),
-    **{(dtype, kind): (f"{kind}_matvec",) for dtype in ("auto", "float16", "int8")
+    **{(dtype, kind): (f"{kind}_matvec",) for dtype in ("auto", "float16", "bfloat16", "int8")
        for kind in K_QUANTS},
 }
 
@@ -98,6 +102,8 @@ SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
 GEMMS = {
     "auto": "oneDNN float32 (mkldnn._linear_pointwise)",
     "float16": "fbgemm float16 weights (quantized.linear_dynamic_fp16)",
+    "bfloat16": "oneDNN bfloat16 weights and activations, float32 sums (AMX tiles where the "
+                "host has them)",
     "int8": "fbgemm W8A8 (quantized.linear_dynamic)",
 }
 # a K-quant weight's larger batches, whatever the weight dtype: panels of its rows

@@ -7,6 +7,10 @@ served on them generates exactly what Hugging Face generates from the rounded we
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,12 +111,55 @@ def test_float16_weights_generate_what_hf_generates_from_rounded_weights(tmp_pat
     assert outputs == [tiny.generate(s.prompt, 12) for s in seqs]
 
 
+needs_bf16 = pytest.mark.skipif(
+    not can_pack(CPU, torch.float32, "bfloat16"), reason="oneDNN without bfloat16 on this CPU"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_weights_are_a_bfloat16_matmul_summed_in_float32(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    # the inputs rounded to bfloat16, float32 sums, the output rounded to bfloat16
+    product = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float())
+    expected = product.bfloat16().float() + (0 if linear.bias is None else linear.bias)
+    unrounded = F.linear(x, linear.weight, linear.bias)
+    linear.pack("bfloat16")
+    with torch.inference_mode():
+        got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 80)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-5)  # one bfloat16 step
+    assert not torch.allclose(got, unrounded, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif("amx_bf16" not in open("/proc/cpuinfo").read(), reason="no AMX on this CPU")
+@needs_bf16
+def test_bfloat16_weights_run_on_amx_tiles_where_the_cpu_has_them() -> None:
+    # oneDNN names the ISA of the kernel it ran; in a child process, so that the verbose
+    # switch and its output are the child's alone
+    code = ("import torch\n"
+            "from model_runner.models.layers import Linear\n"
+            "linear = Linear(64, 96, bias=False)\n"
+            "linear.pack('bfloat16')\n"
+            "with torch.inference_mode():\n"
+            "    linear(torch.randn(32, 64))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "ONEDNN_VERBOSE": "1"}, timeout=120, check=True)
+    matmuls = [line for line in run.stdout.splitlines() if ",exec," in line and "matmul" in line]
+    assert matmuls and all("amx" in line for line in matmuls), run.stdout[-2000:]
+
+
 def test_float16_weights_refused_where_unsupported(tmp_path) -> None:
     make_model_folder(tmp_path, CONFIGS["smollm2"]())
     with pytest.raises(ValueError, match="--weight-dtype float16 needs the CPU, --dtype float32"):
         load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="float16"))
     with pytest.raises(ValueError, match="--weight-dtype int8 needs the CPU, --dtype float32"):
         load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="int8"))
+    with pytest.raises(ValueError, match="--weight-dtype bfloat16 needs the CPU, --dtype float32"):
+        load_model(ModelConfig(model=str(tmp_path), dtype="bfloat16", weight_dtype="bfloat16"))
     with pytest.raises(ValueError, match="unknown weight dtype 'int4'"):
         ModelConfig(weight_dtype="int4")
 
