@@ -4,7 +4,7 @@ greedy tokens equal HF's wherever its top-1/top-2 margin allows, and teacher-for
 agreement at least 99% over 512 tokens of English text.
 
 - SmolLM2-135M (the default, real): its own Q4_1 in test_smollm2_parity.py; its Q8_0 made
-  here from it with gguf-py (bench/gguf_q8_0.py).
+  here from it with gguf-py (tests/support/gguf_q8_0.py).
 - Gemma 3 270M (real, `python -m bench.fetch_gguf gemma3-270m`): Q4_K_M as published, Q8_0
   made here from it; skipped without the file.
 - Qwen3 (made: random weights in Qwen3's shape, converted and quantized by llama.cpp's own
@@ -20,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.fetch_gguf import DEFAULT_DEST
-from bench.gguf_q8_0 import write_q8_0
 from model_runner.loader import default_gguf_path
 from tests.support.gguf_parity import FileParity, file_parity
+from tests.support.gguf_q8_0 import write_q8_0
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +39,9 @@ MIN_TOP1_AGREEMENT = 0.99
 
 
 def gguf_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or DEFAULT_DEST).expanduser()
+    """Where bench.fetch_gguf and bench.tiny_qwen_gguf put their files by default."""
+    default = Path.home() / ".cache" / "pagedserve" / "models"
+    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or default).expanduser()
 
 
 @pytest.fixture(scope="module", params=list(FILES))

@@ -1,7 +1,7 @@
 """A GGUF's Q8_0 twin, made with gguf-py alone: every matrix's values (dequantized from
 whatever blocks the file holds) written again as Q8_0 blocks, the rest as it was.
 
-    python -m bench.gguf_q8_0 SRC.gguf DST.gguf
+    python -m tests.support.gguf_q8_0 SRC.gguf DST.gguf
 
 The metadata is copied key by key (gguf-py's own gguf_new_metadata.py does the same),
 `general.file_type` set to Q8_0. A 1-D tensor (norms, biases) stays F32 (as llama-quantize
