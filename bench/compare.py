@@ -2,6 +2,7 @@
 
     python -m bench.compare --workloads W1,WV --systems pagedserve,llama-server,hf-static
     python -m bench.compare --workloads WE,W1,WV,WEP --systems pagedserve,pagedserve-spec
+    python -m bench.compare --model gemma-3-270m-q4_k_m.gguf --systems pagedserve,llama-server
 
 Systems (bench/systems.py): `pagedserve` (float32), `pagedserve-fp16` (`--weight-dtype
 float16 --kv-cache-dtype float16`: float32 sums on 2-byte weights and KV),
@@ -46,7 +47,7 @@ from bench.systems import (
     parse_systems,
 )
 from loadgen.client import BenchConfig, run_items
-from loadgen.workloads import WORKLOADS, BenchItem, Workload
+from loadgen.workloads import WORKLOADS, BenchItem, Workload, in_vocabulary
 from tests.support.server_process import ServerProcess, free_port, pagedserve_command
 
 # workloads of priorities or text prompts: the servers only
@@ -73,17 +74,31 @@ def server_in_tree(cmd: list[str], port: int, log: Path, tree: Path | None = Non
         server.remove_log()
 
 
+def model_file(args: argparse.Namespace) -> Path:
+    """The GGUF every system serves: --model, or the default model's."""
+    from model_runner.loader import default_gguf_path
+
+    return args.model or default_gguf_path()
+
+
+def normal_token_ids(gguf: Path) -> list[int]:
+    """The ids of a GGUF's vocabulary that are plain text pieces (no control, byte or
+    unused tokens): what --model's token-id prompts are drawn from."""
+    from gguf import GGUFReader, TokenType
+
+    types = GGUFReader(gguf).fields["tokenizer.ggml.token_type"].contents()
+    return [i for i, kind in enumerate(types) if kind == TokenType.NORMAL]
+
+
 def server_cmd(system: str, port: int, workload: Workload, args: argparse.Namespace
                ) -> list[str]:
     if system in LLAMA_SERVERS:
-        from model_runner.loader import default_gguf_path
-
-        return llama_server_command(system, args.llama_server, default_gguf_path(), port,
+        return llama_server_command(system, args.llama_server, model_file(args), port,
                                     args.threads, workload)
     num_kv_blocks = args.wp_kv_blocks if workload.name == "WP" else None
     variant = "pagedserve" if system == BASELINE_TREE else system
-    flags = pagedserve_flags(variant, args.dtype, num_kv_blocks, args.pagedserve_args.split())
-    return pagedserve_command(port, flags)
+    extra = args.pagedserve_args.split() + (["--model", str(args.model)] if args.model else [])
+    return pagedserve_command(port, pagedserve_flags(variant, args.dtype, num_kv_blocks, extra))
 
 
 def run_client(
@@ -94,8 +109,9 @@ def run_client(
     return asyncio.run(run_items(config, items, concurrency))
 
 
-def warm_up(url: str) -> None:
-    run_client(url, [BenchItem(list(range(1000, 1032)), 8)], 1)
+def warm_up(url: str, workload: Workload) -> None:
+    first = workload.requests[0].prompt  # its ids are the served model's
+    run_client(url, [BenchItem(first[:32] if isinstance(first, list) else first, 8)], 1)
 
 
 def _server_result(system: str, summary: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +138,7 @@ def run_server(system: str, workload: Workload, args: argparse.Namespace) -> lis
     tree = args.baseline_tree.resolve() if system == BASELINE_TREE else None
     results = []
     with server_in_tree(server_cmd(system, port, workload, args), port, log, tree) as url:
-        warm_up(url)
+        warm_up(url, workload)
         if workload.name == "WP":
             low = [r for r in workload.requests if r.send_at_s is None]
             high = [r for r in workload.requests if r.send_at_s is not None]
@@ -143,12 +159,11 @@ def run_hf(system: str, workload: Workload, args: argparse.Namespace) -> dict[st
     import torch
 
     from bench import hf_baseline
-    from model_runner.loader import default_gguf_path
     from tests.support.model_helpers import load_hf_model
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, "float32" if args.dtype == "auto" else args.dtype)
-    model = load_hf_model(str(default_gguf_path()), dtype)
+    model = load_hf_model(str(model_file(args)), dtype)
     if system == "hf-seq":
         result = hf_baseline.run_static(model, workload, 1)
     elif system == "hf-static":
@@ -226,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="path to llama.cpp's llama-server binary")
     parser.add_argument("--wp-kv-blocks", type=int, default=384,
                         help="KV blocks for WP: about half the low-priority working set")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a GGUF file every system serves instead of the default model; "
+                        "token-id prompts drawn from its vocabulary")
     parser.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="another checkout, served as system baseline-tree (float32)")
@@ -240,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     everything = {}
     for name in args.workloads.split(","):
         workload = WORKLOADS[name](args.scale)
+        if args.model:
+            workload = in_vocabulary(workload, normal_token_ids(args.model))
         results: list[dict[str, Any]] = []
         for system in systems:
             if system in SERVERS:

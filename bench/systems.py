@@ -2,9 +2,10 @@
 
 pagedserve's variants are `pagedserve serve` flags: float32 as served by default, float16
 or int8 weights, and n-gram speculation (vLLM's `--speculative-config`). llama.cpp's
-`llama-server` runs the default model's GGUF, with or without its own n-gram speculation
-(`--spec-type ngram-simple`: the draft that followed the last earlier match of the last n
-tokens). `baseline-tree` is pagedserve float32 served from another checkout.
+`llama-server` runs the served GGUF (the default model's, or bench.compare's --model),
+with or without its own n-gram speculation (`--spec-type ngram-simple`: the draft that
+followed the last earlier match of the last n tokens). `baseline-tree` is pagedserve
+float32 served from another checkout.
 """
 
 from __future__ import annotations

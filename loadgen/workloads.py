@@ -8,7 +8,8 @@ input-copying workloads (WE, WEP), whose prompts are text to rewrite (loadgen/ed
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from loadgen.edits import edit_prompts
 
@@ -159,6 +160,18 @@ def wep(scale: float = 1.0, seed: int = 0, high_every_s: float = 3.0) -> Workloa
     ]
     return Workload("WEP", f"{n_low} low edits (prio 10, 128 out, 24 in flight) + {n_high} "
                     f"urgent (prio -10, 128 out) every {high_every_s:g} s", low + high, 24)
+
+
+def in_vocabulary(workload: Workload, token_ids: Sequence[int]) -> Workload:
+    """`workload` with each token-id prompt's ids drawn from `token_ids` instead (id i
+    becomes token_ids[i % len]: the same for every system), for a model whose vocabulary
+    is not SmolLM2's; text prompts as they are."""
+    requests = [
+        r if isinstance(r.prompt, str)
+        else replace(r, prompt=[token_ids[i % len(token_ids)] for i in r.prompt])
+        for r in workload.requests
+    ]
+    return replace(workload, requests=requests)
 
 
 WORKLOADS = {"W0": w0, "W1": w1, "WV": wv, "WP": wp, "WPS": wps, "WPP": wpp, "WL": wl,

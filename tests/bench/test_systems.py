@@ -3,6 +3,7 @@ command line (pagedserve's variants are flags `pagedserve serve` parses)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -56,3 +57,22 @@ def test_the_benchmarks_pagedserve_systems_are_flags_serve_takes(system: str) ->
     config = build_configs(args, cuda=False)
     assert (config.scheduler.speculative is not None) == ("--speculative-config" in
                                                           PAGEDSERVE_VARIANTS[system])
+
+
+def test_every_server_serves_the_model_compare_is_given(tmp_path: Path) -> None:
+    """`bench.compare --model FILE`: pagedserve's variants and llama-server serve FILE;
+    without it, llama-server the default model's GGUF and pagedserve its default."""
+    from bench.compare import server_cmd
+
+    gguf = tmp_path / "m.gguf"
+    args = argparse.Namespace(model=gguf, llama_server="/bin/ls", threads=2, dtype="float32",
+                              wp_kv_blocks=384, pagedserve_args="--max-num-seqs 8")
+    for system in ("pagedserve", "pagedserve-int8", "baseline-tree"):
+        cmd = server_cmd(system, 9, we(), args)
+        assert cmd[cmd.index("--model") + 1] == str(gguf) and "--max-num-seqs" in cmd
+    llama = server_cmd("llama-server", 9, we(), args)
+    assert llama[llama.index("-m") + 1] == str(gguf)
+    args.model = None
+    assert "--model" not in server_cmd("pagedserve", 9, we(), args)
+    llama = server_cmd("llama-server", 9, we(), args)
+    assert llama[llama.index("-m") + 1].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from loadgen.edits import MAX_TOKENS, MIN_TOKENS, edit_prompts, load_blocks
-from loadgen.workloads import we, wep
+from loadgen.workloads import in_vocabulary, w1, we, wep
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,16 @@ def test_we_is_one_stream_and_wep_mixes_urgent_edits_into_a_saturating_low_load(
     assert len(low) > mix.concurrency and all(r.send_at_s is None for r in low)
     times = [r.send_at_s for r in urgent]
     assert urgent and all(t is not None for t in times) and times == sorted(times)
+
+
+def test_a_workload_in_another_vocabulary_keeps_its_shape_and_text_prompts() -> None:
+    """bench.compare --model: every token-id prompt's ids come from the file's vocabulary,
+    the same draw for every system; lengths, outputs and text prompts unchanged."""
+    vocabulary = [7, 11, 13]
+    for workload in (w1(scale=0.1), we(scale=0.1)):
+        moved = in_vocabulary(workload, vocabulary)
+        assert moved == in_vocabulary(workload, vocabulary)
+        for old, new in zip(workload.requests, moved.requests, strict=True):
+            assert new.max_tokens == old.max_tokens and len(new.prompt) == len(old.prompt)
+            assert new.prompt == old.prompt if isinstance(old.prompt, str) \
+                else set(new.prompt) <= set(vocabulary)
