@@ -25,8 +25,9 @@ blocks (block_quant.py): the float32 matvec's result to the bit
 (csrc/cpu_matvec_blocks.cpp), in float16 too (exact, and a quarter of float16's bytes); in
 int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
 
-A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) is packed from its file's blocks instead
-(`pack_linear`'s `parts`, KQuantLinear): no float copy at all, every batch on those blocks.
+A GGUF's weight in the blocks the kernels read from the file (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) is packed from its file's blocks instead (`pack_linear`'s `parts`,
+FileBlocksLinear): no float copy at all, every batch on those blocks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 from model_runner.kernels.block_quant import (
     BlockForm,
-    KQuantBlocks,
+    GGUFBlocks,
     block_form,
     find_blocks,
     joined_blocks,
@@ -102,18 +103,18 @@ PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 def pack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str,
     table: KernelTable = DEFAULT_TABLE, kept: bool = False,
-    parts: Sequence[tuple[int, KQuantBlocks]] = (),
+    parts: Sequence[tuple[int, GGUFBlocks]] = (),
 ) -> PackedLinear:
     """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack),
     its small batches as `table` says (cpu_kernel_table.py). `kept`: the model keeps the
     weight itself anyway (a tied LM head: the embedding table), so that float32 runs its
     larger batches on it (torch's GEMM) rather than on a reordered copy. `parts`: rows of
-    it left in a GGUF's K-quant blocks (row offset, blocks): packed as they are where they
-    are of one type and cover it (KQuantLinear), else dequantized into it first."""
+    it left in a GGUF's blocks (row offset, blocks): packed as they are where they are of
+    one type and cover it (FileBlocksLinear), else dequantized into it first."""
     blocks = joined_blocks(parts, tuple(weight.shape)) if parts else None
     if blocks is not None:
-        return KQuantLinear(blocks, bias, weight_dtype, table)
-    for offset, part in parts:  # K-quant parts of mixed types, or beside float rows
+        return FileBlocksLinear(blocks, bias, weight_dtype, table)
+    for offset, part in parts:  # parts of mixed types, or beside float rows
         weight.detach()[offset : offset + part.shape[0]].copy_(part.dequantized())
     if weight_dtype == "float16":
         return Float16Linear(weight, bias, table)
@@ -231,14 +232,14 @@ class Float16Linear(FloatMatvecCopy):
         return y if y is not None else torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
 
-class KQuantLinear(SmallBatchPath):
-    """A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) on its file's blocks, the only copy of it:
-    small batches on its K-quant path (cpu_kernel_table.py), larger ones on its panels
-    dequantized on the fly (k_quant_gemm); float32 sums of its dequantized values whatever
-    the weight dtype (csrc/cpu_matvec_kquants.cpp)."""
+class FileBlocksLinear(SmallBatchPath):
+    """A GGUF weight on its file's blocks (block_quant.GGUFBlocks), the only copy of it:
+    small batches on its type's path (cpu_kernel_table.py), larger ones on its panels
+    dequantized on the fly (file_blocks_gemm); float32 sums of its dequantized values
+    whatever the weight dtype (csrc/cpu_matvec_file_blocks.cpp)."""
 
     def __init__(
-        self, blocks: KQuantBlocks, bias: torch.Tensor | None, weight_dtype: str,
+        self, blocks: GGUFBlocks, bias: torch.Tensor | None, weight_dtype: str,
         table: KernelTable = DEFAULT_TABLE,
     ) -> None:
         self.form = blocks

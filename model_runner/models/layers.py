@@ -28,7 +28,7 @@ from model_runner.attention.backend import (
 )
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
-from model_runner.kernels.block_quant import KQuantBlocks
+from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
@@ -52,9 +52,9 @@ class Linear(nn.Linear):
 
     def pack(
         self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE,
-        parts: Sequence[tuple[int, KQuantBlocks]] = (),
+        parts: Sequence[tuple[int, GGUFBlocks]] = (),
     ) -> None:
-        """`parts`: rows of the weight left in a GGUF's K-quant blocks (cpu_linear.py)."""
+        """`parts`: rows of the weight left in a GGUF's blocks (cpu_linear.py)."""
         self.packed = pack_linear(self.weight, self.bias, weight_dtype, table, parts=parts)
         self.weight = dropped(self.weight)
 

@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
-from model_runner.kernels.block_quant import KQuantBlocks
+from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
 from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
@@ -141,9 +141,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack_off: str | None = "not packed"
         # the step's rows by LoRA adapter, once adapters are attached (lora_layers.py)
         self.lora_step: LoRAStep | None = None
-        # a projection's rows left in a GGUF's K-quant blocks (row offset, blocks) by
+        # a projection's rows left in a GGUF's blocks (row offset, blocks) by
         # `load_weights`, until `pack_weights` packs them as they are
-        self.file_blocks: dict[str, list[tuple[int, KQuantBlocks]]] = {}
+        self.file_blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy Hugging Face checkpoint weights (name, tensor or safetensors slice) into the
         fused parameters, reading only this rank's slice of each under tensor parallelism;
-        a whole projection's GGUF K-quant blocks (`FileBlocks`) are kept for `pack_weights`
+        a whole projection's GGUF blocks (`FileBlocks`) are kept for `pack_weights`
         instead (`file_blocks`).
 
         Raises ValueError when a parameter is left without a weight or a shape differs.

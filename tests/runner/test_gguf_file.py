@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
-from model_runner.kernels.cpu_linear import KQuantLinear
+from model_runner.kernels.cpu_linear import FileBlocksLinear
 from model_runner.loader import LoadedModel, resolve_model_folder
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
@@ -69,7 +69,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", TENSORS)
 
 
-# every projection in K-quant blocks, one type per fused projection: each a KQuantLinear
+# every projection in K-quant blocks, one type per fused projection: each a FileBlocksLinear
 K_QUANT_TENSORS = {
     **TENSORS,
     **{f"blk.0.attn_{part}.weight": (TENSORS[f"blk.0.attn_{part}.weight"][0], Q.Q4_K)
@@ -148,9 +148,10 @@ def test_the_default_gguf_leaves_its_config_tokenizer_and_names_only() -> None:
     assert sum(kept.values()) < 8 * 2**20  # bytes; the GGUF is 100 MB
 
 
-def test_k_quant_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> None:
-    """Packed on the CPU kernels, a K-quant matrix is handed over as its blocks: the same
-    values, its rows in transformers' order (q's permuted), and no "no kernel" line for it."""
+def test_block_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> None:
+    """Packed on the CPU kernels, a matrix of a type they read from the file (a K-quant,
+    Q4_0, Q5_0, Q8_0) is handed over as its blocks: the same values, its rows in
+    transformers' order (q's permuted), and no "no kernel" line for it."""
     kwargs = {"gguf_file": tiny_gguf.name, "local_files_only": True}
     hf_config = AutoConfig.from_pretrained(tiny_gguf.parent, **kwargs)
     hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
@@ -159,12 +160,16 @@ def test_k_quant_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) ->
         ours = dict(gguf_weights(tiny_gguf, hf_config, hf_names(hf_config, "llama"),
                                  keep_blocks=True))
     kept = {name: source for name, source in ours.items() if isinstance(source, FileBlocks)}
-    assert sorted(kept) == ["lm_head.weight", "model.layers.0.self_attn.k_proj.weight",
+    assert sorted(kept) == ["lm_head.weight", "model.embed_tokens.weight",
+                            "model.layers.0.mlp.gate_proj.weight",
+                            "model.layers.0.self_attn.k_proj.weight",
+                            "model.layers.0.self_attn.o_proj.weight",
                             "model.layers.0.self_attn.q_proj.weight"]
     for name, source in ours.items():
         assert torch.equal(source[:], expected[name]), name
     (dequantized,) = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
-    assert "_K" not in dequantized and "1 Q5_0" in dequantized
+    assert dequantized.endswith("1 F16, 1 BF16 tensors have no kernel here: dequantized to "
+                                "float32 at load")
 
 
 def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConfig]:
@@ -186,11 +191,11 @@ def test_a_projection_of_mixed_types_is_dequantized_into_its_weight(tiny_gguf: P
     """q Q4_K, k Q5_K, v Q4_1: one fused projection no single kernel reads."""
     model, hf, _ = packed_model(tiny_gguf)
     attn, hf_attn = model.layers[0].self_attn, hf.model.layers[0].self_attn
-    assert not isinstance(attn.qkv_proj.packed, KQuantLinear)
+    assert not isinstance(attn.qkv_proj.packed, FileBlocksLinear)
     x = torch.randn(3, HIDDEN)
     expected = torch.cat([hf_attn.q_proj(x), hf_attn.k_proj(x), hf_attn.v_proj(x)], dim=1)
     torch.testing.assert_close(attn.qkv_proj(x), expected)
-    assert isinstance(model.packed_lm_head, KQuantLinear)
+    assert isinstance(model.packed_lm_head, FileBlocksLinear)
 
 
 def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
@@ -209,14 +214,14 @@ def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
         "down": (layer.mlp.down_proj, hf_layer.mlp.down_proj.weight, "q4_k"),
     }
     for what, (ours, weight, kind) in cases.items():
-        assert isinstance(ours.packed, KQuantLinear) and ours.weight.numel() == 0, what
+        assert isinstance(ours.packed, FileBlocksLinear) and ours.weight.numel() == 0, what
         assert ours.packed.decode_form().path.name == f"{kind}_matvec"
         for rows in (1, 3, 8, 21):  # the K-quant path, then the panels
             x = torch.randn(rows, weight.shape[1])
             expected = x.double() @ weight.double().T
             tolerance = 1e-6 * (x.double().abs() @ weight.double().abs().T).amax()
             assert (ours(x).double() - expected).abs().amax() <= tolerance, (what, rows)
-    assert isinstance(model.packed_lm_head, KQuantLinear)
+    assert isinstance(model.packed_lm_head, FileBlocksLinear)
     loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "k", str(path),
                          torch.device("cpu"), torch.float32)
     stack = model.decode_stack

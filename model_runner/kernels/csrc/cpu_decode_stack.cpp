@@ -40,17 +40,22 @@ enum class Kind : int64_t {
   q4_1_int8_matvec,    // [qs, d, m]: Q4_1 blocks times int8 activations
   q8_0_int8_matvec,    // [qs, d]: Q8_0 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
   q4_1_planes_matvec,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
-  q4_k_matvec,         // [blocks]: a GGUF's K-quant blocks as stored (cpu_matvec_kquants.cpp)
+  q4_k_matvec,         // [blocks]: a GGUF's blocks as stored (cpu_matvec_file_blocks.cpp)
   q5_k_matvec,         // [blocks]
   q6_k_matvec,         // [blocks]
+  q4_0_matvec,         // [blocks]
+  q5_0_matvec,         // [blocks]
+  q5_1_matvec,         // [blocks]
+  q8_0_file_matvec,    // [blocks]
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
     "q4_1_int8_matvec", "q8_0_int8_matvec", "q4_1_planes_matvec",
-    "q4_k_matvec", "q5_k_matvec", "q6_k_matvec",
+    "q4_k_matvec", "q5_k_matvec", "q6_k_matvec", "q4_0_matvec", "q5_0_matvec",
+    "q5_1_matvec", "q8_0_file_matvec",
 };
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q6_k_matvec) + 1;
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q8_0_file_matvec) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Projection {
@@ -96,6 +101,22 @@ struct Projection {
       case Kind::q6_k_matvec: {
         PROFILED("q6_k_matvec");
         return q6_k_matvec(x, weights[0], bias);
+      }
+      case Kind::q4_0_matvec: {
+        PROFILED("q4_0_matvec");
+        return q4_0_matvec(x, weights[0], bias);
+      }
+      case Kind::q5_0_matvec: {
+        PROFILED("q5_0_matvec");
+        return q5_0_matvec(x, weights[0], bias);
+      }
+      case Kind::q5_1_matvec: {
+        PROFILED("q5_1_matvec");
+        return q5_1_matvec(x, weights[0], bias);
+      }
+      case Kind::q8_0_file_matvec: {
+        PROFILED("q8_0_file_matvec");
+        return q8_0_file_matvec(x, weights[0], bias);
       }
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {

@@ -36,7 +36,7 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
 
 // cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp
-// (and cpu_matvec_kquants.cpp below)
+// (and cpu_matvec_file_blocks.cpp below)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias);
 at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& row_scales, const at::Tensor& weight,
@@ -58,16 +58,24 @@ at::Tensor q8_0_int8_matvec(const at::Tensor& x, const at::Tensor& qs, const at:
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                const at::Tensor& expand, int64_t start, int64_t stop);
 
-// cpu_matvec_kquants.cpp
+// cpu_matvec_file_blocks.cpp: a GGUF's blocks as the file stores them (block_formats.h)
 at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
 at::Tensor q5_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
 at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
-at::Tensor k_quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                        const std::optional<at::Tensor>& bias);
-void dequantize_k_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
+at::Tensor q4_0_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q5_0_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q5_1_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q8_0_file_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor file_blocks_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            const std::optional<at::Tensor>& bias);
+void dequantize_file_blocks_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
 
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
