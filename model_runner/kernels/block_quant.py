@@ -13,8 +13,8 @@ rows for `--weight-dtype int8` and (Q4_1) `float16` (csrc/cpu_matvec_blocks_int8
 
 A GGUF's weights of the other types the kernels read (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K) are never float32 first: the GGUF reader hands their blocks over as the file stores
-them (`GGUFBlocks`, csrc/cpu_matvec_file_blocks.cpp), a fused projection's parts joined
-when they are of one type (`joined_blocks`).
+them (`GGUFBlocks`, csrc/cpu_matvec_file_blocks.cpp), a fused projection's parts in runs
+of one type (`block_runs`).
 """
 
 from __future__ import annotations
@@ -197,25 +197,27 @@ def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
     return form(blocks)  # type: ignore[call-arg]  # a grouped form, from the blocks
 
 
-def joined_blocks(
+def block_runs(
     parts: Sequence[tuple[int, GGUFBlocks]], shape: tuple[int, ...]
-) -> GGUFBlocks | None:
+) -> list[GGUFBlocks] | None:
     """The GGUF blocks of an [out, in] weight given as parts (row offset, blocks; a fused
-    projection's q, k and v), or None unless they are of one type and cover every row."""
+    projection's q, k and v), in runs of one type (adjacent parts of a type joined), or None
+    unless they cover every row."""
     ordered = sorted(parts, key=lambda part: part[0])
-    if not ordered or len({type(blocks) for _, blocks in ordered}) != 1:
-        return None
+    runs: list[list[GGUFBlocks]] = []
     row = 0
     for offset, blocks in ordered:
         if offset != row or blocks.in_features != shape[1]:
             return None
         row += blocks.shape[0]
-    if row != shape[0]:
+        if runs and type(runs[-1][0]) is type(blocks):
+            runs[-1].append(blocks)
+        else:
+            runs.append([blocks])
+    if not runs or row != shape[0]:
         return None
-    first = ordered[0][1]
-    if len(ordered) == 1:
-        return first
-    return type(first)(torch.cat([blocks.blocks for _, blocks in ordered]), first.in_features)
+    return [run[0] if len(run) == 1 else type(run[0])(
+        torch.cat([blocks.blocks for blocks in run]), run[0].in_features) for run in runs]
 
 
 def _grouped(per_row: torch.Tensor) -> torch.Tensor:

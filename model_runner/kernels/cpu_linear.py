@@ -27,7 +27,9 @@ int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8
 
 A GGUF's weight in the blocks the kernels read from the file (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K) is packed from its file's blocks instead (`pack_linear`'s `parts`,
-FileBlocksLinear): no float copy at all, every batch on those blocks.
+FileBlocksLinear): no float copy at all, every batch on those blocks; a fused projection
+whose parts are of different types (Gemma 3's q and k in Q5_0, v in Q8_0) runs each run of
+one type on its own blocks, outputs side by side (SplitLinear).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from model_runner.kernels.block_quant import (
     BlockForm,
     GGUFBlocks,
     block_form,
+    block_runs,
     find_blocks,
-    joined_blocks,
 )
 from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
@@ -93,6 +95,22 @@ class DecodeForm:
     bias: torch.Tensor | None
     rotation_block: int = 0
 
+    @property
+    def parts(self) -> tuple[DecodeForm, ...]:
+        """The forms the stack runs for it, outputs side by side: itself."""
+        return (self,)
+
+
+@dataclass(frozen=True)
+class SplitDecodeForm:
+    """A projection the stack runs as its parts (SplitLinear's), one kernel call each, their
+    outputs side by side."""
+
+    parts: tuple[DecodeForm, ...]
+
+
+ProjectionForm = DecodeForm | SplitDecodeForm
+
 
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
 # gives its small-batch copy as the C++ decode stack takes it, or None
@@ -109,12 +127,15 @@ def pack_linear(
     its small batches as `table` says (cpu_kernel_table.py). `kept`: the model keeps the
     weight itself anyway (a tied LM head: the embedding table), so that float32 runs its
     larger batches on it (torch's GEMM) rather than on a reordered copy. `parts`: rows of
-    it left in a GGUF's blocks (row offset, blocks): packed as they are where they are of
-    one type and cover it (FileBlocksLinear), else dequantized into it first."""
-    blocks = joined_blocks(parts, tuple(weight.shape)) if parts else None
-    if blocks is not None:
-        return FileBlocksLinear(blocks, bias, weight_dtype, table)
-    for offset, part in parts:  # parts of mixed types, or beside float rows
+    it left in a GGUF's blocks (row offset, blocks): packed as they are where they cover it
+    (FileBlocksLinear, or SplitLinear for parts of several types), else dequantized into it
+    first."""
+    runs = block_runs(parts, tuple(weight.shape)) if parts else None
+    if runs is not None and len(runs) == 1:
+        return FileBlocksLinear(runs[0], bias, weight_dtype, table)
+    if runs is not None:
+        return SplitLinear(runs, bias, weight_dtype, table)
+    for offset, part in parts:  # parts beside float rows
         weight.detach()[offset : offset + part.shape[0]].copy_(part.dequantized())
     if weight_dtype == "float16":
         return Float16Linear(weight, bias, table)
@@ -260,6 +281,39 @@ class FileBlocksLinear(SmallBatchPath):
         if self.path is None or self.blocks is None:
             return None
         return DecodeForm(self.path, self.blocks.tensors, self.bias)
+
+
+class SplitLinear:
+    """A GGUF weight whose rows are runs of blocks of different types (block_quant.
+    block_runs: Gemma 3's fused q/k/v with v in Q8_0), each run on its own blocks
+    (FileBlocksLinear), one call each, the outputs side by side: no float copy of any."""
+
+    def __init__(
+        self, runs: Sequence[GGUFBlocks], bias: torch.Tensor | None, weight_dtype: str,
+        table: KernelTable = DEFAULT_TABLE,
+    ) -> None:
+        bounds = [0]
+        for run in runs:
+            bounds.append(bounds[-1] + run.shape[0])
+        self.runs = [
+            FileBlocksLinear(run, None if bias is None else bias.detach()[start:stop],
+                             weight_dtype, table)
+            for run, start, stop in zip(runs, bounds, bounds[1:], strict=False)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return torch.cat([run(x) for run in self.runs], dim=1)
+
+    def use_table(self, table: KernelTable) -> None:
+        for run in self.runs:
+            run.use_table(table)
+
+    def decode_form(self) -> SplitDecodeForm | None:
+        forms = [run.decode_form() for run in self.runs]
+        if any(form is None for form in forms):
+            return None
+        return SplitDecodeForm(tuple(form for form in forms if form is not None))
 
 
 class Int8Linear(SmallBatchPath):

@@ -30,7 +30,7 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
-from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
+from model_runner.kernels.cpu_linear import PackedLinear, ProjectionForm, pack_linear
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
 from model_runner.models.rope import apply_rope
 
@@ -65,7 +65,7 @@ class Linear(nn.Linear):
             return lora.apply_(x, out)
         return out
 
-    def decode_form(self) -> DecodeForm | str:
+    def decode_form(self) -> ProjectionForm | str:
         """Its small-batch copy as the C++ decode stack holds it, or why there is none."""
         form = None if self.packed is None else self.packed.decode_form()
         return "not on a small-batch C++ path" if form is None else form

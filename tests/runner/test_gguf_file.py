@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
-from model_runner.kernels.cpu_linear import FileBlocksLinear
+from model_runner.kernels.cpu_linear import FileBlocksLinear, SplitLinear
 from model_runner.loader import LoadedModel, resolve_model_folder
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
@@ -187,15 +187,57 @@ def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConf
     return model, hf, hf_config
 
 
-def test_a_projection_of_mixed_types_is_dequantized_into_its_weight(tiny_gguf: Path) -> None:
-    """q Q4_K, k Q5_K, v Q4_1: one fused projection no single kernel reads."""
+def test_a_projection_of_mixed_types_runs_as_its_parts(tiny_gguf: Path) -> None:
+    """q Q4_K, k Q5_K, v Q4_1: q and k each on its own blocks, v (read as float32) as
+    before - dequantized into the weight, as no run of blocks covers it."""
     model, hf, _ = packed_model(tiny_gguf)
     attn, hf_attn = model.layers[0].self_attn, hf.model.layers[0].self_attn
-    assert not isinstance(attn.qkv_proj.packed, FileBlocksLinear)
+    assert not isinstance(attn.qkv_proj.packed, (FileBlocksLinear, SplitLinear))
     x = torch.randn(3, HIDDEN)
     expected = torch.cat([hf_attn.q_proj(x), hf_attn.k_proj(x), hf_attn.v_proj(x)], dim=1)
     torch.testing.assert_close(attn.qkv_proj(x), expected)
     assert isinstance(model.packed_lm_head, FileBlocksLinear)
+
+
+# Gemma 3 270M's Q4_K_M file: q and k Q5_0, v Q8_0; gate Q5_0, up Q4_0 (no such file, but
+# any two types)
+MIXED_TENSORS = {
+    **K_QUANT_TENSORS,
+    "blk.0.attn_q.weight": ((HEADS * HEAD_DIM, HIDDEN), Q.Q5_0),
+    "blk.0.attn_k.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q5_0),
+    "blk.0.attn_v.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+    "blk.0.ffn_gate.weight": ((FFN, HIDDEN), Q.Q5_0),
+    "blk.0.ffn_up.weight": ((FFN, HIDDEN), Q.Q4_0),
+}
+
+
+def test_fused_projections_of_mixed_types_run_on_each_parts_blocks(tmp_path: Path) -> None:
+    """Each run of one type on its own blocks (q and k joined), outputs side by side: the
+    projection is x @ dequantize(W).T at every batch size, and the decode stack runs the
+    parts too, the Python layers' hidden states to the bit."""
+    model, hf, hf_config = packed_model(write_gguf(tmp_path / "mixed.gguf", MIXED_TENSORS))
+    layer, hf_layer = model.layers[0], hf.model.layers[0]
+    cases = {
+        "qkv": (layer.self_attn.qkv_proj, [hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj,
+                hf_layer.self_attn.v_proj], ["q5_0_matvec", "q8_0_file_matvec"]),
+        "gate_up": (layer.mlp.gate_up_proj, [hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj],
+                    ["q5_0_matvec", "q4_0_matvec"]),
+    }
+    for what, (ours, hf_parts, paths) in cases.items():
+        assert isinstance(ours.packed, SplitLinear) and ours.weight.numel() == 0, what
+        assert [part.path.name for part in ours.packed.decode_form().parts] == paths
+        weight = torch.cat([part.weight for part in hf_parts]).double()
+        for rows in (1, 3, 8, 21):
+            x = torch.randn(rows, HIDDEN)
+            tolerance = 1e-6 * (x.double().abs() @ weight.abs().T).amax()
+            assert (ours(x).double() - x.double() @ weight.T).abs().amax() <= tolerance
+    loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "m", "mixed.gguf",
+                         torch.device("cpu"), torch.float32)
+    assert model.decode_stack is not None
+    with_stack = hidden_states(loaded, model.decode_stack, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
