@@ -272,3 +272,21 @@ def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
     without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_embedding_table_stays_in_its_blocks(tmp_path: Path) -> None:
+    """A Q8_0 table, tied to the LM head (no output.weight, as Gemma 3's): one copy, the
+    file's blocks; the lookup is gguf-py's rows to the bit, the LM head x @ dequantize(W).T
+    on the same blocks."""
+    tensors = {name: spec for name, spec in MIXED_TENSORS.items() if name != "output.weight"}
+    model, hf, _ = packed_model(write_gguf(tmp_path / "tied.gguf", tensors))
+    assert model.tie_word_embeddings and model.embed_tokens.weight.numel() == 0
+    assert model.packed_lm_head.form is model.embedding_blocks
+    table = hf.model.embed_tokens.weight
+    ids = torch.tensor([0, 7, VOCAB - 1, 7])
+    assert torch.equal(model.embed(ids), table[ids])
+    for rows in (1, 3, 8, 21):  # the Q8_0 path, then the panels
+        x = torch.randn(rows, HIDDEN)
+        expected = x.double() @ table.double().T
+        tolerance = 1e-6 * (x.double().abs() @ table.double().abs().T).amax()
+        assert (model.compute_logits(x).double() - expected).abs().amax() <= tolerance
