@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -40,6 +41,15 @@ using pagedserve::blocks::Type;
 constexpr int64_t kRun = 256;  // weights made at a time (a K-quant's super-block)
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrain = 16;  // output rows a thread takes at least
+
+#if defined(__AVX2__) && defined(__GNUC__)
+// AVX-512 code is compiled here only, in functions marked for it, and chosen at run time.
+#define PAGEDSERVE_AVX512 1
+inline bool has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+#endif
 
 // Rows of x (R of them) dotted with one output row's blocks, each made once.
 template <class F, int R>
@@ -63,6 +73,47 @@ inline void dot_rows(const uint8_t* row, int64_t blocks, const float* x, int64_t
   for (int r = 0; r < R; ++r) out[r] = sum8(even[r] + odd[r]);
 }
 
+#if defined(PAGEDSERVE_AVX512)
+// Q8_0 rows on an AVX-512 host (a tied LM head's: Gemma 3's 262k rows are most of a decode
+// step): each block's 32 weights made as two vectors of sixteen (d * q, exact) and
+// multiplied into the rows' sums as made, no stack buffer between; one instruction does
+// the work of two, bound as this path is by its arithmetic, not by its 8.5 bits a weight.
+template <int R>
+__attribute__((target("avx512f"))) void q8_0_dot_rows512(
+    const uint8_t* row, int64_t blocks, const float* x, int64_t x_stride, float* out) {
+  using pagedserve::blocks::half_at;
+  using pagedserve::blocks::Q8_0;
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < blocks; ++k) {
+    const uint8_t* b = row + k * Q8_0::kBytes;
+    const __m512 d = _mm512_set1_ps(half_at(b));
+    const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))));
+    const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))));
+    const float* xk = x + k * Q8_0::kWeights;
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xk + r * x_stride), lo[r]);
+      hi[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xk + r * x_stride + 16), hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo[r], hi[r]));
+}
+#endif
+
+// One output row's dots with R rows of x, in the host's widest path for F.
+template <class F, int R>
+inline void row_dots(const uint8_t* row, int64_t blocks, const float* x, int64_t x_stride,
+                     float* out) {
+#if defined(PAGEDSERVE_AVX512)
+  if constexpr (std::is_same_v<F, pagedserve::blocks::Q8_0>) {
+    if (has_avx512()) return q8_0_dot_rows512<R>(row, blocks, x, x_stride, out);
+  }
+#endif
+  dot_rows<F, R>(row, blocks, x, x_stride, out);
+}
+
 template <class F>
 void matvec_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64_t x_stride,
                  int64_t num_rows, const float* bias, float* y, int64_t out_features) {
@@ -72,14 +123,14 @@ void matvec_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = blocks + o * row_bytes;
       switch (num_rows) {
-        case 1: dot_rows<F, 1>(row, per_row, x, x_stride, dots); break;
-        case 2: dot_rows<F, 2>(row, per_row, x, x_stride, dots); break;
-        case 3: dot_rows<F, 3>(row, per_row, x, x_stride, dots); break;
-        case 4: dot_rows<F, 4>(row, per_row, x, x_stride, dots); break;
-        case 5: dot_rows<F, 5>(row, per_row, x, x_stride, dots); break;
-        case 6: dot_rows<F, 6>(row, per_row, x, x_stride, dots); break;
-        case 7: dot_rows<F, 7>(row, per_row, x, x_stride, dots); break;
-        default: dot_rows<F, 8>(row, per_row, x, x_stride, dots); break;
+        case 1: row_dots<F, 1>(row, per_row, x, x_stride, dots); break;
+        case 2: row_dots<F, 2>(row, per_row, x, x_stride, dots); break;
+        case 3: row_dots<F, 3>(row, per_row, x, x_stride, dots); break;
+        case 4: row_dots<F, 4>(row, per_row, x, x_stride, dots); break;
+        case 5: row_dots<F, 5>(row, per_row, x, x_stride, dots); break;
+        case 6: row_dots<F, 6>(row, per_row, x, x_stride, dots); break;
+        case 7: row_dots<F, 7>(row, per_row, x, x_stride, dots); break;
+        default: row_dots<F, 8>(row, per_row, x, x_stride, dots); break;
       }
       const float b = bias == nullptr ? 0.f : bias[o];
       for (int64_t r = 0; r < num_rows; ++r) y[r * out_features + o] = dots[r] + b;
@@ -125,10 +176,9 @@ void tile_panel(const float* w, int64_t rows, int64_t width, const float* x,
   if (rows - p == 1) group_tile<1, X>(w + p * width, width, x, x_stride, out + p, out_stride);
 }
 
-#if defined(__AVX2__) && defined(__GNUC__)
+#if defined(PAGEDSERVE_AVX512)
 // The same tiles in AVX-512's sixteen lanes and 32 registers (4 x 4 accumulators), on a
-// host that has it: compiled for AVX-512 here only, chosen at run time.
-#define PAGEDSERVE_AVX512_PANELS 1
+// host that has it.
 constexpr int kTile512 = 4;
 
 template <int P, int X>
@@ -163,17 +213,13 @@ __attribute__((target("avx512f"))) void tile_panel512(
   for (; p < rows; ++p) group_tile512<1, X>(w + p * width, width, x, x_stride, out + p, out_stride);
 }
 
-inline bool has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
-}
 #endif
 
 // Rows [r, r + kTile or kTile512) of x against a dequantized panel, in the host's widest
 // vectors; returns the rows done.
 inline int64_t panel_rows(const float* w, int64_t rows, int64_t width, const float* x,
                           int64_t x_stride, int64_t num_rows, float* y, int64_t out_stride) {
-#if defined(PAGEDSERVE_AVX512_PANELS)
+#if defined(PAGEDSERVE_AVX512)
   if (has_avx512()) {
     switch (std::min<int64_t>(kTile512, num_rows)) {
       case 1: tile_panel512<1>(w, rows, width, x, x_stride, y, out_stride); return 1;
