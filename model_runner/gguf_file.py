@@ -14,12 +14,13 @@ first, ~20 s for Gemma 3), read from the memory map, dequantized by gguf-py
 (`gguf.quants.dequantize`, vectorized numpy) and named and reordered by transformers' own
 GGUF tables (llama.cpp's tensor names to Hugging Face's, the Q/K row permutation of
 Llama-family attention undone, Gemma's norms stored as 1 + w): the values transformers
-loads from the file, to the bit. Of the block types, the CPU kernels read Q4_1 and Q8_0 as
-blocks (recovered exactly from those values: kernels/block_quant.py), and a model packed
-for them takes a K-quant matrix's (Q4_K, Q5_K, Q6_K) blocks straight from the mapped file,
-its rows reordered as transformers reorders them (`FileBlocks`: no float32 copy, the
-kernels' values gguf-py's to the bit); every other type is dequantized to float32 at load,
-with one log line saying so.
+loads from the file, to the bit. Of the block types, the CPU kernels read Q4_1 as blocks
+recovered exactly from those values (kernels/block_quant.py: the default model's grouped
+int8 and float16 paths), and a model packed for them takes a matrix of the other types they
+read (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) straight from the mapped file as its
+blocks, its rows reordered as transformers reorders them (`FileBlocks`: no float32 copy,
+the kernels' values gguf-py's to the bit); every other type is dequantized to float32 at
+load, with one log line saying so.
 """
 
 # ruff: noqa: E402 (HF_HUB_OFFLINE must be set before transformers is imported)
@@ -59,7 +60,7 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
-from model_runner.kernels.block_quant import K_QUANT_FORMS
+from model_runner.kernels.block_quant import FILE_BLOCK_FORMS
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
 
@@ -71,8 +72,7 @@ KERNEL_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.Q4_1,
                           GGMLQuantizationType.Q8_0})
 # the types whose blocks are handed from the file to the kernels as they are (a matrix the
 # model packs on the CPU: `keep_blocks`)
-K_QUANT_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                           GGMLQuantizationType.Q6_K})
+FILE_BLOCK_TYPES = frozenset(GGMLQuantizationType[kind.upper()] for kind in FILE_BLOCK_FORMS)
 
 
 def cache_root() -> Path:
@@ -172,7 +172,7 @@ def gguf_weights(
     """Every weight of `gguf` under its Hugging Face name (`names`: `hf_names`), as
     float32, read one tensor at a time from the memory-mapped file (the values transformers
     loads from it); with `keep_blocks` (the model packs its projections on the CPU kernels)
-    a K-quant matrix as its blocks in the mapped file instead (`FileBlocks`)."""
+    a matrix of FILE_BLOCK_TYPES as its blocks in the mapped file instead (`FileBlocks`)."""
     header = _read_header(gguf)
     _log_dequantized(gguf, header, keep_blocks)
     processor = _processor(hf_config, header.architecture)
@@ -200,12 +200,13 @@ def gguf_weights(
 def _file_blocks(
     raw: np.ndarray, info: TensorInfo, processor: TensorProcessor, names: dict[str, str]
 ) -> tuple[str, FileBlocks] | None:
-    """A K-quant matrix's blocks under its Hugging Face name, its rows in transformers'
-    order, or None (another type, or a processor that does more than reorder its rows).
+    """A FILE_BLOCK_TYPES matrix's blocks under its Hugging Face name, its rows in
+    transformers' order, or None (another type, or a processor that does more than reorder
+    its rows).
 
     The processor is run on the row numbers (Llama's Q/K permutation undone on them), and
-    the blocks' rows, each a whole number of super-blocks, are taken in that order."""
-    form = K_QUANT_FORMS.get(info.kind.name.lower())
+    the blocks' rows, each a whole number of blocks, are taken in that order."""
+    form = FILE_BLOCK_FORMS.get(info.kind.name.lower())
     if form is None or len(info.shape) != 2:
         return None
     rows = info.shape[0]
@@ -321,7 +322,7 @@ def _nbytes(kind: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
 
 def _log_dequantized(gguf: Path, header: Header, keep_blocks: bool) -> None:
     """One line naming the tensor types no kernel reads as they are stored."""
-    read = KERNEL_TYPES | (K_QUANT_TYPES if keep_blocks else frozenset())
+    read = KERNEL_TYPES | (FILE_BLOCK_TYPES if keep_blocks else frozenset())
     types = Counter(info.kind for info in header.tensors if info.kind not in read)
     if types:
         listed = ", ".join(f"{count} {kind.name}" for kind, count in sorted(types.items()))

@@ -11,9 +11,10 @@ float32 or bfloat16) get None and keep the float32 matvec. `block_form` lays the
 blocks out for the path cpu_kernel_table.py gives a weight dtype: in groups of eight output
 rows for `--weight-dtype int8` and (Q4_1) `float16` (csrc/cpu_matvec_blocks_int8.cpp).
 
-A GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) are never float32 first: the GGUF reader hands
-their blocks over as the file stores them (`KQuantBlocks`, csrc/cpu_matvec_kquants.cpp),
-a fused projection's parts joined when they are of one type (`joined_blocks`).
+A GGUF's weights of the other types the kernels read (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K) are never float32 first: the GGUF reader hands their blocks over as the file stores
+them (`GGUFBlocks`, csrc/cpu_matvec_file_blocks.cpp), a fused projection's parts in runs
+of one type (`block_runs`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ class Q80Blocks(BlockForm):
         self.tensors = (qs, d)
 
 
-class KQuantBlocks(BlockForm):
-    """A GGUF's K-quant super-blocks of 256 weights as the file stores them: [out, in / 256
-    * bytes] uint8, read from the mapped file (csrc/cpu_matvec_kquants.cpp). No float32
-    values exist to find them in: the GGUF reader hands them over (gguf_file.py)."""
+class GGUFBlocks(BlockForm):
+    """A GGUF's blocks as the file stores them (Q4_0, Q5_0, Q5_1, Q8_0: blocks of 32
+    weights; Q4_K, Q5_K, Q6_K: super-blocks of 256): [out, in / weights * bytes] uint8, read
+    from the mapped file (csrc/cpu_matvec_file_blocks.cpp, csrc/block_formats.h). No
+    float32 values exist to find them in: the GGUF reader hands them over (gguf_file.py)."""
 
-    kind: ClassVar[str]
-    code: ClassVar[int]  # the kernels' number for the type (k_quant_gemm, dequantize_k_)
+    kind: ClassVar[str]  # its key in cpu_kernel_table.FILE_BLOCK_TYPES
+    code: ClassVar[int]  # the kernels' number for the type (file_blocks_gemm and dequantize)
+    weights_per_block: ClassVar[int]
     bytes_per_block: ClassVar[int]
 
     def __init__(self, blocks: torch.Tensor, in_features: int) -> None:
@@ -81,31 +84,53 @@ class KQuantBlocks(BlockForm):
 
     def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] (any N) times the weight: its panels dequantized on the fly."""
-        return torch.ops.pagedserve.k_quant_gemm(x, self.blocks, self.code, bias)
+        return torch.ops.pagedserve.file_blocks_gemm(x, self.blocks, self.code, bias)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 [out, in] weight (gguf-py's values to the bit)."""
-        out = torch.empty(self.shape)
-        torch.ops.pagedserve.dequantize_k_(out, self.blocks, self.code)
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 [out, in] weight (gguf-py's values to the bit), or only its `rows`
+        (int64 indices: an embedding lookup's)."""
+        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows)
+        out = torch.empty(blocks.shape[0], self.in_features)
+        torch.ops.pagedserve.dequantize_file_blocks_(out, blocks, self.code)
         return out
 
 
-class Q4KBlocks(KQuantBlocks):
-    path, kind, code, bytes_per_block = "q4_k_matvec", "q4_k", 0, 144
+class Q4KBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q4_k_matvec", "q4_k", 0, 256, 144
 
 
-class Q5KBlocks(KQuantBlocks):
-    path, kind, code, bytes_per_block = "q5_k_matvec", "q5_k", 1, 176
+class Q5KBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q5_k_matvec", "q5_k", 1, 256, 176
 
 
-class Q6KBlocks(KQuantBlocks):
-    path, kind, code, bytes_per_block = "q6_k_matvec", "q6_k", 2, 210
+class Q6KBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q6_k_matvec", "q6_k", 2, 256, 210
 
 
-K_QUANT_FORMS: dict[str, type[KQuantBlocks]] = {
-    form.kind: form for form in (Q4KBlocks, Q5KBlocks, Q6KBlocks)}
+class Q40FileBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q4_0_matvec", "q4_0", 3, 32, 18
 
-Blocks = Q41Blocks | Q80Blocks | KQuantBlocks
+
+class Q50FileBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q5_0_matvec", "q5_0", 4, 32, 22
+
+
+class Q51FileBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = "q5_1_matvec", "q5_1", 5, 32, 24
+
+
+class Q80FileBlocks(GGUFBlocks):
+    path, kind, code, weights_per_block, bytes_per_block = (
+        "q8_0_file_matvec", "q8_0_file", 6, 32, 34)
+
+
+# a GGUF type's name (gguf-py's, lower case) -> the form its blocks are kept in
+FILE_BLOCK_FORMS: dict[str, type[GGUFBlocks]] = {
+    form.kind.removesuffix("_file"): form for form in (
+        Q4KBlocks, Q5KBlocks, Q6KBlocks, Q40FileBlocks, Q50FileBlocks, Q51FileBlocks,
+        Q80FileBlocks)}
+
+Blocks = Q41Blocks | Q80Blocks | GGUFBlocks
 
 GROUP = 8  # output rows whose blocks the grouped paths read side by side
 # a Q4_1 group's eight integer sums end in this order of its rows; its d and m are so stored
@@ -160,7 +185,7 @@ class Q80Int8Groups(BlockForm):
 # each path that reads blocks -> the form it reads them in
 _FORMS: dict[str, type[BlockForm]] = {form.path: form for form in (
     Q41Blocks, Q80Blocks, Q41Int8Groups, Q80Int8Groups, Q41PlanesGroups,
-    *K_QUANT_FORMS.values())}
+    *FILE_BLOCK_FORMS.values())}
 
 
 def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
@@ -172,25 +197,27 @@ def block_form(blocks: Blocks, path: KernelPath) -> BlockForm | None:
     return form(blocks)  # type: ignore[call-arg]  # a grouped form, from the blocks
 
 
-def joined_blocks(
-    parts: Sequence[tuple[int, KQuantBlocks]], shape: tuple[int, ...]
-) -> KQuantBlocks | None:
-    """The K-quant blocks of an [out, in] weight given as parts (row offset, blocks; a fused
-    projection's q, k and v), or None unless they are of one type and cover every row."""
+def block_runs(
+    parts: Sequence[tuple[int, GGUFBlocks]], shape: tuple[int, ...]
+) -> list[GGUFBlocks] | None:
+    """The GGUF blocks of an [out, in] weight given as parts (row offset, blocks; a fused
+    projection's q, k and v), in runs of one type (adjacent parts of a type joined), or None
+    unless they cover every row."""
     ordered = sorted(parts, key=lambda part: part[0])
-    if not ordered or len({type(blocks) for _, blocks in ordered}) != 1:
-        return None
+    runs: list[list[GGUFBlocks]] = []
     row = 0
     for offset, blocks in ordered:
         if offset != row or blocks.in_features != shape[1]:
             return None
         row += blocks.shape[0]
-    if row != shape[0]:
+        if runs and type(runs[-1][0]) is type(blocks):
+            runs[-1].append(blocks)
+        else:
+            runs.append([blocks])
+    if not runs or row != shape[0]:
         return None
-    first = ordered[0][1]
-    if len(ordered) == 1:
-        return first
-    return type(first)(torch.cat([blocks.blocks for _, blocks in ordered]), first.in_features)
+    return [run[0] if len(run) == 1 else type(run[0])(
+        torch.cat([blocks.blocks for blocks in run]), run[0].in_features) for run in runs]
 
 
 def _grouped(per_row: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,12 @@ csrc/cpu_bindings.cpp) on a copy of the weight in the form that op reads. A batc
 to the path's `max_rows` rows runs on that op, a larger one on the GEMM. Which path a
 weight takes follows from the weight dtype and whether its float32 values are a GGUF's
 exact Q4_1 or Q8_0 blocks (block_quant.find_blocks): `SMALL_BATCH_PATHS`, the first
-whose form fits the weight's shape. A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) has no
-float32 values: its file's blocks are packed as they are (cpu_linear.KQuantLinear), its
-small batches on its K-quant path, its larger ones on `K_QUANT_GEMM`.
+whose form fits the weight's shape. A GGUF's weight in any other block type the kernels
+read (`FILE_BLOCK_TYPES`: Q4_0, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) has no
+float32 values: its file's blocks are packed as they are (cpu_linear.FileBlocksLinear),
+its small batches on its type's path, its larger ones on `FILE_BLOCKS_GEMM`. (Q4_1 and the
+default model's Q8_0 projections are read as float32 first, then as the blocks found in
+those values, for the dtypes' grouped paths above.)
 
 A path has one name everywhere: its op's, the C++ decode stack's kind for it
 (csrc/cpu_decode_stack.cpp, whose constructor checks its kinds against `PATHS`), and the
@@ -65,20 +68,27 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q8_0_int8_matvec", ("qs", "d"), MATVEC_MAX_ROWS, out_multiple=8),
     # Q4_1 groups times float32 activations split in three int8 planes (float32's precision)
     KernelPath("q4_1_planes_matvec", ("qs", "d", "m"), MATVEC_MAX_ROWS, out_multiple=8),
-    # a GGUF's K-quant super-blocks as the file has them, exact on their dequantized values,
-    # float32 sums (csrc/cpu_matvec_kquants.cpp)
+    # a GGUF's blocks as the file has them (super-blocks of 256 weights, blocks of 32),
+    # exact on their dequantized values, float32 sums (csrc/cpu_matvec_file_blocks.cpp)
     KernelPath("q4_k_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256),
     KernelPath("q5_k_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256),
     KernelPath("q6_k_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256),
+    KernelPath("q4_0_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
+    KernelPath("q5_0_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
+    KernelPath("q5_1_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
+    # (q8_0_matvec above reads Q8_0 found in float32 values, its scales apart)
+    KernelPath("q8_0_file_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
 )}
 
-# K-quant weights are read from their blocks whatever the weight dtype: the file's bits are
-# the model (a dtype is for weights that arrive as floats)
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
+# A file's blocks are read as they are whatever the weight dtype: the file's bits are the
+# model (a dtype is for weights that arrive as floats). Each type -> its path.
+FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_matvec",
+                    "q4_0": "q4_0_matvec", "q5_0": "q5_0_matvec", "q5_1": "q5_1_matvec",
+                    "q8_0_file": "q8_0_file_matvec"}
 
 # (weight dtype, the weight's GGUF blocks: "q4_1", "q8_0" (exact in its float32 values),
-# a K-quant (kept from the file) or None) -> the small-batch paths it may take, the first
-# that fits
+# a type of FILE_BLOCK_TYPES (kept from the file) or None) -> the small-batch paths it may
+# take, the first that fits
 SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("auto", "q4_1"): ("q4_1_matvec",),
     ("auto", "q8_0"): ("q8_0_matvec",),
@@ -94,8 +104,8 @@ SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("int8", "q4_1"): ("q4_1_int8_matvec", "int8_matvec"),
     ("int8", "q8_0"): ("q8_0_int8_matvec", "int8_matvec"),
     ("int8", None): ("int8_matvec",),
-    **{(dtype, kind): (f"{kind}_matvec",) for dtype in ("auto", "float16", "bfloat16", "int8")
-       for kind in K_QUANTS},
+    **{(dtype, kind): (path,) for dtype in ("auto", "float16", "bfloat16", "int8")
+       for kind, path in FILE_BLOCK_TYPES.items()},
 }
 
 # the weight dtype -> the GEMM that runs every batch past its small-batch path's rows
@@ -106,16 +116,16 @@ GEMMS = {
                 "host has them)",
     "int8": "fbgemm W8A8 (quantized.linear_dynamic)",
 }
-# a K-quant weight's larger batches, whatever the weight dtype: panels of its rows
-# dequantized into a thread's buffer (csrc/cpu_matvec_kquants.cpp): no second copy
-K_QUANT_GEMM = "k_quant_gemm"
+# a file's blocks' larger batches, whatever the weight dtype: panels of its rows
+# dequantized into a thread's buffer (csrc/cpu_matvec_file_blocks.cpp): no second copy
+FILE_BLOCKS_GEMM = "file_blocks_gemm"
 
 
 def small_batch_path(
     weight_dtype: str, blocks: str | None, out_features: int, in_features: int
 ) -> KernelPath | None:
-    """The small-batch path of an [out, in] weight with `blocks` ("q4_1", "q8_0", a K-quant
-    or None) under `weight_dtype`, or None: every batch on the GEMM."""
+    """The small-batch path of an [out, in] weight with `blocks` ("q4_1", "q8_0", a type of
+    FILE_BLOCK_TYPES or None) under `weight_dtype`, or None: every batch on the GEMM."""
     for name in SMALL_BATCH_PATHS[(weight_dtype, blocks)]:
         if PATHS[name].fits(out_features, in_features):
             return PATHS[name]

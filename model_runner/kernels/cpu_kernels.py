@@ -36,7 +36,7 @@ def load_cpu_kernels() -> None:
     attention and KV writes (cpu_attention.cpp), a float32 layer's norm, RoPE and
     SwiGLU (cpu_layers.cpp), the small-batch projections (cpu_matvec.cpp,
     cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp), a GGUF's
-    K-quant blocks at any batch (cpu_matvec_kquants.cpp), and a decode
+    blocks as stored at any batch (cpu_matvec_file_blocks.cpp), and a decode
     step's layers in one call (cpu_decode_stack.cpp, a torch class), all registered in
     cpu_bindings.cpp. Raises when they cannot be built (no C++ compiler, or no ninja)."""
     from torch.utils.cpp_extension import load

@@ -32,8 +32,11 @@ blocks (block_quant.py): the float32 matvec's result to the bit
 (csrc/cpu_matvec_blocks.cpp), in float16 too (exact, and a quarter of float16's bytes); in
 int8, those blocks' integers times int8 activations (csrc/cpu_matvec_blocks_int8.cpp).
 
-A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) is packed from its file's blocks instead
-(`pack_linear`'s `parts`, KQuantLinear): no float copy at all, every batch on those blocks.
+A GGUF's weight in the blocks the kernels read from the file (Q4_0, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) is packed from its file's blocks instead (`pack_linear`'s `parts`,
+FileBlocksLinear): no float copy at all, every batch on those blocks; a fused projection
+whose parts are of different types (Gemma 3's q and k in Q5_0, v in Q8_0) runs each run of
+one type on its own blocks, outputs side by side (SplitLinear).
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ import torch.nn.functional as F
 
 from model_runner.kernels.block_quant import (
     BlockForm,
-    KQuantBlocks,
+    GGUFBlocks,
     block_form,
+    block_runs,
     find_blocks,
-    joined_blocks,
 )
 from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
@@ -102,6 +105,22 @@ class DecodeForm:
     bias: torch.Tensor | None
     rotation_block: int = 0
 
+    @property
+    def parts(self) -> tuple[DecodeForm, ...]:
+        """The forms the stack runs for it, outputs side by side: itself."""
+        return (self,)
+
+
+@dataclass(frozen=True)
+class SplitDecodeForm:
+    """A projection the stack runs as its parts (SplitLinear's), one kernel call each, their
+    outputs side by side."""
+
+    parts: tuple[DecodeForm, ...]
+
+
+ProjectionForm = DecodeForm | SplitDecodeForm
+
 
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
 # gives its small-batch copy as the C++ decode stack takes it, or None
@@ -112,18 +131,21 @@ PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 def pack_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str,
     table: KernelTable = DEFAULT_TABLE, kept: bool = False,
-    parts: Sequence[tuple[int, KQuantBlocks]] = (),
+    parts: Sequence[tuple[int, GGUFBlocks]] = (),
 ) -> PackedLinear:
     """Pack a float32 [out, in] weight (and bias) as `weight_dtype` says (see can_pack),
     its small batches as `table` says (cpu_kernel_table.py). `kept`: the model keeps the
     weight itself anyway (a tied LM head: the embedding table), so that float32 runs its
     larger batches on it (torch's GEMM) rather than on a reordered copy. `parts`: rows of
-    it left in a GGUF's K-quant blocks (row offset, blocks): packed as they are where they
-    are of one type and cover it (KQuantLinear), else dequantized into it first."""
-    blocks = joined_blocks(parts, tuple(weight.shape)) if parts else None
-    if blocks is not None:
-        return KQuantLinear(blocks, bias, weight_dtype, table)
-    for offset, part in parts:  # K-quant parts of mixed types, or beside float rows
+    it left in a GGUF's blocks (row offset, blocks): packed as they are where they cover it
+    (FileBlocksLinear, or SplitLinear for parts of several types), else dequantized into it
+    first."""
+    runs = block_runs(parts, tuple(weight.shape)) if parts else None
+    if runs is not None and len(runs) == 1:
+        return FileBlocksLinear(runs[0], bias, weight_dtype, table)
+    if runs is not None:
+        return SplitLinear(runs, bias, weight_dtype, table)
+    for offset, part in parts:  # parts beside float rows
         weight.detach()[offset : offset + part.shape[0]].copy_(part.dequantized())
     if weight_dtype == "float16":
         return Float16Linear(weight, bias, table)
@@ -272,14 +294,14 @@ class BFloat16Linear(FloatMatvecCopy):
         return y if self.bias is None else y.add_(self.bias)
 
 
-class KQuantLinear(SmallBatchPath):
-    """A GGUF's K-quant weight (Q4_K, Q5_K, Q6_K) on its file's blocks, the only copy of it:
-    small batches on its K-quant path (cpu_kernel_table.py), larger ones on its panels
-    dequantized on the fly (k_quant_gemm); float32 sums of its dequantized values whatever
-    the weight dtype (csrc/cpu_matvec_kquants.cpp)."""
+class FileBlocksLinear(SmallBatchPath):
+    """A GGUF weight on its file's blocks (block_quant.GGUFBlocks), the only copy of it:
+    small batches on its type's path (cpu_kernel_table.py), larger ones on its panels
+    dequantized on the fly (file_blocks_gemm); float32 sums of its dequantized values
+    whatever the weight dtype (csrc/cpu_matvec_file_blocks.cpp)."""
 
     def __init__(
-        self, blocks: KQuantBlocks, bias: torch.Tensor | None, weight_dtype: str,
+        self, blocks: GGUFBlocks, bias: torch.Tensor | None, weight_dtype: str,
         table: KernelTable = DEFAULT_TABLE,
     ) -> None:
         self.form = blocks
@@ -300,6 +322,39 @@ class KQuantLinear(SmallBatchPath):
         if self.path is None or self.blocks is None:
             return None
         return DecodeForm(self.path, self.blocks.tensors, self.bias)
+
+
+class SplitLinear:
+    """A GGUF weight whose rows are runs of blocks of different types (block_quant.
+    block_runs: Gemma 3's fused q/k/v with v in Q8_0), each run on its own blocks
+    (FileBlocksLinear), one call each, the outputs side by side: no float copy of any."""
+
+    def __init__(
+        self, runs: Sequence[GGUFBlocks], bias: torch.Tensor | None, weight_dtype: str,
+        table: KernelTable = DEFAULT_TABLE,
+    ) -> None:
+        bounds = [0]
+        for run in runs:
+            bounds.append(bounds[-1] + run.shape[0])
+        self.runs = [
+            FileBlocksLinear(run, None if bias is None else bias.detach()[start:stop],
+                             weight_dtype, table)
+            for run, start, stop in zip(runs, bounds, bounds[1:], strict=False)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return torch.cat([run(x) for run in self.runs], dim=1)
+
+    def use_table(self, table: KernelTable) -> None:
+        for run in self.runs:
+            run.use_table(table)
+
+    def decode_form(self) -> SplitDecodeForm | None:
+        forms = [run.decode_form() for run in self.runs]
+        if any(form is None for form in forms):
+            return None
+        return SplitDecodeForm(tuple(form for form in forms if form is not None))
 
 
 class Int8Linear(SmallBatchPath):

@@ -14,7 +14,8 @@ its parts as the C++ stack repeats them (`StackLayer`: a pre-norm block of RMSNo
 Gemma's sandwich norms on the blocks' outputs or without, each block's output scaled or not;
 attention with full RoPE from the layer's own table or none, per-head q/k norms or none,
 any scale, window, soft cap and sinks; a SwiGLU or gelu-tanh gated MLP; every projection
-on a small-batch path of cpu_kernel_table.py), or a reason why not, and so do its norms,
+on a small-batch path of cpu_kernel_table.py, or on several, one for each run of its rows:
+a GGUF's fused projection of mixed block types), or a reason why not, and so do its norms,
 attention and MLP. A step with LoRA adapters' rows runs here too: the model hands the
 stack the step's runs of rows by adapter and their A and B matrices
 (model_runner/lora_layers.py), whose deltas follow each base projection as in Python
@@ -35,7 +36,7 @@ from torch import nn
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, PATHS, KernelPath, KernelTable
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
-from model_runner.kernels.cpu_linear import DecodeForm
+from model_runner.kernels.cpu_linear import ProjectionForm
 from model_runner.kv_cache import KVCaches
 
 # the C++ stack's projection kinds: each path's place in the table and its tensor count
@@ -66,8 +67,8 @@ class StackAttention:
     scale: float
     softcap: float  # 0: none
     sinks: torch.Tensor | None
-    qkv: DecodeForm
-    o: DecodeForm
+    qkv: ProjectionForm
+    o: ProjectionForm
     q_norm: StackNorm | None = None
     k_norm: StackNorm | None = None
     rotates: bool = True
@@ -82,8 +83,8 @@ class StackMLP:
     """A gated MLP as the stack runs it: gate/up projected, act(gate) * up (`activation`:
     "silu", SwiGLU, or "gelu_tanh", Gemma's), down projected."""
 
-    gate_up: DecodeForm
-    down: DecodeForm
+    gate_up: ProjectionForm
+    down: ProjectionForm
     activation: str = "silu"
 
 
@@ -197,6 +198,7 @@ def build_decode_stack(
     for form in forms:
         attn = form.attention
         projections = (attn.qkv, attn.o, form.mlp.gate_up, form.mlp.down)
+        parts = [part for p in projections for part in p.parts]
         native.add_layer(
             [empty if norm is None else norm.weight for norm in _norms(form)],
             float(form.input_norm.eps),
@@ -207,12 +209,13 @@ def build_decode_stack(
             float(attn.softcap),
             float(form.residual_multiplier),
             empty if attn.sinks is None else attn.sinks,
-            [KIND_OF[p.path.name] for p in projections],
-            [p.rotation_block for p in projections],
-            [tensor for p in projections for tensor in p.tensors],
-            [empty if p.bias is None else p.bias for p in projections],
+            [len(p.parts) for p in projections],
+            [KIND_OF[p.path.name] for p in parts],
+            [p.rotation_block for p in parts],
+            [tensor for p in parts for tensor in p.tensors],
+            [empty if p.bias is None else p.bias for p in parts],
         )
-        paths.update(p.path for p in projections)
+        paths.update(p.path for p in parts)
     return DecodeStack(native, paths, table, ropes)
 
 

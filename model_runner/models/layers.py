@@ -28,9 +28,9 @@ from model_runner.attention.backend import (
 )
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
-from model_runner.kernels.block_quant import KQuantBlocks
+from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
-from model_runner.kernels.cpu_linear import DecodeForm, PackedLinear, pack_linear
+from model_runner.kernels.cpu_linear import PackedLinear, ProjectionForm, pack_linear
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
 from model_runner.models.rope import apply_rope
 
@@ -52,9 +52,9 @@ class Linear(nn.Linear):
 
     def pack(
         self, weight_dtype: str, table: KernelTable = DEFAULT_TABLE,
-        parts: Sequence[tuple[int, KQuantBlocks]] = (),
+        parts: Sequence[tuple[int, GGUFBlocks]] = (),
     ) -> None:
-        """`parts`: rows of the weight left in a GGUF's K-quant blocks (cpu_linear.py)."""
+        """`parts`: rows of the weight left in a GGUF's blocks (cpu_linear.py)."""
         self.packed = pack_linear(self.weight, self.bias, weight_dtype, table, parts=parts)
         self.weight = dropped(self.weight)
 
@@ -65,7 +65,7 @@ class Linear(nn.Linear):
             return lora.apply_(x, out)
         return out
 
-    def decode_form(self) -> DecodeForm | str:
+    def decode_form(self) -> ProjectionForm | str:
         """Its small-batch copy as the C++ decode stack holds it, or why there is none."""
         form = None if self.packed is None else self.packed.decode_form()
         return "not on a small-batch C++ path" if form is None else form

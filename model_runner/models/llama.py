@@ -25,9 +25,9 @@ from transformers import PretrainedConfig
 from model_runner.attention.backend import AttentionBackend, LayerOps
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
-from model_runner.kernels.block_quant import KQuantBlocks
+from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
-from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.kernels.cpu_linear import FileBlocksLinear, PackedLinear, pack_linear
 from model_runner.kv_cache import KVCaches
 from model_runner.lora_layers import LoRAStep
 from model_runner.models.decode_stack import (
@@ -141,9 +141,12 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack_off: str | None = "not packed"
         # the step's rows by LoRA adapter, once adapters are attached (lora_layers.py)
         self.lora_step: LoRAStep | None = None
-        # a projection's rows left in a GGUF's K-quant blocks (row offset, blocks) by
+        # a projection's rows left in a GGUF's blocks (row offset, blocks) by
         # `load_weights`, until `pack_weights` packs them as they are
-        self.file_blocks: dict[str, list[tuple[int, KQuantBlocks]]] = {}
+        self.file_blocks: dict[str, list[tuple[int, GGUFBlocks]]] = {}
+        # the embedding table left in a GGUF's blocks (no float32 table): the lookup
+        # dequantizes the rows it gathers, a tied LM head runs on the same blocks
+        self.embedding_blocks: GGUFBlocks | None = None
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
 
@@ -219,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, H] of input_ids [T]; vocab-parallel: each rank looks up the ids
         it holds (zeros for the others), summed over the ranks."""
+        if self.embedding_blocks is not None:  # never under tensor parallelism
+            return self.embedding_blocks.dequantized(input_ids)
         if self.tp is None:
             return self.embed_tokens(input_ids)
         local = input_ids - self.vocab_start
@@ -257,9 +262,12 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.pack(weight_dtype, table, self.file_blocks.pop(f"{name}.weight", ()))
-        self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table,
-                                          kept=self.tie_word_embeddings,
-                                          parts=self.file_blocks.pop("lm_head.weight", ()))
+        if self.tie_word_embeddings and self.embedding_blocks is not None:
+            self.packed_lm_head = FileBlocksLinear(self.embedding_blocks, None, weight_dtype, table)
+        else:
+            self.packed_lm_head = pack_linear(self._lm_head_weight(), None, weight_dtype, table,
+                                              kept=self.tie_word_embeddings,
+                                              parts=self.file_blocks.pop("lm_head.weight", ()))
         if not self.tie_word_embeddings:  # a tied one is the embedding table too
             self.lm_head.weight = dropped(self.lm_head.weight)
         stack = build_decode_stack(self.layers, table)
@@ -284,8 +292,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Copy Hugging Face checkpoint weights (name, tensor or safetensors slice) into the
         fused parameters, reading only this rank's slice of each under tensor parallelism;
-        a whole projection's GGUF K-quant blocks (`FileBlocks`) are kept for `pack_weights`
-        instead (`file_blocks`).
+        a whole projection's GGUF blocks (`FileBlocks`) are kept for `pack_weights`
+        instead (`file_blocks`), and so is a whole embedding table's (`embedding_blocks`).
 
         Raises ValueError when a parameter is left without a weight or a shape differs.
         """
@@ -322,7 +330,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} in the checkpoint")
             param = params[target]
             kept = source if isinstance(source, FileBlocks) and where is None and (
-                target in packed) else None
+                target in packed or (target == "embed_tokens.weight" and self.tp is None)
+            ) else None
             tensor = None if kept is not None else read(hf_name, source, where)
             if (tensor is not None and module in ("embed_tokens", "lm_head")
                     and tensor.shape[0] < param.shape[0]):
@@ -351,7 +360,10 @@ class LlamaForCausalLM(nn.Module):
              tensor: torch.Tensor | None, kept: FileBlocks | None) -> None:
         """Rows [offset, ...) of `param` from `tensor`, or left in `kept`'s blocks until
         packed."""
-        if kept is not None:
+        if kept is not None and target == "embed_tokens.weight":
+            self.embedding_blocks = kept.blocks
+            self.embed_tokens.weight = dropped(param)
+        elif kept is not None:
             self.file_blocks.setdefault(target, []).append((offset, kept.blocks))
         else:
             assert tensor is not None

@@ -1,6 +1,6 @@
 """Checkpoint weights as the models read them: whole, or only the slice one tensor-parallel
 rank holds, from a tensor or a lazy safetensors slice (or rows of one, `RowRange`), or a
-GGUF's K-quant blocks kept as the file has them (`FileBlocks`)."""
+GGUF's blocks kept as the file has them (`FileBlocks`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from model_runner.kernels.block_quant import KQuantBlocks
+from model_runner.kernels.block_quant import GGUFBlocks
 
 # A checkpoint weight: a tensor, a safetensors slice (read only as far as indexed), a
 # RowRange of either, or FileBlocks.
@@ -56,11 +56,11 @@ class RowRange:
 
 @dataclass(frozen=True)
 class FileBlocks:
-    """A weight in its GGUF file's K-quant blocks (gguf_file.py): a projection the model
+    """A weight in its GGUF file's blocks (gguf_file.py): a projection the model
     packs takes them as they are (cpu_linear.pack_linear's `parts`); any other reader
     indexes it as float32 values (gguf-py's, dequantized then)."""
 
-    blocks: KQuantBlocks
+    blocks: GGUFBlocks
 
     def get_shape(self) -> list[int]:
         return list(self.blocks.shape)

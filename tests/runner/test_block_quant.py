@@ -22,6 +22,7 @@ from model_runner.kernels.block_quant import (
     Q41Int8Groups,
     Q41PlanesGroups,
     Q80Blocks,
+    Q80FileBlocks,
     Q80Int8Groups,
     block_form,
     find_blocks,
@@ -95,7 +96,10 @@ def test_the_default_model_reads_its_gguf_blocks_and_holds_no_float32_copy() -> 
     linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, OneDNNLinear) for p in linears)
     assert all(isinstance(p.blocks, Q41Blocks) and p.rows_weight is None for p in linears)
-    assert isinstance(model.packed_lm_head.blocks, Q80Blocks)  # the tied embedding, Q8_0
+    # the tied embedding's Q8_0 blocks as the file has them, its one copy
+    assert isinstance(model.embedding_blocks, Q80FileBlocks)
+    assert model.packed_lm_head.form is model.embedding_blocks
+    assert model.embed_tokens.weight.numel() == 0
 
 
 def int8_products_reference(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
-from model_runner.kernels.cpu_linear import KQuantLinear
+from model_runner.kernels.cpu_linear import FileBlocksLinear, SplitLinear
 from model_runner.loader import LoadedModel, resolve_model_folder
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
@@ -69,7 +69,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", TENSORS)
 
 
-# every projection in K-quant blocks, one type per fused projection: each a KQuantLinear
+# every projection in K-quant blocks, one type per fused projection: each a FileBlocksLinear
 K_QUANT_TENSORS = {
     **TENSORS,
     **{f"blk.0.attn_{part}.weight": (TENSORS[f"blk.0.attn_{part}.weight"][0], Q.Q4_K)
@@ -148,9 +148,10 @@ def test_the_default_gguf_leaves_its_config_tokenizer_and_names_only() -> None:
     assert sum(kept.values()) < 8 * 2**20  # bytes; the GGUF is 100 MB
 
 
-def test_k_quant_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> None:
-    """Packed on the CPU kernels, a K-quant matrix is handed over as its blocks: the same
-    values, its rows in transformers' order (q's permuted), and no "no kernel" line for it."""
+def test_block_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> None:
+    """Packed on the CPU kernels, a matrix of a type they read from the file (a K-quant,
+    Q4_0, Q5_0, Q8_0) is handed over as its blocks: the same values, its rows in
+    transformers' order (q's permuted), and no "no kernel" line for it."""
     kwargs = {"gguf_file": tiny_gguf.name, "local_files_only": True}
     hf_config = AutoConfig.from_pretrained(tiny_gguf.parent, **kwargs)
     hf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kwargs)
@@ -159,12 +160,16 @@ def test_k_quant_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) ->
         ours = dict(gguf_weights(tiny_gguf, hf_config, hf_names(hf_config, "llama"),
                                  keep_blocks=True))
     kept = {name: source for name, source in ours.items() if isinstance(source, FileBlocks)}
-    assert sorted(kept) == ["lm_head.weight", "model.layers.0.self_attn.k_proj.weight",
+    assert sorted(kept) == ["lm_head.weight", "model.embed_tokens.weight",
+                            "model.layers.0.mlp.gate_proj.weight",
+                            "model.layers.0.self_attn.k_proj.weight",
+                            "model.layers.0.self_attn.o_proj.weight",
                             "model.layers.0.self_attn.q_proj.weight"]
     for name, source in ours.items():
         assert torch.equal(source[:], expected[name]), name
     (dequantized,) = [r.getMessage() for r in caplog.records if "no kernel" in r.getMessage()]
-    assert "_K" not in dequantized and "1 Q5_0" in dequantized
+    assert dequantized.endswith("1 F16, 1 BF16 tensors have no kernel here: dequantized to "
+                                "float32 at load")
 
 
 def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConfig]:
@@ -182,15 +187,61 @@ def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConf
     return model, hf, hf_config
 
 
-def test_a_projection_of_mixed_types_is_dequantized_into_its_weight(tiny_gguf: Path) -> None:
-    """q Q4_K, k Q5_K, v Q4_1: one fused projection no single kernel reads."""
+def test_a_projection_of_mixed_types_runs_as_its_parts(tiny_gguf: Path) -> None:
+    """q Q4_K, k Q5_K, v Q4_1: q and k each on its own blocks, v (read as float32) as
+    before - dequantized into the weight, as no run of blocks covers it."""
     model, hf, _ = packed_model(tiny_gguf)
     attn, hf_attn = model.layers[0].self_attn, hf.model.layers[0].self_attn
-    assert not isinstance(attn.qkv_proj.packed, KQuantLinear)
+    assert not isinstance(attn.qkv_proj.packed, (FileBlocksLinear, SplitLinear))
+    torch.manual_seed(0)
     x = torch.randn(3, HIDDEN)
-    expected = torch.cat([hf_attn.q_proj(x), hf_attn.k_proj(x), hf_attn.v_proj(x)], dim=1)
-    torch.testing.assert_close(attn.qkv_proj(x), expected)
-    assert isinstance(model.packed_lm_head, KQuantLinear)
+    weight = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
+    # float32 sums in another order than HF's: within their magnitude's rounding
+    tolerance = 1e-6 * (x.double().abs() @ weight.double().abs().T).amax()
+    expected = x.double() @ weight.double().T
+    assert (attn.qkv_proj(x).double() - expected).abs().amax() <= tolerance
+    assert isinstance(model.packed_lm_head, FileBlocksLinear)
+
+
+# Gemma 3 270M's Q4_K_M file: q and k Q5_0, v Q8_0; gate Q5_0, up Q4_0 (no such file, but
+# any two types)
+MIXED_TENSORS = {
+    **K_QUANT_TENSORS,
+    "blk.0.attn_q.weight": ((HEADS * HEAD_DIM, HIDDEN), Q.Q5_0),
+    "blk.0.attn_k.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q5_0),
+    "blk.0.attn_v.weight": ((KV_HEADS * HEAD_DIM, HIDDEN), Q.Q8_0),
+    "blk.0.ffn_gate.weight": ((FFN, HIDDEN), Q.Q5_0),
+    "blk.0.ffn_up.weight": ((FFN, HIDDEN), Q.Q4_0),
+}
+
+
+def test_fused_projections_of_mixed_types_run_on_each_parts_blocks(tmp_path: Path) -> None:
+    """Each run of one type on its own blocks (q and k joined), outputs side by side: the
+    projection is x @ dequantize(W).T at every batch size, and the decode stack runs the
+    parts too, the Python layers' hidden states to the bit."""
+    model, hf, hf_config = packed_model(write_gguf(tmp_path / "mixed.gguf", MIXED_TENSORS))
+    layer, hf_layer = model.layers[0], hf.model.layers[0]
+    cases = {
+        "qkv": (layer.self_attn.qkv_proj, [hf_layer.self_attn.q_proj, hf_layer.self_attn.k_proj,
+                hf_layer.self_attn.v_proj], ["q5_0_matvec", "q8_0_file_matvec"]),
+        "gate_up": (layer.mlp.gate_up_proj, [hf_layer.mlp.gate_proj, hf_layer.mlp.up_proj],
+                    ["q5_0_matvec", "q4_0_matvec"]),
+    }
+    for what, (ours, hf_parts, paths) in cases.items():
+        assert isinstance(ours.packed, SplitLinear) and ours.weight.numel() == 0, what
+        assert [part.path.name for part in ours.packed.decode_form().parts] == paths
+        weight = torch.cat([part.weight for part in hf_parts]).double()
+        for rows in (1, 3, 8, 21):
+            x = torch.randn(rows, HIDDEN)
+            tolerance = 1e-6 * (x.double().abs() @ weight.abs().T).amax()
+            assert (ours(x).double() - x.double() @ weight.T).abs().amax() <= tolerance
+    loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "m", "mixed.gguf",
+                         torch.device("cpu"), torch.float32)
+    assert model.decode_stack is not None
+    with_stack = hidden_states(loaded, model.decode_stack, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
@@ -209,14 +260,14 @@ def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
         "down": (layer.mlp.down_proj, hf_layer.mlp.down_proj.weight, "q4_k"),
     }
     for what, (ours, weight, kind) in cases.items():
-        assert isinstance(ours.packed, KQuantLinear) and ours.weight.numel() == 0, what
+        assert isinstance(ours.packed, FileBlocksLinear) and ours.weight.numel() == 0, what
         assert ours.packed.decode_form().path.name == f"{kind}_matvec"
         for rows in (1, 3, 8, 21):  # the K-quant path, then the panels
             x = torch.randn(rows, weight.shape[1])
             expected = x.double() @ weight.double().T
             tolerance = 1e-6 * (x.double().abs() @ weight.double().abs().T).amax()
             assert (ours(x).double() - expected).abs().amax() <= tolerance, (what, rows)
-    assert isinstance(model.packed_lm_head, KQuantLinear)
+    assert isinstance(model.packed_lm_head, FileBlocksLinear)
     loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "k", str(path),
                          torch.device("cpu"), torch.float32)
     stack = model.decode_stack
@@ -225,3 +276,21 @@ def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
     without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
     for a, b in zip(with_stack, without, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_embedding_table_stays_in_its_blocks(tmp_path: Path) -> None:
+    """A Q8_0 table, tied to the LM head (no output.weight, as Gemma 3's): one copy, the
+    file's blocks; the lookup is gguf-py's rows to the bit, the LM head x @ dequantize(W).T
+    on the same blocks."""
+    tensors = {name: spec for name, spec in MIXED_TENSORS.items() if name != "output.weight"}
+    model, hf, _ = packed_model(write_gguf(tmp_path / "tied.gguf", tensors))
+    assert model.tie_word_embeddings and model.embed_tokens.weight.numel() == 0
+    assert model.packed_lm_head.form is model.embedding_blocks
+    table = hf.model.embed_tokens.weight
+    ids = torch.tensor([0, 7, VOCAB - 1, 7])
+    assert torch.equal(model.embed(ids), table[ids])
+    for rows in (1, 3, 8, 21):  # the Q8_0 path, then the panels
+        x = torch.randn(rows, HIDDEN)
+        expected = x.double() @ table.double().T
+        tolerance = 1e-6 * (x.double().abs() @ table.double().abs().T).amax()
+        assert (model.compute_logits(x).double() - expected).abs().amax() <= tolerance

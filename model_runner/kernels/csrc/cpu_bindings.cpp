@@ -40,10 +40,16 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("q4_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q4_k_matvec);
   m.def("q5_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_k_matvec);
   m.def("q6_k_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q6_k_matvec);
-  // cpu_matvec_kquants.cpp: the K-quant blocks' larger batches, and their values
-  m.def("k_quant_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
-        &pagedserve::k_quant_gemm);
-  m.def("dequantize_k_(Tensor(a!) out, Tensor blocks, int kind) -> ()", &pagedserve::dequantize_k_);
+  m.def("q4_0_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q4_0_matvec);
+  m.def("q5_0_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_0_matvec);
+  m.def("q5_1_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_1_matvec);
+  m.def("q8_0_file_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor",
+        &pagedserve::q8_0_file_matvec);
+  // cpu_matvec_file_blocks.cpp: a GGUF's blocks' larger batches, and their values
+  m.def("file_blocks_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
+        &pagedserve::file_blocks_gemm);
+  m.def("dequantize_file_blocks_(Tensor(a!) out, Tensor blocks, int kind) -> ()",
+        &pagedserve::dequantize_file_blocks_);
 
   // cpu_decode_stack.cpp
   m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor shrink, Tensor expand, Tensor parts, "

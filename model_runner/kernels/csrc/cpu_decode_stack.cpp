@@ -40,20 +40,25 @@ enum class Kind : int64_t {
   q4_1_int8_matvec,    // [qs, d, m]: Q4_1 blocks times int8 activations
   q8_0_int8_matvec,    // [qs, d]: Q8_0 blocks times int8 activations (cpu_matvec_blocks_int8.cpp)
   q4_1_planes_matvec,  // [qs, d, m]: Q4_1 blocks times activations split in int8 planes
-  q4_k_matvec,         // [blocks]: a GGUF's K-quant blocks as stored (cpu_matvec_kquants.cpp)
+  q4_k_matvec,         // [blocks]: a GGUF's blocks as stored (cpu_matvec_file_blocks.cpp)
   q5_k_matvec,         // [blocks]
   q6_k_matvec,         // [blocks]
+  q4_0_matvec,         // [blocks]
+  q5_0_matvec,         // [blocks]
+  q5_1_matvec,         // [blocks]
+  q8_0_file_matvec,    // [blocks]
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
     "q4_1_int8_matvec", "q8_0_int8_matvec", "q4_1_planes_matvec",
-    "q4_k_matvec", "q5_k_matvec", "q6_k_matvec",
+    "q4_k_matvec", "q5_k_matvec", "q6_k_matvec", "q4_0_matvec", "q5_0_matvec",
+    "q5_1_matvec", "q8_0_file_matvec",
 };
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q6_k_matvec) + 1;
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q8_0_file_matvec) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
-struct Projection {
+struct Part {
   Kind kind = Kind::matvec;
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
@@ -97,6 +102,22 @@ struct Projection {
         PROFILED("q6_k_matvec");
         return q6_k_matvec(x, weights[0], bias);
       }
+      case Kind::q4_0_matvec: {
+        PROFILED("q4_0_matvec");
+        return q4_0_matvec(x, weights[0], bias);
+      }
+      case Kind::q5_0_matvec: {
+        PROFILED("q5_0_matvec");
+        return q5_0_matvec(x, weights[0], bias);
+      }
+      case Kind::q5_1_matvec: {
+        PROFILED("q5_1_matvec");
+        return q5_1_matvec(x, weights[0], bias);
+      }
+      case Kind::q8_0_file_matvec: {
+        PROFILED("q8_0_file_matvec");
+        return q8_0_file_matvec(x, weights[0], bias);
+      }
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
           PROFILED("hadamard_rows");
@@ -106,6 +127,20 @@ struct Projection {
         return int8_matvec(rotated, row_amax, weights[0], weights[1], bias);
       }
     }
+  }
+};
+
+// A projection: one part, or several (a GGUF's fused projection of mixed block types), each
+// a kernel call on its run of output rows, the outputs side by side.
+struct Projection {
+  std::vector<Part> parts;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (parts.size() == 1) return parts[0](x);
+    std::vector<at::Tensor> outs;
+    outs.reserve(parts.size());
+    for (const Part& part : parts) outs.push_back(part(x));
+    return at::cat(outs, 1);
   }
 };
 
@@ -263,12 +298,14 @@ DecodeStack::~DecodeStack() = default;
 
 void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             std::vector<int64_t> shape, double scale, double softcap,
-                            double residual_multiplier, at::Tensor sinks, std::vector<int64_t> kinds,
+                            double residual_multiplier, at::Tensor sinks,
+                            std::vector<int64_t> parts, std::vector<int64_t> kinds,
                             std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
                             std::vector<at::Tensor> biases) {
-  TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && kinds.size() == 4 &&
-                  rotation_blocks.size() == 4 && biases.size() == 4,
+  TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && parts.size() == 4,
               "DecodeStack.add_layer: six norms, four projections and a shape of six");
+  TORCH_CHECK(rotation_blocks.size() == kinds.size() && biases.size() == kinds.size(),
+              "DecodeStack.add_layer: a kind, a rotation block and a bias for each part");
   TORCH_CHECK(shape[4] >= -1 && (shape[5] == 0 || shape[5] == 1),
               "DecodeStack.add_layer: a RoPE table's index (-1: none) and an activation of 0 or 1");
   const auto optional = [](const at::Tensor& t) {
@@ -279,18 +316,24 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
   TORCH_CHECK(shape[4] >= 0 || !optional(norms[4]).has_value(),
               "DecodeStack.add_layer: q/k norms only on a layer with RoPE");
   Projection projections[4];
-  size_t next = 0;
+  size_t next = 0, part = 0;
   for (int i = 0; i < 4; ++i) {
-    TORCH_CHECK(kinds[i] >= 0 && kinds[i] < kNumKinds, "unknown projection kind ", kinds[i]);
-    Projection& p = projections[i];
-    p.kind = static_cast<Kind>(kinds[i]);
-    p.rotation_block = rotation_blocks[i];
-    const size_t count = kTensorsOf[kinds[i]];
-    TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
-    p.weights.assign(weights.begin() + next, weights.begin() + next + count);
-    next += count;
-    if (biases[i].numel() > 0) p.bias = biases[i];
+    TORCH_CHECK(parts[i] >= 1 && part + parts[i] <= kinds.size(),
+                "DecodeStack.add_layer: each projection's parts, one kind each");
+    for (int64_t j = 0; j < parts[i]; ++j, ++part) {
+      TORCH_CHECK(kinds[part] >= 0 && kinds[part] < kNumKinds, "unknown projection kind ",
+                  kinds[part]);
+      Part& p = projections[i].parts.emplace_back();
+      p.kind = static_cast<Kind>(kinds[part]);
+      p.rotation_block = rotation_blocks[part];
+      const size_t count = kTensorsOf[kinds[part]];
+      TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
+      p.weights.assign(weights.begin() + next, weights.begin() + next + count);
+      next += count;
+      if (biases[part].numel() > 0) p.bias = biases[part];
+    }
   }
+  TORCH_CHECK(part == kinds.size(), "DecodeStack.add_layer: more kinds than parts");
   TORCH_CHECK(next == weights.size(), "too many projection weights");
   layers_.push_back(Layer{norms[0], norms[2], optional(norms[1]), optional(norms[3]),
                           optional(norms[4]), optional(norms[5]), eps,

@@ -36,7 +36,7 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
 
 // cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp
-// (and cpu_matvec_kquants.cpp below)
+// (and cpu_matvec_file_blocks.cpp below)
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias);
 at::Tensor int8_matvec(const at::Tensor& x, const at::Tensor& row_scales, const at::Tensor& weight,
@@ -61,16 +61,24 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& shrink,
                const at::Tensor& expand, const at::Tensor& parts, int64_t start,
                int64_t stop);
 
-// cpu_matvec_kquants.cpp
+// cpu_matvec_file_blocks.cpp: a GGUF's blocks as the file stores them (block_formats.h)
 at::Tensor q4_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
 at::Tensor q5_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
 at::Tensor q6_k_matvec(const at::Tensor& x, const at::Tensor& blocks,
                        const std::optional<at::Tensor>& bias);
-at::Tensor k_quant_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                        const std::optional<at::Tensor>& bias);
-void dequantize_k_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
+at::Tensor q4_0_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q5_0_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q5_1_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor q8_0_file_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor file_blocks_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                            const std::optional<at::Tensor>& bias);
+void dequantize_file_blocks_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
 
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
@@ -85,13 +93,16 @@ struct DecodeStack : torch::CustomClassHolder {
   // q and k norms (both empty for none), all with one eps; shape: (num_heads, num_kv_heads,
   // head_dim, window, rope: its index in forward's cos and sin tables or -1 for none,
   // activation: 0 SwiGLU, 1 gelu-tanh gated); residual_multiplier: each block's output times
-  // it before it joins the residual (1: none); kinds and rotation_blocks: qkv, o, gate_up, down's; weights: their
-  // tensors one after the other, biases: theirs (an empty tensor for none); sinks: empty for
-  // none.
+  // it before it joins the residual (1: none); parts: how many parts each of qkv, o,
+  // gate_up, down is run as (one kernel call each, their outputs side by side: a GGUF's
+  // fused projection of mixed block types), and for each part in that order its kind and
+  // rotation block, its tensors (weights: one after the other) and its bias (biases: an
+  // empty tensor for none); sinks: empty for none.
   void add_layer(std::vector<at::Tensor> norms, double eps, std::vector<int64_t> shape,
                  double scale, double softcap, double residual_multiplier, at::Tensor sinks,
-                 std::vector<int64_t> kinds, std::vector<int64_t> rotation_blocks,
-                 std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
+                 std::vector<int64_t> parts, std::vector<int64_t> kinds,
+                 std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
+                 std::vector<at::Tensor> biases);
 
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
   // at slot_mapping[i], context_lens[i] keys with it) through every layer: the residual
