@@ -25,8 +25,8 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
 Every policy observes the steps' times (`observe`, from the engine core) and shows the
 fit at /scheduler/state; only the slo policy plans with it, so only it solves the fit
 every step (the others when the state or the stats are read) and keeps the residuals of
-the steps it planned. The engine core may seed
-it from a calibration at start (`calibrated`: engine/calibration.py).
+the steps it planned. The engine core may seed it from a calibration at start
+(`calibrated`: engine/calibration.py).
 """
 
 from __future__ import annotations
