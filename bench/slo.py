@@ -218,6 +218,7 @@ def simulate(cost: StepCost, duration_s: float, seed: int, loads: tuple[float, .
 def real_step_rule(policies: list[str], tpot_ms: int) -> None:
     """The step-size rule on the default model (see the module docstring)."""
     from engine.core import EngineCore
+    from engine.core_process import freeze_startup_objects
     from engine.core_setup import build_core_parts
     from engine.messages import AddRequests, NewRequest
     from model_runner.config import ModelConfig
@@ -230,24 +231,26 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
                                            calibrate_step_cost=policy == "slo")
         scheduler, runner, info, _ = build_core_parts(model_config, scheduler_config)
         core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))
+        freeze_startup_objects()  # as the core process does
         tpot = Placement(tpot_s=tpot_ms / 1000)
-        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        params = SamplingParams(max_tokens=1500, ignore_eos=True)  # past the prompt
         core.apply(AddRequests([NewRequest(request_id=f"d{i}", placement=tpot,
                                            prompt_token_ids=[100 + i + j for j in range(32)],
                                            sampling_params=params) for i in range(16)]))
         steady = []
-        for _ in range(12):  # prompts, then steady decoding (and the model's first fit)
+        for _ in range(40):  # prompts, then steady decoding (and the model's first fit)
             start = time.monotonic()
             core.step_fn()
             steady.append(time.monotonic() - start)
-        print(f"{policy}: 16 decodes alone, median step "
-              f"{1000 * statistics.median(steady[4:]):.0f} ms", flush=True)
+        steady = sorted(steady[4:])
+        print(f"{policy}: 16 decodes alone, step median {1000 * statistics.median(steady):.0f}"
+              f" ms, max {1000 * steady[-1]:.0f} ms", flush=True)
         long = NewRequest(request_id="long", prompt_token_ids=[(7 * j) % 5000 + 200
                                                                for j in range(2000)],
                           sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
         arrived = time.monotonic()
         core.apply(AddRequests([long]))
-        gaps, last, first_long = [], time.monotonic(), None
+        gaps, last, first_long, chunks = [], time.monotonic(), None, []
         errors: dict[bool, list[float]] = {False: [], True: []}  # late chunk: actual/planned
         while first_long is None:
             context, cost = scheduler.requests["long"].num_computed_tokens, scheduler.slo.cost
@@ -255,6 +258,7 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
             deltas = core.step_fn().deltas
             now = time.monotonic()
             errors[context >= 1000].append((now - start) / scheduler.last_step_work.seconds(cost))
+            chunks.append(scheduler.last_step_work.prefill_tokens)
             if any(d.request_id.startswith("d") for d in deltas):
                 gaps.append(now - last)
                 last = now
@@ -264,8 +268,12 @@ def real_step_rule(policies: list[str], tpot_ms: int) -> None:
         p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
         print(f"{policy}: {len(gaps)} decode steps while the prompt was computed; gap p50 "
               f"{1000 * statistics.median(gaps):.0f} ms, p99 {1000 * p99:.0f} ms, max "
-              f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s; steps "
-              f"over target {scheduler.slo.num_steps_over_tpot}; calibrated in "
+              f"{1000 * gaps[-1]:.0f} ms; the prompt's TTFT {first_long:.2f} s in "
+              f"{len(chunks)} steps (chunk median {statistics.median(chunks):.0f} tokens); "
+              f"steps over target {scheduler.slo.num_steps_over_tpot}; margin at the end "
+              f"{1000 * scheduler.slo.margin(tpot_ms / 1000, True):.1f} ms with prefill, "
+              f"{1000 * scheduler.slo.margin(tpot_ms / 1000, False):.1f} decode-only; "
+              f"calibrated in "
               f"{scheduler.slo.calibration_s} s: {scheduler.slo.model.seed}; fitted "
               f"{scheduler.slo.cost}; a step's time / the model's prediction before it ran, "
               f"median: context < 1,000 {statistics.median(errors[False]):.2f}, later "

@@ -152,6 +152,8 @@ class EngineCore:
         self._num_added = 0
         self._dirty = False  # commands changed the state since the last message
         self._in_flight: _InFlight | None = None  # overlapped steps: launched, not finished
+        # a plain step's end, while the next follows straight on (None: after idle, stuck)
+        self._last_step_end: float | None = None
         self._stats_sent: SchedulerStats | None = None
 
     @property
@@ -259,14 +261,18 @@ class EngineCore:
         """One plain step: schedule it, launch it, update with its result; its message.
         `on_scheduled` gets the step's `StepScheduled` before it runs."""
         start, deltas = self._begin_step()
+        previous_end, self._last_step_end = self._last_step_end, None
         plan: SchedulerOutput | None = None
         try:
             plan = self._schedule(start, on_scheduled)
             work, launched_at = self.scheduler.last_step_work, time.monotonic()
             launched = self._launch(plan)
             deltas += self._update(launched)
-            if not plan.is_empty:  # the step-cost model learns from plain steps' times
-                self.scheduler.observe_step(work, time.monotonic() - launched_at)
+            if not plan.is_empty:  # the step-cost model learns from plain steps' times,
+                # the planner from the gap its decodes saw (the engine's time between too)
+                end = self._last_step_end = time.monotonic()
+                gap = None if previous_end is None else end - previous_end
+                self.scheduler.observe_step(work, end - launched_at, gap)
         except Exception as exc:
             deltas += self._fail([plan], exc)
         finally:
@@ -410,6 +416,7 @@ class EngineCore:
         return self._message(deltas)
 
     def on_idle(self) -> None:
+        self._last_step_end = None  # the next step's gap is not a decode's
         try:
             self.scheduler.check_integrity()
         except Exception:

@@ -151,8 +151,8 @@ SERIES = (
            "Requests finished meeting every latency target they carry (rate(): goodput).",
            _PT),
     Series("slo_steps_over_tpot", Counter, "pagedserve_slo_steps_over_tpot",
-           "Steps (slo policy) whose decodes alone were predicted over their tightest "
-           "TPOT target."),
+           "Steps (slo policy) whose decodes, with the margin for the steps' jitter, "
+           "left no prefill room within their tightest TPOT target."),
     Series("step_cost", Gauge, "pagedserve_step_cost_seconds",
            "The fitted step-cost model: seconds per step, per decode row, per prefill "
            "token and per key a prefill token attends to.", ("part",)),

@@ -462,9 +462,9 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
         work = work_of(step, self.requests)
         return self.slo.draft_room(request, work)
 
-    def observe_step(self, work: StepWork, seconds: float) -> None:
-        """The engine ran a step of `work` (`last_step_work`) in `seconds`: refit."""
-        self.slo.observe(work, seconds)
+    def observe_step(self, work: StepWork, seconds: float, gap_s: float | None = None) -> None:
+        """The engine ran a step of `work` (`last_step_work`) in `seconds`: `SloPlanner`."""
+        self.slo.observe(work, seconds, gap_s)
 
     def _release_held(self, leader: Request) -> None:
         for request in self.sharing.release(leader):

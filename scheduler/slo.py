@@ -10,17 +10,23 @@ the questions the slo policy asks of a step (docs/scheduling.md gives the reason
   - the decodes that sit the step out: worse ones without a `tpot_s`, while a better
     prompt can still have its first token on time;
   - the prefill room beside the step's decodes: the prefill cost that keeps the
-    predicted step within PLAN_SHARE of the tightest `tpot_s` among them, at the fitted
-    exchange between a token and its context (counted in `num_steps_over_tpot` when
-    even the decodes alone exceed it);
+    predicted step, plus its margin, within the tightest `tpot_s` among them, at the
+    fitted exchange between a token and its context (`num_steps_over_tpot` counts the
+    steps where no size can: the decodes alone are over, or leave no room for a token
+    beside them). The margin is a high quantile (PLAN_QUANTILE) of how far recent steps
+    of the same kind (with prefill or decode-only) strayed from their prediction, as a
+    decode saw them (the engine's time between steps included), and at least
+    1 - PLAN_SHARE of the target: the fit gives the mean step, the target binds its tail;
   - the draft room of a decode: drafts of a worse priority only while the predicted
-    step stays within the tightest `tpot_s` among the better ones' decodes;
+    step, plus its margin, stays within the tightest `tpot_s` among the better ones'
+    decodes;
   - the victim among equals: the request with the most slack.
 
 Every policy observes the steps' times (`observe`, from the engine core) and shows the
 fit at /scheduler/state; only the slo policy plans with it, so only it solves the fit
-every step (the others when the state or the stats are read). The engine core may seed
-it from a calibration at start (`calibrated`: engine/calibration.py).
+every step (the others when the state or the stats are read) and keeps the residuals of
+the steps it planned. The engine core may seed it from a calibration at start
+(`calibrated`: engine/calibration.py).
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from dataclasses import dataclass
 
 from scheduler.budget import StepBudget
 from scheduler.request import Request
-from scheduler.step_cost import StepCost, StepCostModel, prompt_keys
+from scheduler.step_cost import Residuals, StepCost, StepCostModel, prompt_keys
 
-# The share of the tightest TPOT target a step is planned to: the rest absorbs the
-# model's error and the steps' jitter (a step planned to the target exactly overruns it
-# half the time).
+# The most of the tightest TPOT target a step is planned to, whatever its residuals say:
+# a step planned to the target exactly overruns it half the time.
 PLAN_SHARE = 0.9
+# The quantile of the residuals a step is planned to: the inter-token p99 is the figure
+# a tpot target is held to, and the window's 2nd largest of 128 is about its 99th.
+PLAN_QUANTILE = 0.99
 
 
 @dataclass
@@ -85,6 +93,9 @@ class SloPlanner:
         self.num_steps_over_tpot = 0
         self.num_rejected_late = 0
         self.calibration_s: float | None = None  # the calibration at start took (None: none)
+        # observed less predicted seconds of the steps planned, by whether they had prefill
+        self.residuals = {False: Residuals(), True: Residuals()}
+        self._planned: StepCost | None = None  # the fit this step was planned with
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
@@ -98,10 +109,27 @@ class SloPlanner:
         self.model.reseed(seed)
         self.calibration_s = seconds
 
-    def observe(self, work: StepWork, seconds: float) -> None:
-        """A step with `work` ran in `seconds`: refit."""
+    def observe(self, work: StepWork, seconds: float, gap_s: float | None = None) -> None:
+        """A step with `work` ran in `seconds` and ended `gap_s` after the step before it
+        (None: not straight after one): refit; a step sized against a target adds its
+        residual, the gap (its time when unknown) less what it was planned to take."""
+        if self._planned is not None:
+            waited = seconds if gap_s is None else gap_s
+            self.residuals[work.prefill_tokens > 0].add(waited - work.seconds(self._planned))
+            self._planned = None
         self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
                            seconds)
+
+    def margin(self, target: float, with_prefill: bool) -> float:
+        """The seconds of `target` a step (`with_prefill` or not) is planned to leave for
+        its error: the PLAN_QUANTILE of its kind's residuals (a step with prefill: the
+        decode-only steps' while too few with prefill were seen), at least
+        1 - PLAN_SHARE of the target."""
+        floor = (1 - PLAN_SHARE) * target
+        quantile = self.residuals[True].quantile(PLAN_QUANTILE) if with_prefill else None
+        if quantile is None:
+            quantile = self.residuals[False].quantile(PLAN_QUANTILE)
+        return floor if quantile is None else max(floor, quantile)
 
     def latest_start(self, request: Request) -> float:
         """When `request` must start its prompt to have its first token on time
@@ -117,6 +145,7 @@ class SloPlanner:
         """Note this step's decodes (in priority order) for the rooms below."""
         self._tightest = None
         self._bounds = []
+        self._planned = None
         last_priority: int | None = None
         for request in decodes:
             tpot = request.placement.tpot_s
@@ -130,21 +159,24 @@ class SloPlanner:
     def size_prefills(self, step: StepBudget, num_decode_rows: int, cap: int | None
                       ) -> int | None:
         """The prefill cost `step` may carry beside its decodes: what keeps the predicted
-        step within the tightest tpot_s among them, in place of `cap` (the fixed factor of
-        the batch other policies use, kept when no decode has a target), counted at the
-        fitted exchange between a token and its context (`step.attention_cost_context`).
-        When even the decodes exceed the target, no size can keep it: the step is counted
-        over and takes `cap` (one token without one), so that prompts still progress at
-        the rate other policies give them."""
+        step plus its `margin` within the tightest tpot_s among them, in place of `cap`
+        (the fixed factor of the batch other policies use, kept when no decode has a
+        target), counted at the fitted exchange between a token and its context
+        (`step.attention_cost_context`). When no size can, the step is counted over: if
+        the decodes alone are predicted over the target it takes `cap` (one token without
+        one), so that prompts still progress at the rate other policies give them; if
+        only the margin leaves no room, the smallest chunk (one token)."""
         if self._tightest is None:
             return cap
-        cost = self.cost
-        spare = PLAN_SHARE * self._tightest - cost.predict(num_decode_rows)
+        cost = self._planned = self.cost
+        decodes_s = cost.predict(num_decode_rows)
+        spare = self._tightest - self.margin(self._tightest, True) - decodes_s
         context, unit_s = cost.prefill_exchange()
         room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)
         if room < 1:
             self.num_steps_over_tpot += 1
-            return 1 if cap is None else cap
+            if decodes_s > self._tightest:
+                return 1 if cap is None else cap
         step.attention_cost_context = context
         step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
         # NOTE: less one unit: prefill_cost rounds a chunk's context part down
@@ -152,11 +184,12 @@ class SloPlanner:
 
     def draft_room(self, request: Request, work: StepWork) -> int:
         """The draft tokens `request`'s decode may add to a step with `work` while the
-        predicted step stays within the tightest tpot_s of better priorities' decodes."""
+        predicted step plus its margin stays within the tightest tpot_s of better
+        priorities' decodes."""
         bound = self._bound_for(request.priority)
         if bound is None:
             return 1 << 30
-        spare = PLAN_SHARE * bound - work.seconds(self.cost)
+        spare = bound - self.margin(bound, work.prefill_tokens > 0) - work.seconds(self.cost)
         per_row = self.cost.per_decode_s
         if spare <= 0:
             return 0

@@ -204,3 +204,26 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     for r in reversed(range(n)):
         x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
     return x
+
+
+class Residuals:
+    """The last `window` residuals of one kind of step: the seconds a decode waited for
+    it (its time and the engine's between it and the one before) less the model's
+    prediction of it when it was planned. `quantile(q)`: their q-quantile, None while
+    fewer than `min_count` (too few to say how far the steps stray)."""
+
+    def __init__(self, window: int = 128, min_count: int = 8) -> None:
+        self._values: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] | None = None
+        self.min_count = min_count
+
+    def add(self, seconds: float) -> None:
+        self._values.append(seconds)
+        self._sorted = None
+
+    def quantile(self, q: float) -> float | None:
+        if len(self._values) < self.min_count:
+            return None
+        if self._sorted is None:
+            self._sorted = sorted(self._values)
+        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]

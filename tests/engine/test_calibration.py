@@ -66,3 +66,21 @@ def test_the_simulated_runner_reports_its_known_cost(folder: str) -> None:
     runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=16), step_ms=7, host_ms=1)
     cost = calibrate(runner, DEFAULT_SEED, 8, 256)
     assert astuple(cost) == pytest.approx((0.008, 0.0, 0.0, 0.0))
+
+
+def test_the_planner_sees_the_gap_between_back_to_back_steps(folder: str) -> None:
+    # a decode's gap is its step and the engine's time between steps: the core reports
+    # it beside the step's own time, from the second step in a row on; not across idle
+    scheduler, runner, info, _ = build_core_parts(
+        ModelConfig(model=folder, num_kv_blocks=64, max_num_seqs=8), SchedulerConfig(
+            policy="slo", max_num_seqs=8, calibrate_step_cost=False), simulate_step_ms=0)
+    core = EngineCore(scheduler, runner, frozenset(info.eos_token_ids))
+    seen: list[tuple[float, float | None]] = []
+    observe = scheduler.observe_step
+    scheduler.observe_step = lambda work, seconds, gap_s=None: (  # type: ignore[method-assign]
+        seen.append((seconds, gap_s)), observe(work, seconds, gap_s))[-1]
+    for _ in range(2):
+        assert _generate(core) and core.has_work is False
+        core.on_idle()
+    assert len(seen) == 16 and seen[0][1] is None and seen[8][1] is None
+    assert all(gap is not None and gap >= seconds for seconds, gap in seen[1:8] + seen[9:])

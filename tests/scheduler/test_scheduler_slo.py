@@ -248,6 +248,96 @@ def test_the_priority_policy_keeps_its_own_cap() -> None:
     assert scheduler.last_step_work.prefill_tokens == 2000  # no tpot room under priority
 
 
+def _steps_timed(scheduler: Scheduler, clock: FakeClock, extra_s: list[float],
+                 cost: StepCost | None = None) -> list[tuple[StepWork, float]]:
+    """A step for each of `extra_s`: it takes its prediction (by `cost`, else the fit it
+    was planned with) plus that, as its gap to the one before; each one's work and
+    prediction."""
+    steps = []
+    for extra in extra_s:
+        out = scheduler.schedule()
+        work = scheduler.last_step_work
+        predicted = work.seconds(cost or scheduler.slo.cost)
+        clock.now += predicted + extra
+        scheduler.update(out, make_runner_output(out))
+        scheduler.observe_step(work, predicted + extra, predicted + extra)
+        steps.append((work, predicted))
+    return steps
+
+
+# a step in ten 40 ms over its prediction, the others 4.4 ms under (decode-only steps),
+# and a step with prefill in four 40 ms over, the others 13.3 ms under: on time on average
+SPIKY_DECODES = [0.040 if i % 10 == 9 else -0.0044 for i in range(20)]
+SPIKY_PREFILLS = [0.040 if i % 4 == 0 else -0.040 / 3 for i in range(8)]
+
+
+def _long_prompt_after(decodes: list[float], prefills: list[float]
+                       ) -> tuple[Scheduler, list[tuple[StepWork, float]]]:
+    """16 decodes with tpot 100 ms whose steps stray by `decodes`, then a 2,000-token
+    prompt whose steps stray by `prefills`: the scheduler and those steps."""
+    clock = FakeClock(0.0)
+    scheduler = slo_scheduler(clock, max_num_seqs=17)
+    _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+    _steps_timed(scheduler, clock, decodes)
+    scheduler.add_request(slo_request("long", 2000))
+    return scheduler, _steps_timed(scheduler, clock, prefills)
+
+
+def test_jittery_steps_shrink_the_chunk_a_steady_history_leaves_alone() -> None:
+    # the fit predicts the mean step; the chunk keeps the prediction plus the p99 of its
+    # kind's residuals (the decode-only steps' until 8 with prefill were seen) within
+    # the target. Steady steps leave the margin at 10% of it: today's chunk
+    steady, steady_steps = _long_prompt_after([0.0] * 20, [0.0] * 8)
+    spiky, spiky_steps = _long_prompt_after(SPIKY_DECODES, SPIKY_PREFILLS)
+    per_token = SEED.per_prefill_s
+    work, predicted = steady_steps[0]
+    assert PLAN_SHARE * 0.1 - 3 * per_token < predicted <= PLAN_SHARE * 0.1
+    for work, predicted in spiky_steps:  # the spikes' 40 ms kept free, the rest used
+        assert work.prefill_tokens > 0
+        assert 0.1 - 0.040 - 10 * per_token < predicted <= 0.1 - 0.040 + 1e-9
+    assert spiky_steps[0][0].prefill_tokens < 0.7 * steady_steps[0][0].prefill_tokens
+    assert spiky.slo.margin(0.1, True) == pytest.approx(0.040)  # its own steps' by now
+    assert steady.slo.margin(0.1, True) == pytest.approx(0.010)
+    assert spiky.stats.num_steps_over_tpot == steady.stats.num_steps_over_tpot == 0
+
+
+def test_a_margin_that_leaves_no_room_runs_the_smallest_chunk_and_says_so() -> None:
+    # decode-only steps 80 ms over their 26 ms one in five (on time on average): their
+    # p99 alone is over the 100 ms target, so no chunk keeps it; the prompt still moves,
+    # a token a step, not the cap (the mean alone is within the target)
+    spikes = [0.080 if i % 5 == 4 else -0.020 for i in range(20)]
+    scheduler, _ = _long_prompt_after(spikes, [])
+    over = scheduler.stats.num_steps_over_tpot  # decode-only steps' p99 is over too
+    assert scheduler.slo.cost.predict(16) < 0.1 < scheduler.slo.cost.predict(16) + 0.080
+    scheduler.schedule()
+    assert scheduler.last_step_work.prefill_tokens == 1
+    assert scheduler.stats.num_steps_over_tpot == over + 1
+
+
+def test_fcfs_and_priority_keep_no_residuals_and_solve_no_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fits = []
+    solve = StepCostModel._fit
+    monkeypatch.setattr(StepCostModel, "_fit", lambda self: fits.append(1) or solve(self))
+    for policy in ("fcfs", "priority"):
+        chunks = []
+        for decodes, prefills in (([0.0] * 20, [0.0] * 8), (SPIKY_DECODES, SPIKY_PREFILLS)):
+            clock = FakeClock(0.0)
+            scheduler = Scheduler(SchedulerConfig(policy=policy, max_num_batched_tokens=4096,
+                                                  max_model_len=4096, max_num_seqs=17,
+                                                  long_prefill_token_threshold=32),
+                                  CacheConfig(num_blocks=1024, block_size=16), clock=clock)
+            _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+            _steps_timed(scheduler, clock, decodes, cost=SEED)
+            scheduler.add_request(slo_request("long", 2000))
+            steps = _steps_timed(scheduler, clock, prefills, cost=SEED)
+            chunks.append([work.prefill_tokens for work, _ in steps])
+            assert scheduler.slo.residuals[False].quantile(0.5) is None
+            assert scheduler.slo.residuals[True].quantile(0.5) is None
+        assert chunks[0] == chunks[1] and chunks[0][0] == 34  # the cap, jitter or not
+    assert fits == []
+
+
 # ---- preemption among equals ----
 
 def test_the_victim_among_equals_has_the_most_slack() -> None:
