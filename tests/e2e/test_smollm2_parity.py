@@ -17,8 +17,7 @@ from model_runner.kernels.block_quant import (
     Q41Blocks,
     Q41Int8Groups,
     Q41PlanesGroups,
-    Q80Blocks,
-    Q80Int8Groups,
+    Q80FileBlocks,
 )
 from model_runner.kernels.cpu_kernel_table import GEMM_ONLY, MATVEC_MAX_ROWS
 from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear, can_pack
@@ -133,15 +132,15 @@ def test_float16_small_batches_read_the_exact_blocks(prompts, expected):
 
 
 def assert_reads_its_blocks(loaded: LoadedModel, packed_type: type) -> None:
-    """Every projection is `packed_type` on the GGUF's Q4_1 blocks with no row copy, the
-    tied LM head on its Q8_0 ones (int8 and float16: Q4_1 in groups of eight rows)."""
-    q41, q80 = {Int8Linear: (Q41Int8Groups, Q80Int8Groups),
-                Float16Linear: (Q41PlanesGroups, Q80Blocks),
-                }.get(packed_type, (Q41Blocks, Q80Blocks))
+    """Every projection is `packed_type` on the GGUF's Q4_1 blocks with no row copy (int8
+    and float16: in groups of eight rows), the tied LM head on the file's Q8_0 blocks of
+    the embedding table whatever the dtype (one copy of the table)."""
+    q41 = {Int8Linear: Q41Int8Groups, Float16Linear: Q41PlanesGroups}.get(packed_type,
+                                                                           Q41Blocks)
     linears = [m.packed for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(p, packed_type) for p in linears)
     assert all(isinstance(p.blocks, q41) and p.rows_weight is None for p in linears)
-    assert isinstance(loaded.model.packed_lm_head.blocks, q80)
+    assert isinstance(loaded.model.packed_lm_head.blocks, Q80FileBlocks)
 
 
 def test_int8_weights_stay_close_on_english_text(loaded):
