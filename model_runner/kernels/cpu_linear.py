@@ -41,6 +41,7 @@ one type on its own blocks, outputs side by side (SplitLinear).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -235,13 +236,7 @@ class OneDNNLinear(FloatMatvecCopy):
             return y
         if self.kept:
             return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
-            :rows
-        ]
+        return onednn_linear(x, self.weight, self.bias)
 
 
 class Float16Linear(FloatMatvecCopy):
@@ -284,13 +279,7 @@ class BFloat16Linear(FloatMatvecCopy):
         y = self._matvec(x)
         if y is not None:
             return y
-        rows = x.shape[0]
-        padded = padded_rows(rows)  # as float32's: few shapes for oneDNN's primitive cache
-        x = x.to(torch.bfloat16)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        y = y[:rows].float()
+        y = onednn_linear(x.to(torch.bfloat16), self.weight, None).float()
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -333,9 +322,7 @@ class SplitLinear:
         self, runs: Sequence[GGUFBlocks], bias: torch.Tensor | None, weight_dtype: str,
         table: KernelTable = DEFAULT_TABLE,
     ) -> None:
-        bounds = [0]
-        for run in runs:
-            bounds.append(bounds[-1] + run.shape[0])
+        bounds = [0, *itertools.accumulate(run.shape[0] for run in runs)]
         self.runs = [
             FileBlocksLinear(run, None if bias is None else bias.detach()[start:stop],
                              weight_dtype, table)
@@ -456,6 +443,18 @@ def hadamard(n: int) -> torch.Tensor:
 # every row count up to its token budget, which grew the process by ~1 GB. Row counts are
 # padded to a few buckets (1, 2, 4, multiples of 8 up to 64, then of 32) so the set of
 # shapes stays small; the finer buckets at the low end keep small decode batches cheap.
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T + bias on oneDNN's packed `weight` (its dtype x's), x's rows padded to
+    a bucket (`padded_rows`: few shapes for oneDNN's primitive cache)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+
+
 def padded_rows(rows: int) -> int:
     """The row count oneDNN runs for `rows` rows."""
     if rows <= 4:

@@ -26,7 +26,12 @@ from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner
 from tests.support.gguf_parity import teacher_forced_agreement
 from tests.support.model_helpers import RunnerLoop, Seq, load_hf_model
-from tests.support.quality import compare, reference_token_ids, teacher_forced_logits
+from tests.support.quality import (
+    Quality,
+    compare,
+    reference_token_ids,
+    teacher_forced_logits,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -143,32 +148,38 @@ def assert_reads_its_blocks(loaded: LoadedModel, packed_type: type) -> None:
     assert isinstance(loaded.model.packed_lm_head.blocks, Q80FileBlocks)
 
 
-def test_int8_weights_stay_close_on_english_text(loaded):
+@pytest.fixture(scope="module")
+def float32_text(loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """tests.support.quality's text (token ids) and float32's teacher-forced logits on it."""
+    token_ids = reference_token_ids(loaded)
+    return token_ids, teacher_forced_logits(loaded, token_ids)
+
+
+def weight_dtype_quality(weight_dtype: str, float32_text: tuple[torch.Tensor, torch.Tensor]
+                         ) -> Quality:
+    """The real model under `--weight-dtype weight_dtype`, teacher-forced on the text (one
+    prefill: its GEMM), against float32."""
+    model = load_model(ModelConfig(model=None, weight_dtype=weight_dtype, num_kv_blocks=1))
+    token_ids, reference = float32_text
+    return compare(teacher_forced_logits(model, token_ids), reference, token_ids)
+
+
+def test_int8_weights_stay_close_on_english_text(float32_text):
     """--weight-dtype int8 on the real model, teacher-forced on tests.support.quality's text: the
     next-token choice agrees with float32 at >= 90% of positions (measured 94.7%) and the
     loss grows by <= 2% (measured +0.4%; without the rotation, 72.5% and +8.7%)."""
-    int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))
-    token_ids = reference_token_ids(loaded)
-    quality = compare(
-        teacher_forced_logits(int8, token_ids), teacher_forced_logits(loaded, token_ids),
-        token_ids,
-    )
+    quality = weight_dtype_quality("int8", float32_text)
     assert quality.top1_agreement >= 0.90, quality
     assert quality.nll <= 1.02 * quality.reference_nll, quality
 
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32, "bfloat16"),
                     reason="oneDNN without bfloat16 on this CPU")
-def test_bfloat16_weights_stay_close_on_english_text(loaded):
+def test_bfloat16_weights_stay_close_on_english_text(float32_text):
     """--weight-dtype bfloat16 on the real model, teacher-forced (one 1,024-token prefill: the
     bfloat16 GEMM, AMX where the CPU has it): top-1 agreement with float32 >= 95% (measured
     97.2%), the loss within 0.5% (measured +0.0%)."""
-    bf16 = load_model(ModelConfig(model=None, weight_dtype="bfloat16", num_kv_blocks=1))
-    token_ids = reference_token_ids(loaded)
-    quality = compare(
-        teacher_forced_logits(bf16, token_ids), teacher_forced_logits(loaded, token_ids),
-        token_ids,
-    )
+    quality = weight_dtype_quality("bfloat16", float32_text)
     assert quality.top1_agreement >= 0.95, quality
     assert quality.nll <= 1.005 * quality.reference_nll, quality
 
