@@ -413,7 +413,17 @@ class Sampler:
     def _draw(
         self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
     ) -> torch.Tensor:
-        """One categorical draw per row as argmax(probs / Exp(1) noise): [N] int64."""
+        """One categorical draw per row: [N] int64. On the CPU by the inverse of each row's
+        cumulative distribution at one uniform in (0, 1] (a scan of the row: 16 rows of
+        a 49k vocabulary in ~1 ms, where drawing a noise per token took ~13 ms); on a
+        device as argmax(probs / Exp(1) noise), elementwise with no scan."""
+        if probs.device.type == "cpu":
+            cdf = probs.cumsum(dim=-1)  # [N, vocab]
+            # NOTE: above 0, so a token of probability 0 (an equal cdf) is never the first
+            # whose cdf reaches the point
+            point = (1 - self._uniforms(probs.shape[0], generators, probs.device)) * cdf[:, -1]
+            return torch.searchsorted(cdf, point[:, None]).squeeze(1).clamp_max_(
+                probs.shape[1] - 1)
         noise = torch.empty_like(probs)
         if any(g is None for g in generators):
             noise.exponential_(generator=self.generator)

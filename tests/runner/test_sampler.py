@@ -45,6 +45,18 @@ def test_sampler_seed_independent_of_batch():
     assert draws(batch=True) == draws(batch=False)
 
 
+def test_draws_follow_the_distribution_and_never_a_token_of_probability_zero():
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])  # zeros at both ends and between
+    rows = 4000
+    requests = [request(SamplingParams()) for _ in range(rows)]
+    out = sampler(seed=5)(probs.log().repeat(rows, 1), requests, [None] * rows)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    expected = probs * rows
+    # within 4 standard deviations of each count (binomial)
+    assert ((counts - expected).abs() <= 4 * (expected * (1 - probs)).sqrt()).all(), counts
+
+
 def test_top_k_one_is_greedy():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=t, top_k=1) for t in (0.5, 1.0, 3.0, 10.0)] * 2
