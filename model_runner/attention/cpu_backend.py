@@ -2,9 +2,10 @@
 layer kernels of csrc/cpu_layers.cpp as its LayerOps.
 
 Decode rows, and every row of a short chunk (a speculative verification's last token
-and drafts: up to SHORT_CHUNK_MAX rows), read their keys and values straight from the
-paged cache in the C++ decode kernel, one query row at a time with its own causal length
-(the torch reference gathers them first); longer prompt chunks use the reference's
+and drafts, a small prefill chunk: up to SHORT_CHUNK_MAX rows), read their keys and values
+straight from the paged cache in the C++ decode kernel, once per sequence for all its rows,
+each row with its own causal length (the torch reference gathers them first); longer
+prompt chunks use the reference's
 prefill path, whose time goes to matmul-shaped work that torch's fused CPU attention
 already does well.
 `write_kv_cache` and `paged_attention` have the signatures of the torch reference's.
@@ -58,6 +59,7 @@ def paged_attention(
         query[: rows.num_rows] if rows.index is None else query[rows.index], k_cache, v_cache,
         rows.block_tables, rows.context_lens, scale,
         options.sliding_window or 0, options.softcap or 0.0, options.sinks,  # 0, None: none
+        rows.query_rows,
     )
     if not rows.long_chunks and rows.num_rows == query.shape[0]:
         return decoded
@@ -72,8 +74,9 @@ def paged_attention(
 
 
 # NOTE: a chunk of up to this many rows (a verification: the last token and up to 16
-# drafts) runs row by row in the decode kernel: reading its context once a row costs less
-# than gathering the context and the Python of the prefill path, at every layer
+# drafts; a small prefill chunk beside decodes) runs in the decode kernel, which reads its
+# context once for all its rows: that costs less than gathering the context and the
+# Python of the prefill path, at every layer
 SHORT_CHUNK_MAX = 17
 
 
@@ -81,37 +84,39 @@ SHORT_CHUNK_MAX = 17
 class _DecodeRows:
     """The rows of a step the decode kernel attends, those of decodes and short chunks:
     the first `num_rows` of the flat batch, or those at `index` when a long chunk comes
-    between; each one's block table and causal length; the sequences left to the prefill
-    path (`long_chunks`)."""
+    between; each sequence's block table, context length and query rows (`query_rows`:
+    None when each has one); the sequences left to the prefill path (`long_chunks`)."""
 
     num_rows: int
     index: torch.Tensor | None
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    query_rows: torch.Tensor | None
     long_chunks: list[int]
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> _DecodeRows:
         num_decodes, num_seqs = meta.num_decode_seqs, meta.num_seqs
         if num_decodes == num_seqs:
-            return cls(num_decodes, None, meta.block_tables, meta.context_lens, [])
+            return cls(num_decodes, None, meta.block_tables, meta.context_lens, None, [])
         starts = meta.query_start_loc.tolist()
         query_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
         chunks = range(num_decodes, num_seqs)
         short = [i for i in chunks if query_lens[i] <= SHORT_CHUNK_MAX]
         long_chunks = [i for i in chunks if query_lens[i] > SHORT_CHUNK_MAX]
         if not short:  # the decodes lead: their rows, tables and lengths as they are
-            return cls(num_decodes, None, meta.block_tables, meta.context_lens, long_chunks)
+            return cls(num_decodes, None, meta.block_tables, meta.context_lens, None,
+                       long_chunks)
         seqs = torch.tensor([*range(num_decodes), *short])
         lens = torch.tensor(query_lens)[seqs]
-        seq_of_row, row_lens = seqs.repeat_interleave(lens), lens.repeat_interleave(lens)
-        first_row = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
-        offset = torch.arange(len(seq_of_row)) - first_row  # j: the row's place in its chunk
-        # row j of a chunk of q rows with context c sees c - q + j + 1 keys
-        context = meta.context_lens[seq_of_row] - row_lens + offset + 1
-        index = meta.query_start_loc[seq_of_row].long() + offset
-        return cls(len(index), index if long_chunks else None, meta.block_tables[seq_of_row],
-                   context.to(torch.int32), long_chunks)
+        num_rows = int(lens.sum())
+        index = None
+        if long_chunks:  # the rows of the decodes and short chunks, in their order
+            first_row = (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+            offset = torch.arange(num_rows) - first_row  # the row's place in its chunk
+            index = meta.query_start_loc[seqs.repeat_interleave(lens)].long() + offset
+        return cls(num_rows, index, meta.block_tables[seqs], meta.context_lens[seqs],
+                   lens.to(torch.int32), long_chunks)
 
 
 def rope_(

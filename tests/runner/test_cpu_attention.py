@@ -103,7 +103,7 @@ def test_mixed_step_skips_padding_rows() -> None:
     ([1, 5, 17, 18, 2], [9, 45, 60, 18, 20], 1, 2),
     ([1, 1, 9], [30, 12, 70], 2, 3),
 ])
-def test_short_chunks_attend_row_by_row_in_the_decode_kernel(
+def test_short_chunks_attend_in_the_decode_kernel(
     query_lens: list[int], context_lens: list[int], num_decodes: int, num_padding_rows: int
 ) -> None:
     assert cpu_attention.SHORT_CHUNK_MAX == 17  # the cases straddle it
@@ -157,9 +157,22 @@ def test_decode_rejects_a_table_that_leaves_the_cache() -> None:
         ops_decode(batch, batch.meta.block_tables, too_long)
 
 
-def ops_decode(batch: Batch, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def test_decode_rejects_query_rows_that_do_not_fit() -> None:
+    # a chunk's rows are the last of its context, and they must add up to the query's
+    batch = Batch([1, 4], [9, 12], num_decode_seqs=1)
+    tables, lens = batch.meta.block_tables, batch.meta.context_lens
+    with pytest.raises(RuntimeError, match="count 4 rows, the query has 5"):
+        ops_decode(batch, tables, lens, torch.tensor([1, 3], dtype=torch.int32))
+    short = torch.tensor([9, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="of 3 keys cannot have 4 query rows"):
+        ops_decode(batch, tables, short, torch.tensor([1, 4], dtype=torch.int32))
+
+
+def ops_decode(batch: Batch, tables: torch.Tensor, lens: torch.Tensor,
+               query_rows: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.pagedserve.decode_attention(batch.query, batch.k_cache, batch.v_cache,
-                                                 tables, lens, batch.scale)
+                                                 tables, lens, batch.scale,
+                                                 query_rows=query_rows)
 
 
 def test_decode_rejects_a_head_dim_it_was_not_built_for() -> None:

@@ -1,4 +1,5 @@
-// Paged decode attention (sliding window, soft cap, sinks) and KV-cache writes for the CPU, as torch ops
+// Paged decode attention (a decode row, or a short chunk's rows, per sequence; sliding window,
+// soft cap, sinks) and KV-cache writes for the CPU, as torch ops
 // (torch.ops.pagedserve.*). Keys and values are read once, straight from their blocks:
 // the torch reference (model_runner/attention/torch_backend.py) gathers them into
 // contiguous buffers first, which moves every byte three times.
@@ -42,36 +43,44 @@ inline void prefetch(const char* p, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
-// One sequence, in one pass over its blocks (online softmax): for each kv head and each
-// query head of its group, the block's keys are scored, the running maximum, sum and
-// output rescaled when the maximum grows, and the block's values added. A block's rows
-// stay in cache across the group's heads; the query and the output row stay in registers
-// (D / 8 vector registers a row; STATIC_D makes the common head dims compile-time
-// constants, 0 takes head_dim at run time). Float32 throughout. With a sliding window
-// (window > 0) only the last `window` keys are read, from the block that holds the first;
-// softcap > 0 caps each score at softcap * tanh(score / softcap); sinks (one logit per
-// query head, or null) join each head's denominator at the end. The caller's per-thread
-// scratch: scores (a block, padded to 8), acc (num_heads rows), max and sum (num_heads).
+// One sequence's `rows` query rows, in one pass over its blocks (online softmax): a decode's
+// one row, or a short chunk's rows, row j of which sees the first len - rows + 1 + j keys
+// (causal). For each kv head, each row and each query head of its group, the block's keys
+// are scored, the running maximum, sum and output rescaled when the maximum grows, and the
+// block's values added. A block's keys and values are read from memory once for all the
+// rows and heads of a kv head (they stay in cache between them); the query and the output
+// row stay in registers (D / 8 vector registers a row; STATIC_D makes the common head dims
+// compile-time constants, 0 takes head_dim at run time). Float32 throughout. With a
+// sliding window (window > 0) a row reads only its last `window` keys; softcap > 0 caps
+// each score at softcap * tanh(score / softcap); sinks (one logit per query head, or null)
+// join each head's denominator at the end. Rows are [rows, num_heads, D] in q_in and out.
+// The caller's per-thread scratch: scores (a block, padded to 8), acc (rows * num_heads
+// rows), max and sum (rows * num_heads).
 template <int STATIC_D, typename Q, typename T>
-void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
-                const int32_t* table, int64_t len, int64_t num_heads, int64_t num_kv_heads,
-                int64_t kv_begin, int64_t kv_end, int64_t block_size, int64_t block_stride,
-                float scale, int64_t window, float softcap, const float* sinks, float* scores,
-                Vec8* acc, float* max, float* sum, Q* out) {
+void attend_rows(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
+                 const int32_t* table, int64_t len, int64_t rows, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t kv_begin, int64_t kv_end, int64_t block_size,
+                 int64_t block_stride, float scale, int64_t window, float softcap,
+                 const float* sinks, float* scores, Vec8* acc, float* max, float* sum,
+                 Q* out) {
   const int D = STATIC_D ? STATIC_D : head_dim;
   const int R = D / 8;  // vector registers per row
   constexpr int MAX_R = STATIC_D ? STATIC_D / 8 : MAX_HEAD_DIM / 8;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // first key
+  const int64_t first_len = len - rows + 1;  // row 0's keys
+  auto start_of = [&](int64_t row_len) {  // a row's first key
+    return window > 0 ? std::max<int64_t>(0, row_len - window) : int64_t{0};
+  };
   const int64_t token_stride = num_kv_heads * D;
   const int64_t head_begin = kv_begin * group, head_end = kv_end * group;
-  std::fill(max + head_begin, max + head_end, -std::numeric_limits<float>::max());
-  std::fill(sum + head_begin, sum + head_end, 0.f);
-  std::fill(acc + head_begin * R, acc + head_end * R, Vec8{});
-  for (int64_t b = start / block_size; b < num_blocks; ++b) {
-    const int64_t lo = std::max<int64_t>(0, start - b * block_size);  // first row in the window
-    const int64_t n = std::min(block_size, len - b * block_size);
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t at = j * num_heads;
+    std::fill(max + at + head_begin, max + at + head_end, -std::numeric_limits<float>::max());
+    std::fill(sum + at + head_begin, sum + at + head_end, 0.f);
+    std::fill(acc + (at + head_begin) * R, acc + (at + head_end) * R, Vec8{});
+  }
+  for (int64_t b = start_of(first_len) / block_size; b < num_blocks; ++b) {
     const int64_t next = table[std::min(b + 1, num_blocks - 1)] * block_stride;
     for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
       const T* keys = k_all + table[b] * block_stride + kv * D;
@@ -82,48 +91,59 @@ void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
         prefetch(reinterpret_cast<const char*>(v_all + next + i * token_stride + kv * D),
                  D * sizeof(T));
       }
-      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-        Vec8 q[MAX_R];
-        for (int r = 0; r < R; ++r) q[r] = load8(q_in + h * D + r * 8) * scale;
-        float block_max = max[h];
-        for (int64_t i = lo; i < n; ++i) {
-          const T* k = keys + i * token_stride;
-          scores[i] = dot(q, k, R);
-          if (softcap > 0.f) scores[i] = softcap * std::tanh(scores[i] / softcap);
-          block_max = std::max(block_max, scores[i]);
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t row_len = first_len + j;
+        const int64_t lo = std::max<int64_t>(0, start_of(row_len) - b * block_size);
+        const int64_t n = std::min(block_size, row_len - b * block_size);
+        if (n <= lo) continue;  // the block is before the row's window or after its keys
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const int64_t at = j * num_heads + h;
+          Vec8 q[MAX_R];
+          for (int r = 0; r < R; ++r) q[r] = load8(q_in + at * D + r * 8) * scale;
+          float block_max = max[at];
+          for (int64_t i = lo; i < n; ++i) {
+            const T* k = keys + i * token_stride;
+            scores[i] = dot(q, k, R);
+            if (softcap > 0.f) scores[i] = softcap * std::tanh(scores[i] / softcap);
+            block_max = std::max(block_max, scores[i]);
+          }
+          Vec8 out_row[MAX_R];
+          const float shrink = block_max > max[at] ? std::exp(max[at] - block_max) : 1.f;
+          for (int r = 0; r < R; ++r) out_row[r] = acc[at * R + r] * shrink;
+          float block_sum = 0.f;
+          for (int64_t i = lo; i < n; i += 8) {
+            Vec8 p;
+            std::memcpy(&p, scores + i, sizeof(p));
+            p = exp8(p - block_max);
+            std::memcpy(scores + i, &p, sizeof(p));
+          }
+          for (int64_t i = lo; i < n; ++i) {
+            block_sum += scores[i];
+            const T* v = values + i * token_stride;
+            for (int r = 0; r < R; ++r) out_row[r] += scores[i] * load8(v + r * 8);
+          }
+          for (int r = 0; r < R; ++r) acc[at * R + r] = out_row[r];
+          sum[at] = sum[at] * shrink + block_sum;
+          max[at] = block_max;
         }
-        Vec8 out_row[MAX_R];
-        const float shrink = block_max > max[h] ? std::exp(max[h] - block_max) : 1.f;
-        for (int r = 0; r < R; ++r) out_row[r] = acc[h * R + r] * shrink;
-        float block_sum = 0.f;
-        for (int64_t i = lo; i < n; i += 8) {
-          Vec8 p;
-          std::memcpy(&p, scores + i, sizeof(p));
-          p = exp8(p - block_max);
-          std::memcpy(scores + i, &p, sizeof(p));
-        }
-        for (int64_t i = lo; i < n; ++i) {
-          block_sum += scores[i];
-          const T* v = values + i * token_stride;
-          for (int r = 0; r < R; ++r) out_row[r] += scores[i] * load8(v + r * 8);
-        }
-        for (int r = 0; r < R; ++r) acc[h * R + r] = out_row[r];
-        sum[h] = sum[h] * shrink + block_sum;
-        max[h] = block_max;
       }
     }
   }
-  for (int64_t h = head_begin; h < head_end; ++h) {
-    float inv_sum = len > 0 ? 1.f / sum[h] : 0.f;  // no keys: a zero row
-    if (sinks != nullptr && len > 0) {
-      // the sink's exp joins the sum, on the larger of the two maxima (no overflow)
-      const float top = std::max(max[h], sinks[h]);
-      const float keep = std::exp(max[h] - top);
-      inv_sum = keep / (sum[h] * keep + std::exp(sinks[h] - top));
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 8; ++j) {
-        out[h * D + r * 8 + j] = static_cast<Q>(acc[h * R + r][j] * inv_sum);
+  for (int64_t j = 0; j < rows; ++j) {
+    const bool any = first_len + j > 0;
+    for (int64_t h = head_begin; h < head_end; ++h) {
+      const int64_t at = j * num_heads + h;
+      float inv_sum = any ? 1.f / sum[at] : 0.f;  // no keys: a zero row
+      if (sinks != nullptr && any) {
+        // the sink's exp joins the sum, on the larger of the two maxima (no overflow)
+        const float top = std::max(max[at], sinks[h]);
+        const float keep = std::exp(max[at] - top);
+        inv_sum = keep / (sum[at] * keep + std::exp(sinks[h] - top));
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < 8; ++i) {
+          out[at * D + r * 8 + i] = static_cast<Q>(acc[at * R + r][i] * inv_sum);
+        }
       }
     }
   }
@@ -132,9 +152,10 @@ void decode_one(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
 template <int STATIC_D, typename Q, typename T>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& context_lens, double scale, int64_t window,
-                             double softcap, const float* sinks, at::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+                             const at::Tensor& context_lens, const int32_t* query_rows,
+                             double scale, int64_t window, double softcap, const float* sinks,
+                             at::Tensor& out) {
+  const int64_t num_seqs = context_lens.size(0), num_heads = query.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t block_stride = k_cache.stride(0), table_stride = block_tables.stride(0);
   const Q* q_all = query.data_ptr<Q>();
@@ -144,6 +165,15 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   Q* out_all = out.data_ptr<Q>();
   const int D = STATIC_D ? STATIC_D : static_cast<int>(query.size(2));
+  // each sequence's first query row, and the most rows one has
+  std::vector<int64_t> first_row(num_seqs + 1, 0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    first_row[seq + 1] = first_row[seq] + (query_rows != nullptr ? query_rows[seq] : 1);
+  }
+  int64_t most_rows = 1;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    most_rows = std::max(most_rows, first_row[seq + 1] - first_row[seq]);
+  }
   // A thread takes a run of (sequence, kv head) pairs, so that fewer sequences than
   // threads with long contexts (an urgent stream's decode) are spread over the threads
   // too; short ones stay whole (a fork costs more than they do: ~11 us at 64 keys, 1.35x
@@ -152,17 +182,19 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
   const int32_t longest = num_seqs > 0 ? *std::max_element(lens, lens + num_seqs) : 0;
   const bool split = num_seqs < at::get_num_threads() && longest >= kSplitContext;
   at::parallel_for(0, units, split ? 1 : num_kv_heads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block_size + 8), max(num_heads), sum(num_heads);
-    std::vector<Vec8> acc(num_heads * D / 8);
+    std::vector<float> scores(block_size + 8), max(most_rows * num_heads),
+        sum(most_rows * num_heads);
+    std::vector<Vec8> acc(most_rows * num_heads * D / 8);
     for (int64_t unit = begin; unit < end;) {
       const int64_t seq = unit / num_kv_heads, kv_begin = unit % num_kv_heads;
       const int64_t kv_end = std::min(num_kv_heads, kv_begin + (end - unit));
-      decode_one<STATIC_D>(D, q_all + seq * num_heads * D, k_all, v_all,
-                           tables + seq * table_stride, lens[seq], num_heads, num_kv_heads,
-                           kv_begin, kv_end, block_size, block_stride,
-                           static_cast<float>(scale), window, static_cast<float>(softcap),
-                           sinks, scores.data(), acc.data(), max.data(), sum.data(),
-                           out_all + seq * num_heads * D);
+      const int64_t row = first_row[seq];
+      attend_rows<STATIC_D>(D, q_all + row * num_heads * D, k_all, v_all,
+                            tables + seq * table_stride, lens[seq], first_row[seq + 1] - row,
+                            num_heads, num_kv_heads, kv_begin, kv_end, block_size,
+                            block_stride, static_cast<float>(scale), window,
+                            static_cast<float>(softcap), sinks, scores.data(), acc.data(),
+                            max.data(), sum.data(), out_all + row * num_heads * D);
       unit += kv_end - kv_begin;
     }
   });
@@ -172,19 +204,20 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
 template <typename Q, typename T>
 void decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,
-                            const at::Tensor& lens, double scale, int64_t window,
+                            const at::Tensor& lens, const int32_t* rows, double scale,
+                            int64_t window,
                             double softcap, const float* sinks, at::Tensor& out) {
   switch (q.size(2)) {
     case 64:
-      decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+      decode_attention_kernel<64, Q, T>(q, k_cache, v_cache, tables, lens, rows, scale, window,
                                         softcap, sinks, out);
       break;
     case 128:
-      decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+      decode_attention_kernel<128, Q, T>(q, k_cache, v_cache, tables, lens, rows, scale, window,
                                          softcap, sinks, out);
       break;
     default:
-      decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, scale, window,
+      decode_attention_kernel<0, Q, T>(q, k_cache, v_cache, tables, lens, rows, scale, window,
                                        softcap, sinks, out);
   }
 }
@@ -196,7 +229,8 @@ namespace pagedserve {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window,
-                            double softcap, const std::optional<at::Tensor>& sinks) {
+                            double softcap, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& query_rows) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap are >= 0 (0: none)");
   TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == query.size(1)),
               "sinks: one logit per query head");
@@ -216,26 +250,43 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
               "the cache holds the query's dtype, or float16/bfloat16 under a float32 query");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
-  TORCH_CHECK(block_tables.size(0) >= query.size(0) && context_lens.size(0) >= query.size(0),
-              "one block table and context length per query row");
+  // the sequences: one a query row, or query_rows[i] consecutive rows each
+  at::Tensor rows;
+  if (query_rows.has_value()) {
+    rows = query_rows->contiguous();
+    TORCH_CHECK(rows.scalar_type() == at::kInt && rows.dim() == 1,
+                "query_rows: int32, one count per sequence");
+  }
+  const int64_t num_seqs = query_rows.has_value() ? rows.size(0) : query.size(0);
+  TORCH_CHECK(block_tables.size(0) >= num_seqs && context_lens.size(0) >= num_seqs,
+              "one block table and context length per sequence");
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
-  const at::Tensor lens = context_lens.contiguous();
+  const at::Tensor lens = context_lens.narrow(0, 0, num_seqs).contiguous();
   // A bad table would read outside the cache: check every block a context's window reaches.
   const int64_t block_size = k_cache.size(1), width = tables.size(1);
   const int32_t* table_data = tables.data_ptr<int32_t>();
   const int32_t* len_data = lens.data_ptr<int32_t>();
-  for (int64_t seq = 0; seq < q.size(0); ++seq) {
+  const int32_t* row_data = query_rows.has_value() ? rows.data_ptr<int32_t>() : nullptr;
+  int64_t total_rows = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t len = len_data[seq];
+    const int64_t seq_rows = row_data != nullptr ? row_data[seq] : 1;
+    TORCH_CHECK(seq_rows >= 1 && (seq_rows == 1 || seq_rows <= len), "a sequence of ", len,
+                " keys cannot have ", seq_rows, " query rows");
+    total_rows += seq_rows;
     TORCH_CHECK(len >= 0 && len <= width * block_size, "context length ", len,
                 " does not fit a block table of ", width, " blocks");
     const int32_t* row = table_data + seq * tables.stride(0);
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) / block_size : 0;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - seq_rows + 1 - window) /
+                                           block_size : 0;
     for (int64_t b = first; b < (len + block_size - 1) / block_size; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < k_cache.size(0), "block ", row[b],
                   " is not in the cache");
     }
   }
+  TORCH_CHECK(total_rows == q.size(0), "query_rows count ", total_rows, " rows, the query has ",
+              q.size(0));
   const at::Tensor sink_logits =
       sinks.has_value() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
   const float* sink_data = sinks.has_value() ? sink_logits.data_ptr<float>() : nullptr;
@@ -243,11 +294,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(),
                                   "decode_attention", [&] {
     if (q.scalar_type() == k_cache.scalar_type()) {
-      decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
-                                                 softcap, sink_data, out);
+      decode_attention_typed<scalar_t, scalar_t>(q, k_cache, v_cache, tables, lens, row_data,
+                                                 scale, window, softcap, sink_data, out);
     } else {
-      decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, scale, window,
-                                              softcap, sink_data, out);
+      decode_attention_typed<float, scalar_t>(q, k_cache, v_cache, tables, lens, row_data,
+                                              scale, window, softcap, sink_data, out);
     }
   });
   return out;

@@ -11,7 +11,8 @@
 TORCH_LIBRARY(pagedserve, m) {
   // cpu_attention.cpp
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None) "
+        "Tensor context_lens, float scale, int window=0, float softcap=0., Tensor? sinks=None, "
+        "Tensor? query_rows=None) "
         "-> Tensor", &pagedserve::decode_attention);
   m.def("write_kv_cache", &pagedserve::write_kv_cache);
 

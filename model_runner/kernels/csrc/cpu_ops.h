@@ -20,7 +20,8 @@ namespace pagedserve {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window,
-                            double softcap, const std::optional<at::Tensor>& sinks);
+                            double softcap, const std::optional<at::Tensor>& sinks,
+                            const std::optional<at::Tensor>& query_rows = std::nullopt);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping);
 
