@@ -210,9 +210,15 @@ class Residuals:
     """The last `window` residuals of one kind of step: the seconds a decode waited for
     it (its time and the engine's between it and the one before) less the model's
     prediction of it when it was planned. `quantile(q)`: their q-quantile, None while
-    fewer than `min_count` (too few to say how far the steps stray)."""
+    fewer than `min_count` (too few to say how far the steps stray), and never the
+    largest alone: one stall of the machine (a page fault, another process) says nothing
+    of how long the next step takes, and shrinking every chunk of the window for it
+    cost the long prompt of bench/slo.py --real a minute of TTFT; a second one that
+    large within the window sets it."""
 
     def __init__(self, window: int = 128, min_count: int = 8) -> None:
+        if min_count < 2:
+            raise ValueError("min_count must be >= 2")
         self._values: deque[float] = deque(maxlen=window)
         self._sorted: list[float] | None = None
         self.min_count = min_count
@@ -226,4 +232,4 @@ class Residuals:
             return None
         if self._sorted is None:
             self._sorted = sorted(self._values)
-        return self._sorted[min(len(self._sorted) - 1, int(q * len(self._sorted)))]
+        return self._sorted[min(len(self._sorted) - 2, int(q * len(self._sorted)))]

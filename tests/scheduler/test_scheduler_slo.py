@@ -301,6 +301,16 @@ def test_jittery_steps_shrink_the_chunk_a_steady_history_leaves_alone() -> None:
     assert spiky.stats.num_steps_over_tpot == steady.stats.num_steps_over_tpot == 0
 
 
+def test_one_stall_does_not_shrink_the_chunks_after_it() -> None:
+    # a lone step 60 ms over (the machine stalled once) among steady ones leaves the
+    # margin the chunks are planned with at its floor; a second stall within the window
+    # raises it to theirs
+    once, _ = _long_prompt_after([0.0] * 20, [0.060] + [0.0] * 9)
+    assert once.slo.margin(0.1, True) == pytest.approx(0.010)
+    twice, _ = _long_prompt_after([0.0] * 20, [0.060] + [0.0] * 8 + [0.060])
+    assert twice.slo.margin(0.1, True) == pytest.approx(0.060)
+
+
 def test_a_margin_that_leaves_no_room_runs_the_smallest_chunk_and_says_so() -> None:
     # decode-only steps 80 ms over their 26 ms one in five (on time on average): their
     # p99 alone is over the 100 ms target, so no chunk keeps it; the prompt still moves,
