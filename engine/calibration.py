@@ -2,7 +2,8 @@
 
 A few steps of the runner, made by hand on KV blocks that no request holds yet (the junk
 KV they write is overwritten by a request's own before it is ever read): decode steps of
-one row and of a batch, and a prefill chunk from a prompt's start and at a long context.
+one row and of a batch at a short context and of a few rows at a long one, and a prefill
+chunk from a prompt's start and at a long context.
 Each runs once untimed (first calls: allocations, kernel builds, graph replays set up),
 then `REPEATS` times timed; the model fitted to those times (scheduler/step_cost.py)
 becomes the scheduler's seed, so the slo policy plans the first requests with this
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 REPEATS = 2
 DECODE_ROWS = (1, 32)  # two batch sizes: the fixed part apart from the per-row part
 DECODE_CONTEXT = 64
+LONG_DECODES = 8  # rows at LONG_CONTEXT (or as long as the blocks allow): the per-key part
 PREFILL_TOKENS = 128
 LONG_CONTEXT = 1024  # a chunk's start: the per-key part apart from the per-token part
 
@@ -45,7 +47,7 @@ def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seq
             start = time.perf_counter()
             runner.execute(plan)
             model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, work.decode_keys)
     ids = sorted({r.request_id for _, plan in plans for r in plan.scheduled})
     runner.execute(SchedulerOutput(finished_ids=ids))  # the runner forgets them
     return model.cost
@@ -60,11 +62,18 @@ def _plans(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int
     tokens = max(1, min(PREFILL_TOKENS, max_num_batched_tokens, runner.max_model_len // 2))
     long_start = min(LONG_CONTEXT, runner.max_model_len - tokens,
                      num_blocks * block_size - tokens)
+    long_rows = max(1, min(LONG_DECODES, max_num_seqs))
+    long_context = min(LONG_CONTEXT, runner.max_model_len - 1,
+                       num_blocks // long_rows * block_size - 1)
+    decodes = {(min(r, most_rows), DECODE_CONTEXT) for r in DECODE_ROWS}
+    if long_context > 2 * DECODE_CONTEXT:
+        decodes.add((long_rows, long_context))
     plans = []
-    for rows in sorted({min(r, most_rows) for r in DECODE_ROWS}):
-        work = StepWork(num_decode_rows=rows)
+    for rows, context in sorted(decodes):
+        work = StepWork(num_decode_rows=rows, decode_keys=rows * (context + 1))
+        per_row = context // block_size + 1
         plans.append((work, SchedulerOutput([
-            _chunk(f"calibration-decode-{i}", DECODE_CONTEXT, 1, block_size, i * blocks_per_row)
+            _chunk(f"calibration-decode-{context}-{i}", context, 1, block_size, i * per_row)
             for i in range(rows)])))
     for start in sorted({0, max(long_start, 0)}):
         work = StepWork()

@@ -200,7 +200,7 @@ class OutputProcessor:
         """The predicted step of a new one-token prompt beside the running batch (the
         fitted step-cost model as of the last step; 0 before any)."""
         stats = self._stats
-        fixed, per_decode, per_prefill, _ = stats.step_cost
+        fixed, per_decode, per_prefill, *_ = stats.step_cost
         return fixed + per_decode * stats.num_running + per_prefill
 
     def load(self, priority: int) -> tuple[int, float]:

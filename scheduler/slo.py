@@ -54,6 +54,7 @@ class StepWork:
     num_decode_rows: int = 0
     prefill_tokens: int = 0
     prefill_keys: int = 0  # the keys its prefill tokens attend to (step_cost.prompt_keys)
+    decode_keys: int = 0  # the keys its decode rows attend to: their contexts
 
     def add_prefill(self, start: int, num_tokens: int) -> None:
         """Prompt positions [start, start + num_tokens) computed in this step."""
@@ -62,7 +63,8 @@ class StepWork:
 
     def seconds(self, cost: StepCost) -> float:
         """The step's predicted time under `cost`."""
-        return cost.predict(self.num_decode_rows, self.prefill_tokens, self.prefill_keys)
+        return cost.predict(self.num_decode_rows, self.prefill_tokens, self.prefill_keys,
+                            self.decode_keys)
 
 
 def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
@@ -72,6 +74,7 @@ def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
     for request_id, num_new in step.num_scheduled_tokens.items():
         if request_id in step.decode_ids:
             work.num_decode_rows += num_new
+            work.decode_keys += requests[request_id].num_computed_tokens + num_new
         else:
             work.add_prefill(requests[request_id].num_computed_tokens, num_new)
     return work
@@ -98,6 +101,7 @@ class SloPlanner:
         self._planned: StepCost | None = None  # the fit this step was planned with
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
+        self._decode_keys = 0  # the keys this step's decodes attend to
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
 
     @property
@@ -118,7 +122,7 @@ class SloPlanner:
             self.residuals[work.prefill_tokens > 0].add(waited - work.seconds(self._planned))
             self._planned = None
         self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                           seconds)
+                           seconds, work.decode_keys)
 
     def margin(self, target: float, with_prefill: bool) -> float:
         """The seconds of `target` a step (`with_prefill` or not) is planned to leave for
@@ -144,6 +148,7 @@ class SloPlanner:
     def begin_step(self, decodes: Sequence[Request]) -> None:
         """Note this step's decodes (in priority order) for the rooms below."""
         self._tightest = None
+        self._decode_keys = sum(r.num_computed_tokens + 1 for r in decodes)
         self._bounds = []
         self._planned = None
         last_priority: int | None = None
@@ -169,7 +174,7 @@ class SloPlanner:
         if self._tightest is None:
             return cap
         cost = self._planned = self.cost
-        decodes_s = cost.predict(num_decode_rows)
+        decodes_s = cost.predict(num_decode_rows, decode_keys=self._decode_keys)
         spare = self._tightest - self.margin(self._tightest, True) - decodes_s
         context, unit_s = cost.prefill_exchange()
         room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)

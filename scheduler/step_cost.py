@@ -1,10 +1,13 @@
 """The step-cost model: predicted seconds of one engine step from the work it carries.
 
 A step costs `fixed + per_decode x decode rows + per_prefill x prefill tokens +
-per_prefill_key x prefill keys`, where decode rows are the tokens of the step's decodes
-(their drafts included), and a prefill token at context c reads c keys (`prompt_keys`):
-so the fit learns what a long prompt's late chunks cost on this device, instead of a
-fixed exchange rate between a token and its context. The engine core reports the time
+per_prefill_key x prefill keys + per_decode_key x decode keys`, where decode rows are the
+tokens of the step's decodes (their drafts included), a prefill token at context c reads
+c keys (`prompt_keys`), and so does a decode row: so the fit learns what a long prompt's
+late chunks cost on this device, instead of a fixed exchange rate between a token and its
+context, and what the decodes cost as their contexts grow (reading their KV cache is most
+of a long decode's step on a CPU: 16 decodes of the default model took 55 ms at context
+100 and 90 ms at 800). The engine core reports the time
 of each step it ran (`observe`); the coefficients are refitted by least squares over the
 last `window` steps, held toward the seed (a ridge prior): so a window of decode-only
 steps, which says nothing of the prefill coefficients, leaves them at their seed (and
@@ -22,7 +25,7 @@ from dataclasses import astuple, dataclass
 # How much the seed weighs in the fit, in steps' worth of evidence per coefficient: a
 # tie-breaker for what the window's steps leave undetermined, not a brake on the data.
 PRIOR_STEPS = 0.05
-NUM_FEATURES = 4  # 1, decode rows, prefill tokens, prefill keys
+NUM_FEATURES = 5  # 1, decode rows, prefill tokens, prefill keys, decode keys
 
 
 def prompt_keys(start: int, num_tokens: int) -> int:
@@ -33,20 +36,22 @@ def prompt_keys(start: int, num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Coefficients of the model, in seconds: per step, per decode row, per prefill token
-    and per key a prefill token attends to."""
+    """Coefficients of the model, in seconds: per step, per decode row, per prefill token,
+    per key a prefill token attends to and per key a decode row attends to."""
 
     fixed_s: float
     per_decode_s: float
     per_prefill_s: float
     per_prefill_key_s: float = 0.0
+    per_decode_key_s: float = 0.0
 
     def predict(self, num_decode_rows: int, prefill_tokens: int = 0,
-                prefill_keys: int = 0) -> float:
+                prefill_keys: int = 0, decode_keys: int = 0) -> float:
         """Predicted seconds of a step with that work."""
         return (self.fixed_s + self.per_decode_s * num_decode_rows
                 + self.per_prefill_s * prefill_tokens
-                + self.per_prefill_key_s * prefill_keys)
+                + self.per_prefill_key_s * prefill_keys
+                + self.per_decode_key_s * decode_keys)
 
     def prefill_exchange(self) -> tuple[int, float]:
         """The prefill work in the units of the step's budget (scheduler/budget.py
@@ -63,19 +68,20 @@ class StepCost:
     def as_dict(self) -> dict[str, float]:
         return {"fixed_s": self.fixed_s, "per_decode_s": self.per_decode_s,
                 "per_prefill_s": self.per_prefill_s,
-                "per_prefill_key_s": self.per_prefill_key_s}
+                "per_prefill_key_s": self.per_prefill_key_s,
+                "per_decode_key_s": self.per_decode_key_s}
 
 
 # A seed for a model the engine knows nothing of: a small model on a CPU (tens of ms a
-# step, a decode row and a prefill token of the same order, a token at context 2,048
-# twice one at 0). Calibration at start and the first steps correct it.
+# step, a decode row and a prefill token of the same order, a token or a decode at
+# context 2,048 twice one at 0). Calibration at start and the first steps correct it.
 DEFAULT_SEED = StepCost(fixed_s=0.02, per_decode_s=0.001, per_prefill_s=0.0005,
-                        per_prefill_key_s=0.0005 / 2048)
+                        per_prefill_key_s=0.0005 / 2048, per_decode_key_s=0.001 / 2048)
 
 
 class StepCostModel:
     """`cost`: the fit of the steps observed so far (solved when read after new steps).
-    `observe(rows, tokens, keys, seconds)` adds a step run."""
+    `observe(rows, tokens, keys, seconds, decode_keys)` adds a step run."""
 
     def __init__(self, seed: StepCost = DEFAULT_SEED, window: int = 256) -> None:
         if window < 1:
@@ -113,12 +119,13 @@ class StepCostModel:
             self.cost = seed
 
     def observe(self, num_decode_rows: int, prefill_tokens: int, prefill_keys: int,
-                seconds: float) -> None:
+                seconds: float, decode_keys: int = 0) -> None:
         """Add the time of one step with that work (the oldest beyond the window goes); the
         fit follows when next read."""
         if seconds < 0 or not seconds < float("inf"):
             return
-        x = (1.0, float(num_decode_rows), float(prefill_tokens), float(prefill_keys))
+        x = (1.0, float(num_decode_rows), float(prefill_tokens), float(prefill_keys),
+             float(decode_keys))
         self._accumulate(x, seconds, +1.0)
         self._samples.append((x, seconds))
         if len(self._samples) > self.window:

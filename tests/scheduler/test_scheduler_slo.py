@@ -53,6 +53,26 @@ def slo_request(name: str, num_prompt: int, *, arrival: float = 0.0, priority: i
 
 # ---- the step-cost model ----
 
+def test_cost_model_learns_what_decodes_cost_as_their_contexts_grow() -> None:
+    # 16 decodes from context 100 to 900 (reading the KV cache: 55 to 90 ms a step on
+    # the default model): the fit follows them, where a per-row part alone would predict
+    # their mean and let the late steps run over
+    truth = StepCost(fixed_s=0.006, per_decode_s=0.003, per_prefill_s=0.0008,
+                     per_prefill_key_s=4e-7, per_decode_key_s=3e-6)
+    model = StepCostModel(StepCost(0.02, 0.001, 0.0005, 0.0), window=256)
+    rng = random.Random(1)
+    for i in range(800):
+        keys = 16 * (100 + i)
+        tokens = rng.choice([0, rng.randint(1, 32)])
+        chunk_keys = prompt_keys(rng.randint(0, 2000), tokens)
+        model.observe(16, tokens, chunk_keys, truth.predict(16, tokens, chunk_keys, keys)
+                      + rng.uniform(-0.001, 0.001), keys)
+    late = 16 * 900
+    assert model.cost.predict(16, decode_keys=late) == pytest.approx(
+        truth.predict(16, decode_keys=late), rel=0.05)
+    assert model.cost.per_decode_key_s == pytest.approx(truth.per_decode_key_s, rel=0.1)
+
+
 def test_cost_model_recovers_synthetic_coefficients() -> None:
     # chunks of prompts at contexts 0 to 4,000: a token at context 1,000 costs 2x one at 0
     truth = StepCost(fixed_s=0.008, per_decode_s=0.0015, per_prefill_s=0.0002,
@@ -318,7 +338,9 @@ def test_a_margin_that_leaves_no_room_runs_the_smallest_chunk_and_says_so() -> N
     spikes = [0.080 if i % 5 == 4 else -0.020 for i in range(20)]
     scheduler, _ = _long_prompt_after(spikes, [])
     over = scheduler.stats.num_steps_over_tpot  # decode-only steps' p99 is over too
-    assert scheduler.slo.cost.predict(16) < 0.1 < scheduler.slo.cost.predict(16) + 0.080
+    decodes = StepWork(num_decode_rows=16, decode_keys=sum(
+        r.num_computed_tokens + 1 for r in scheduler.running if r.request_id != "long"))
+    assert decodes.seconds(scheduler.slo.cost) < 0.1 < decodes.seconds(scheduler.slo.cost) + 0.080
     scheduler.schedule()
     assert scheduler.last_step_work.prefill_tokens == 1
     assert scheduler.stats.num_steps_over_tpot == over + 1
@@ -409,11 +431,11 @@ def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
     scheduler.observe_step(StepWork(8), 0.02)
     state = scheduler.snapshot()["step_cost"]
     assert state["num_steps_observed"] == 1
-    assert set(state) == {"fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
-                          "num_steps_observed", "seed", "calibration_s"}
+    parts = ("fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
+             "per_decode_key_s")
+    assert set(state) == {*parts, "num_steps_observed", "seed", "calibration_s"}
     assert state["seed"] == SEED.as_dict() and state["calibration_s"] is None
-    assert scheduler.stats.step_cost == (state["fixed_s"], state["per_decode_s"],
-                                         state["per_prefill_s"], state["per_prefill_key_s"])
+    assert scheduler.stats.step_cost == tuple(state[part] for part in parts)
 
 
 def test_the_model_is_solved_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
