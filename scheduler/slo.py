@@ -40,8 +40,10 @@ from scheduler.request import Request
 from scheduler.step_cost import Residuals, StepCost, StepCostModel, prompt_keys
 
 # The most of the tightest TPOT target a step is planned to, whatever its residuals say:
-# a step planned to the target exactly overruns it half the time.
-PLAN_SHARE = 0.9
+# a step planned to the target exactly overruns it half the time, and the steps of the
+# default model on two CPU cores stray by 10-15% of a 100 ms target (planned to 90%, the
+# gap p99 of bench/slo.py --real was 100-112 ms; to 85%, 90-94 ms).
+PLAN_SHARE = 0.85
 # The quantile of the residuals a step is planned to: the inter-token p99 is the figure
 # a tpot target is held to, and the window's 2nd largest of 128 is about its 99th.
 PLAN_QUANTILE = 0.99

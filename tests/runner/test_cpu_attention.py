@@ -102,13 +102,19 @@ def test_mixed_step_skips_padding_rows() -> None:
     ([5, 3], [50, 3], 0, 0),
     ([1, 5, 17, 18, 2], [9, 45, 60, 18, 20], 1, 2),
     ([1, 1, 9], [30, 12, 70], 2, 3),
+    # rows x context at SHORT_CHUNK_KEYS (4 x 1,024) and past it (5 x 1,000)
+    ([1, 4, 5], [30, 1024, 1000], 1, 0),
 ])
 def test_short_chunks_attend_in_the_decode_kernel(
     query_lens: list[int], context_lens: list[int], num_decodes: int, num_padding_rows: int
 ) -> None:
     assert cpu_attention.SHORT_CHUNK_MAX == 17  # the cases straddle it
+    assert cpu_attention.SHORT_CHUNK_KEYS == 4096
     batch = Batch(query_lens, context_lens, num_decode_seqs=num_decodes,
                   num_padding_rows=num_padding_rows, seed=6)
+    long_chunks = [i for i, (q, c) in enumerate(zip(query_lens, context_lens, strict=True))
+                   if q > 17 or q * c > 4096]
+    assert cpu_attention._DecodeRows.of(batch.meta).long_chunks == long_chunks
     out = step(batch)
     assert out.shape == batch.query.shape
     ref = dense_reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
