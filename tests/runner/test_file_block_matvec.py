@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from model_runner.kernels.block_quant import FILE_BLOCK_FORMS
 from model_runner.kernels.cpu_kernel_table import MATVEC_MAX_ROWS
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
+from model_runner.kernels.cpu_linear import BF16_GEMM_MIN_ROWS, FileBlocksLinear
 
 load_cpu_kernels()
 
@@ -110,3 +111,31 @@ def test_bad_shapes_are_refused_by_name() -> None:
         torch.ops.pagedserve.q5_0_matvec(torch.randn(1, 608), legacy, None)
     with pytest.raises(RuntimeError, match="file_blocks_gemm: kind 0..6"):
         torch.ops.pagedserve.file_blocks_gemm(torch.randn(1, 640), legacy, 7, None)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN has no bfloat16 on this CPU")
+def test_bfloat16_batches_run_on_the_weight_dequantized_for_the_call() -> None:
+    """--weight-dtype bfloat16: from BF16_GEMM_MIN_ROWS rows, bfloat16's numbers (the
+    weight and x rounded to bfloat16, float32 sums, the output rounded to bfloat16); fewer
+    rows keep the exact paths; the blocks stay the one copy."""
+    raw = random_blocks("q5_0_matvec", 96, 640, seed=7)
+    weight = torch.from_numpy(dequantize(raw, Q.Q5_0))
+    form = FILE_BLOCK_FORMS["q5_0"](torch.from_numpy(raw), 640)
+    torch.manual_seed(7)
+    bias = torch.randn(96)
+    linear = FileBlocksLinear(form, bias, "bfloat16")
+    exact = FileBlocksLinear(form, bias, "auto")
+    for rows in (BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 200):
+        x = torch.randn(rows, 640)
+        y = linear(x)
+        if rows < BF16_GEMM_MIN_ROWS:
+            assert torch.equal(y, exact(x))
+            continue
+        rounded = (x.to(torch.bfloat16).double() @ weight.to(torch.bfloat16).double().T)
+        expected = rounded.to(torch.bfloat16).double() + bias.double()
+        # the output's bfloat16 rounding (8 bits of mantissa) and float32 sums' order
+        scale = (x.abs().double() @ weight.abs().double().T).amax()
+        assert (y.double() - expected).abs().amax() <= 2**-7 * scale
+        assert not torch.equal(y, exact(x))  # not the float32 panels
+    assert linear.form.blocks.data_ptr() == form.blocks.data_ptr()
