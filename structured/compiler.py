@@ -23,6 +23,7 @@ grammars cannot pile up. (A request's own copy of its matcher is freed with the 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import threading
 import time
 from collections import OrderedDict
@@ -43,9 +44,31 @@ def build_ll_tokenizer(
     hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
 ) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face fast tokenizer, with the model's vocabulary
-    size (masks cover every logit) and EOS ids (what a finished grammar allows)."""
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                        eos_token=eos_token_ids)
+    size (masks cover every logit) and EOS ids (what a finished grammar allows);
+    ValueError for a tokenizer llguidance cannot read.
+
+    NOTE: llguidance reads the backend tokenizer's JSON (the added tokens of
+    tokenizer_config.json included). Without padding or truncation set, that JSON is the
+    backend's own; llguidance.hf copies the backend first to unset them (a second
+    tokenizer: ~300 MB for a 262k-token vocabulary). The build's transient memory is
+    handed back to the system after (the JSON string, the parse)."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                           eos_token=eos_token_ids)
+    else:
+        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                 eos_token=eos_token_ids)
+    _return_free_memory()
+    return tokenizer
+
+
+def _return_free_memory() -> None:
+    """glibc's free heap pages given back to the system (malloc_trim); nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class GrammarCompiler:
