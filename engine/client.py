@@ -15,7 +15,6 @@ request fails at once and `is_alive` turns False with the reason.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -110,10 +109,10 @@ class EngineClient:
         self.metrics = metrics or ServerMetrics(info.model_name)
         if info.cache_config is not None:
             self.metrics.set_cache_config(info.cache_config)
-        # NOTE: a fast tokenizer is not thread-safe; handlers encode with info.tokenizer
-        # (on the tokenizer's thread), the output processor decodes with its own copy.
-        self._processor = OutputProcessor(copy.deepcopy(info.tokenizer), self.metrics,
-                                          stream_interval, client.send)
+        # NOTE: one tokenizer for the handlers' threads and the output processor: the
+        # loader's is read-only (model_runner/loader.py `_load_tokenizer`)
+        self._processor = OutputProcessor(info.tokenizer, self.metrics, stream_interval,
+                                          client.send)
         self._client = client
         self._started = False
         self._stopping = False

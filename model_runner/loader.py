@@ -222,10 +222,20 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, WeightSource]]:
 
 
 def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, read-only from here on: with no truncation or padding set
+    (a served prompt is never cut or padded), encoding and decoding only read the fast
+    tokenizer's Rust object, so that threads share one (a copy of a 262k-token tokenizer
+    is ~300 MB)."""
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from e
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # NOTE: transformers' encode unsets them on its first call otherwise: a write
+        backend.no_truncation()
+        backend.no_padding()
+    return tokenizer
 
 
 def _eos_token_ids(
