@@ -134,6 +134,7 @@ def _write_metadata(gguf: Path, out: Path) -> None:
             hf_config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
             model_class(hf_config)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+            names = hf_names(hf_config, _read_header(gguf).architecture)
     except (ValueError, KeyError, OSError, NotImplementedError) as e:
         raise ValueError(f"cannot read GGUF file {gguf}: {e}") from e
     config_dict = hf_config.to_dict()
@@ -142,7 +143,6 @@ def _write_metadata(gguf: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
     GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    names = hf_names(hf_config, _read_header(gguf).architecture)
     (out / NAMES_FILE).write_text(json.dumps(names, indent=0, sort_keys=True))
 
 

