@@ -42,7 +42,7 @@ from model_runner.config import ModelConfig
 from model_runner.loader import ModelSpec, load_model_spec, resolve_model_folder
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
-from structured.compiler import build_ll_tokenizer
+from structured.compiler import build_ll_tokenizer, fast_tokenizer_json
 from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -364,8 +364,8 @@ def _grammar_tokenizer(spec: ModelSpec) -> Any:
     """llguidance's tokenizer of the model, for the grammars compiled in this process;
     None where llguidance cannot read it (the core then turns structured outputs off)."""
     try:
-        return build_ll_tokenizer(spec.tokenizer, int(spec.hf_config.vocab_size),
-                                  sorted(spec.eos_token_ids))
+        return build_ll_tokenizer(fast_tokenizer_json(spec.tokenizer),
+                                  int(spec.hf_config.vocab_size), sorted(spec.eos_token_ids))
     except ValueError:
         return None
 
