@@ -15,7 +15,6 @@ request fails at once and `is_alive` turns False with the reason.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -40,10 +39,10 @@ from engine.outputs import EngineDeadError, RequestStream
 from engine.request import EngineRequest
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
-from model_runner.loader import load_model_spec
+from model_runner.loader import ModelSpec, load_model_spec, resolve_model_folder
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
-from structured.compiler import build_ll_tokenizer
+from structured.compiler import build_ll_tokenizer, fast_tokenizer_json
 from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -110,10 +109,10 @@ class EngineClient:
         self.metrics = metrics or ServerMetrics(info.model_name)
         if info.cache_config is not None:
             self.metrics.set_cache_config(info.cache_config)
-        # NOTE: a fast tokenizer is not thread-safe; handlers encode with info.tokenizer
-        # (on the tokenizer's thread), the output processor decodes with its own copy.
-        self._processor = OutputProcessor(copy.deepcopy(info.tokenizer), self.metrics,
-                                          stream_interval, client.send)
+        # NOTE: one tokenizer for the handlers' threads and the output processor: the
+        # loader's is read-only (model_runner/loader.py `_load_tokenizer`)
+        self._processor = OutputProcessor(info.tokenizer, self.metrics, stream_interval,
+                                          client.send)
         self._client = client
         self._started = False
         self._stopping = False
@@ -279,10 +278,12 @@ class EngineStart:
     it, or `cancel` it. Data parallelism starts every core first and waits after, so
     that they load at once."""
 
-    def __init__(self, client: ProcessCoreClient, tokenizer: Any, step_timeout_s: float | None,
-                 stream_interval: int, ready_timeout_s: float) -> None:
+    def __init__(self, client: ProcessCoreClient, tokenizer: Any, grammar_tokenizer: Any,
+                 step_timeout_s: float | None, stream_interval: int,
+                 ready_timeout_s: float) -> None:
         self._client = client
         self._tokenizer = tokenizer
+        self._grammar_tokenizer = grammar_tokenizer
         self._step_timeout_s = step_timeout_s
         self._stream_interval = stream_interval
         self._ready_timeout_s = ready_timeout_s
@@ -293,10 +294,8 @@ class EngineStart:
         """The engine, started, once the core is ready (`metrics_factory`: the metrics
         for the served model's name). Raises what `create_engine` raises."""
         core_info = self._client.wait_ready(self._ready_timeout_s)
-        grammar_tokenizer = None
-        if core_info.structured_outputs:  # the core read this tokenizer: so can we
-            grammar_tokenizer = build_ll_tokenizer(self._tokenizer, core_info.vocab_size,
-                                                   core_info.eos_token_ids)
+        # the core read the same tokenizer with the same vocabulary size and EOS ids
+        grammar_tokenizer = self._grammar_tokenizer if core_info.structured_outputs else None
         info = EngineInfo(
             model_name=core_info.model_name,
             max_model_len=core_info.max_model_len,
@@ -339,19 +338,36 @@ def start_engine(
     and builds the matching scheduler; see `build_core_parts`); `EngineStart.wait` gives
     the engine once the core is ready.
 
-    The tokenizer is loaded here, before the core starts (so a GGUF is converted once).
+    The tokenizer (and its grammar tokenizer) loads here while the core loads the model;
+    a GGUF's config and tokenizer folder is written first, by this process alone.
     `core_name` and `num_threads` are for data parallelism (engine/data_parallel.py);
     `grammar_step_timeout_s` is the steps' grammar-mask deadline (--grammar-step-timeout-s).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
-    spec = load_model_spec(model_config)
+    resolve_model_folder(model_config.model)
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
         simulate_step_ms, log_level, num_threads, core_name, grammar_step_timeout_s,
     ))
-    return EngineStart(client, spec.tokenizer, step_timeout_s, stream_interval,
-                       ready_timeout_s)
+    try:
+        spec = load_model_spec(model_config)
+        grammar_tokenizer = _grammar_tokenizer(spec)
+    except BaseException:
+        client.kill()
+        raise
+    return EngineStart(client, spec.tokenizer, grammar_tokenizer, step_timeout_s,
+                       stream_interval, ready_timeout_s)
+
+
+def _grammar_tokenizer(spec: ModelSpec) -> Any:
+    """llguidance's tokenizer of the model, for the grammars compiled in this process;
+    None where llguidance cannot read it (the core then turns structured outputs off)."""
+    try:
+        return build_ll_tokenizer(fast_tokenizer_json(spec.tokenizer),
+                                  int(spec.hf_config.vocab_size), sorted(spec.eos_token_ids))
+    except ValueError:
+        return None
 
 
 def create_engine(model_config: ModelConfig, scheduler_config: SchedulerConfig,

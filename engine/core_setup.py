@@ -18,9 +18,10 @@ from model_runner.loader import LoadedModel, ModelSpec, load_model, load_model_s
 from model_runner.models.sliding_windows import model_window
 from model_runner.runner import ModelRunner
 from model_runner.simulated_runner import SimulatedRunner
+from model_runner.tokenizer_files import TokenizerFiles
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
-from structured.compiler import GrammarCompiler, build_ll_tokenizer
+from structured.compiler import GrammarCompiler, build_ll_tokenizer, fast_tokenizer_json
 from structured.matchers import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,11 @@ def _load_runner(
     if model_config.tensor_parallel_size > 1:
         loaded, runner = start_tensor_parallel(model_config)
         return runner, loaded
-    loaded = load_model(model_config)
+    loaded = load_model(model_config, with_tokenizer=False)
     draft = None
     if draft_path is not None:
         draft = load_model(replace(model_config, model=draft_path,
-                                   max_model_len=loaded.max_model_len))
+                                   max_model_len=loaded.max_model_len), with_tokenizer=False)
         logger.info("draft model %s loaded", draft.model_path)
     return ModelRunner(loaded, model_config, draft=draft), loaded
 
@@ -149,10 +150,12 @@ def _load_loras(
 def _structured_outputs(
     tokenizer: Any, info: CoreInfo, step_timeout_s: float | None
 ) -> StructuredOutputs | None:
-    """Grammar state on the model's tokenizer; None (constrained requests then fail)
-    when llguidance cannot read the tokenizer (it needs a fast one)."""
+    """Grammar state on the model's tokenizer (or its files); None (constrained requests
+    then fail) when llguidance cannot read the tokenizer (it needs a fast one)."""
     try:
-        ll_tokenizer = build_ll_tokenizer(tokenizer, info.vocab_size, info.eos_token_ids)
+        tokenizer_json = (tokenizer.llguidance_json() if isinstance(tokenizer, TokenizerFiles)
+                          else fast_tokenizer_json(tokenizer))
+        ll_tokenizer = build_ll_tokenizer(tokenizer_json, info.vocab_size, info.eos_token_ids)
     except ValueError as exc:
         logger.warning("structured outputs are off: %s", exc)
         return None

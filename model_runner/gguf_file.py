@@ -2,11 +2,12 @@
 the memory-mapped file, one tensor at a time; no converted copy of the model.
 
 Config, tokenizer and tensor names are transformers' own reading of the metadata
-(`AutoConfig` and `AutoTokenizer` with `gguf_file`, its GGUF name map), made on the first
-start and kept as a small folder (config.json, generation_config.json, the tokenizer's
-files, gguf_names.json; no weights) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve):
-transformers parses a vocabulary of 262k strings in ~25 s, a tokenizer.json reads back in
-a second or two. The API process reads only this folder; the engine core the weights.
+(`AutoConfig` and `AutoTokenizer` with `gguf_file`, its GGUF name map; the metadata parsed
+once by gguf_metadata.py, not by gguf-py's reader at each call), made on the first start
+and kept as a small folder (config.json, generation_config.json, the tokenizer's files,
+gguf_names.json; no weights) under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve): a
+tokenizer.json reads back in a second or two. The API process reads only this folder; the
+engine core the weights.
 
 The weights (`gguf_weights`) are found through the file's tensor table (read here past the
 metadata, whose vocabulary is skipped: gguf-py's `GGUFReader` parses every string of it
@@ -60,6 +61,7 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
+from model_runner.gguf_metadata import fast_reading
 from model_runner.kernels.block_quant import FILE_BLOCK_FORMS
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
@@ -128,9 +130,11 @@ def _write_metadata(gguf: Path, out: Path) -> None:
     """transformers' config, generation config and tokenizer of `gguf`, saved in `out`."""
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
     try:
-        hf_config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
-        model_class(hf_config)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        with fast_reading(gguf):
+            hf_config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+            model_class(hf_config)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+            names = hf_names(hf_config, _read_header(gguf).architecture)
     except (ValueError, KeyError, OSError, NotImplementedError) as e:
         raise ValueError(f"cannot read GGUF file {gguf}: {e}") from e
     config_dict = hf_config.to_dict()
@@ -139,7 +143,6 @@ def _write_metadata(gguf: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
     GenerationConfig.from_model_config(hf_config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    names = hf_names(hf_config, _read_header(gguf).architecture)
     (out / NAMES_FILE).write_text(json.dumps(names, indent=0, sort_keys=True))
 
 

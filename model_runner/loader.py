@@ -38,6 +38,7 @@ from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
 from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.registry import model_class
 from model_runner.models.weights import WeightSource
+from model_runner.tokenizer_files import TokenizerFiles
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class LoadedModel:
 
     model: LlamaForCausalLM  # weights loaded, on `device`, in `dtype`, eval mode
     hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | TokenizerFiles  # as ModelSpec's
     eos_token_ids: frozenset[int]
     max_model_len: int
     served_model_name: str  # folder name or GGUF file stem
@@ -96,7 +97,8 @@ class ModelSpec:
     """A model's config, tokenizer and limits, without its weights."""
 
     hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
+    # transformers' tokenizer, or only its files where no text is encoded (the core's)
+    tokenizer: PreTrainedTokenizerBase | TokenizerFiles
     eos_token_ids: frozenset[int]
     max_model_len: int
     served_model_name: str
@@ -104,14 +106,14 @@ class ModelSpec:
     gguf: Path | None  # the GGUF file the weights are in, or None: the folder's safetensors
 
 
-def load_model_spec(config: ModelConfig) -> ModelSpec:
-    """config.model's config, tokenizer, EOS ids and context length (no weights read);
-    the errors of `load_model`."""
+def load_model_spec(config: ModelConfig, *, with_tokenizer: bool = True) -> ModelSpec:
+    """config.model's config, tokenizer (without `with_tokenizer`: its files only), EOS ids
+    and context length (no weights read); the errors of `load_model`."""
     path, served_name = resolve_model(config.model)
     gguf = None if path.is_dir() else path
     folder = path if gguf is None else metadata_folder(gguf)
     hf_config = _load_hf_config(folder)
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = _load_tokenizer(folder) if with_tokenizer else TokenizerFiles(folder)
     return ModelSpec(
         hf_config=hf_config,
         tokenizer=tokenizer,
@@ -123,10 +125,12 @@ def load_model_spec(config: ModelConfig) -> ModelSpec:
     )
 
 
-def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedModel:
+def load_model(
+    config: ModelConfig, tp: TensorParallel | None = None, *, with_tokenizer: bool = True
+) -> LoadedModel:
     """Load config.model (a Hugging Face folder, a .gguf file, or None for the default);
     with `tp`, only this rank's shard of it (read as such: no rank holds the whole), on
-    GPU `tp.rank` on CUDA.
+    GPU `tp.rank` on CUDA; without `with_tokenizer`, only the tokenizer's files.
 
     Raises FileNotFoundError for a path that does not exist (hub ids included: nothing is
     downloaded) and ValueError for a path that is not a model or an unsupported one.
@@ -136,7 +140,7 @@ def load_model(config: ModelConfig, tp: TensorParallel | None = None) -> LoadedM
         device = torch.device("cuda", tp.rank)
     dtype = resolve_dtype(config.dtype, device)
     check_weight_dtype(device, dtype, config.weight_dtype)
-    spec = load_model_spec(config)
+    spec = load_model_spec(config, with_tokenizer=with_tokenizer)
     hf_config, max_model_len = spec.hf_config, spec.max_model_len
 
     with torch.device("meta"):
@@ -222,14 +226,24 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, WeightSource]]:
 
 
 def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, read-only from here on: with no truncation or padding set
+    (a served prompt is never cut or padded), encoding and decoding only read the fast
+    tokenizer's Rust object, so that threads share one (a copy of a 262k-token tokenizer
+    is ~300 MB)."""
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from e
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # NOTE: transformers' encode unsets them on its first call otherwise: a write
+        backend.no_truncation()
+        backend.no_padding()
+    return tokenizer
 
 
 def _eos_token_ids(
-    folder: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+    folder: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | TokenizerFiles
 ) -> frozenset[int]:
     ids: set[int] = set()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -48,12 +47,12 @@ class Serving(Admission):
 
     def __init__(self, engine: EngineClient | DataParallelEngine, config: ServerConfig) -> None:
         super().__init__(engine, config)
-        self.tokenizer = engine.info.tokenizer  # the event loop's (logprob tokens)
+        # NOTE: one tokenizer for the event loop, the tokenizer thread and the render
+        # threads: the loader's is read-only (model_runner/loader.py `_load_tokenizer`)
+        self.tokenizer = engine.info.tokenizer
         # NOTE: tokenizing and chat templates run off the event loop, so that a huge prompt
-        # stalls no other stream nor /health; one thread with its own copy of the
-        # tokenizer, as a fast tokenizer is not thread-safe.
+        # stalls no other stream nor /health
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.pool_tokenizer = copy.deepcopy(self.tokenizer)
         # NOTE: the JSON of a response with logprobs is written off the event loop too
         # (`render`): prompt logprobs of n choices can be tens of megabytes.
         self._render_pool = concurrent.futures.ThreadPoolExecutor(
@@ -66,7 +65,7 @@ class Serving(Admission):
                          else GrammarCompiler(grammar_tokenizer, num_threads=2))
 
     async def in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """`fn(*args)` on the tokenizer thread (which owns `pool_tokenizer`)."""
+        """`fn(*args)` on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     @staticmethod
@@ -117,11 +116,11 @@ class Serving(Admission):
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """On the tokenizer thread."""
-        return list(self.pool_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode_all(self, prompts: list[list[int]]) -> list[str]:
         """On the tokenizer thread."""
-        return [str(self.pool_tokenizer.decode(p)) for p in prompts]
+        return [str(self.tokenizer.decode(p)) for p in prompts]
 
     def render_chat(
         self, body: ChatCompletionRequest, add_generation_prompt: bool = True
@@ -129,7 +128,7 @@ class Serving(Admission):
         """The messages (and tools) through the chat template (server/chat_template.py), as
         tokens; on the tokenizer thread. A 400 also when the text is surely too long."""
         check_tool_arguments(body, self.config.limits.max_tool_arguments_depth)
-        text = apply_chat_template(self.pool_tokenizer, body, self.config, add_generation_prompt)
+        text = apply_chat_template(self.tokenizer, body, self.config, add_generation_prompt)
         self.check_prompt_chars(text, "rendered chat", "messages")
         return self.encode(text, add_special_tokens=False)
 

@@ -23,13 +23,13 @@ grammars cannot pile up. (A request's own copy of its matcher is freed with the 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import threading
 import time
 from collections import OrderedDict
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 from llguidance import LLMatcher
 
@@ -40,12 +40,39 @@ DEFAULT_CACHE_BYTES = 64 * 1024**2
 
 
 def build_ll_tokenizer(
-    hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+    tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]
 ) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face fast tokenizer, with the model's vocabulary
-    size (masks cover every logit) and EOS ids (what a finished grammar allows)."""
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                        eos_token=eos_token_ids)
+    """llguidance's tokenizer from a fast tokenizer's JSON (no truncation or padding set:
+    `fast_tokenizer_json`), with the model's vocabulary size (masks cover every logit) and
+    EOS ids (what a finished grammar allows); ValueError for one llguidance cannot read.
+    The build's transient memory (the JSON's parse) is handed back to the system after."""
+    tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                       eos_token=eos_token_ids)
+    _return_free_memory()
+    return tokenizer
+
+
+def fast_tokenizer_json(hf_tokenizer: Any) -> str:
+    """A Hugging Face fast tokenizer as JSON (the added tokens of tokenizer_config.json
+    included); ValueError for a slow one.
+
+    NOTE: llguidance.hf copies the backend first to unset truncation and padding (a
+    second tokenizer: ~300 MB for a 262k-token vocabulary); the loader's tokenizer has
+    neither set (model_runner/loader.py), so its own JSON is written."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("llguidance reads fast tokenizers only")
+    if backend.truncation is not None or backend.padding is not None:
+        raise ValueError("a tokenizer with truncation or padding set")
+    return str(backend.to_str())
+
+
+def _return_free_memory() -> None:
+    """glibc's free heap pages given back to the system (malloc_trim); nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class GrammarCompiler:

@@ -124,7 +124,10 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, self.vocab_stop, vocab_rows = (
             (0, self.vocab_size, self.vocab_size) if tp is None else tp.vocab(self.vocab_size)
         )
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        # NOTE: no random init (the weights are loaded): on the meta device an Embedding's
+        # normal_ alone imports torch._dynamo, ~1.3 s of every start
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(vocab_rows, config.hidden_size))
         self.layers = nn.ModuleList(
             self.make_layer(config, layer_id, tp) for layer_id in range(self.num_layers)
         )

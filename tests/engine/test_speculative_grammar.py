@@ -18,7 +18,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from structured.compiler import GrammarCompiler, build_ll_tokenizer
+from structured.compiler import GrammarCompiler, build_ll_tokenizer, fast_tokenizer_json
 from structured.grammars import choice_grammar, json_schema_grammar, regex_grammar
 from structured.matchers import MaskTask, StepMasks, StructuredOutputs
 from tests.conftest import BYTE_EOS
@@ -136,7 +136,8 @@ def build(tiny: TinyModel, speculative: SpeculativeConfig | None,
                              max_model_len=256, async_scheduling=async_scheduling,
                              speculative=speculative)
     scheduler = Scheduler(config, CacheConfig(num_blocks=64, block_size=4))
-    ll_tokenizer = build_ll_tokenizer(loaded.tokenizer, int(loaded.hf_config.vocab_size),
+    ll_tokenizer = build_ll_tokenizer(fast_tokenizer_json(loaded.tokenizer),
+                                      int(loaded.hf_config.vocab_size),
                                       sorted(loaded.eos_token_ids))
     return EngineCore(scheduler, tiny.runner(block_size=4, num_kv_blocks=64),
                       loaded.eos_token_ids, structured=StructuredOutputs(

