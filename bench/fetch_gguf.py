@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_runner.gguf_file import cache_root
+from model_runner.gguf_file import models_dir
 
 GGUF_MAGIC = b"GGUF"
-
-
-def models_dir() -> Path:
-    """Where the GGUFs of the benchmarks and parity tests go and are looked for:
-    $PAGEDSERVE_GGUF_DIR, else models/ under the cache ($PAGEDSERVE_CACHE or
-    ~/.cache/pagedserve)."""
-    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or cache_root() / "models").expanduser()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import Qwen3Config
 
-from bench.fetch_gguf import models_dir
+from model_runner.gguf_file import models_dir
 from tests.support.model_helpers import TINY, make_model_folder
 
 # NOTE: head_dim 128 as in every Qwen3: transformers' reading of a GGUF's qwen3 config

@@ -82,6 +82,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
+def models_dir() -> Path:
+    """Where `python -m bench.fetch_gguf` puts the GGUFs it fetches and the parity tests
+    look for them: $PAGEDSERVE_GGUF_DIR, else models/ under `cache_root`."""
+    return Path(os.environ.get("PAGEDSERVE_GGUF_DIR") or cache_root() / "models").expanduser()
+
+
 def metadata_folder(gguf: Path) -> Path:
     """The folder of `gguf`'s config, tokenizer and tensor names (no weights), written on
     first use.

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.fetch_gguf import models_dir
-from model_runner.gguf_file import cache_root
+from model_runner.gguf_file import cache_root, models_dir
 from model_runner.loader import default_gguf_path
 from tests.support.gguf_parity import FileParity, file_parity
 from tests.support.gguf_q8_0 import write_q8_0
