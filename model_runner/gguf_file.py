@@ -98,7 +98,8 @@ def metadata_folder(gguf: Path) -> Path:
     serve, and for a cache folder that cannot be written (saying what to do).
     """
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    key = hashlib.sha256(
+        f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{METADATA_VERSION}".encode())
     folder = cache_root() / f"{gguf.stem}-meta-{key.hexdigest()[:12]}"
     if (folder / "config.json").is_file():
         return folder
@@ -147,12 +148,32 @@ def _write_metadata(gguf: Path, out: Path) -> None:
     config_dict.pop("quantization_config", None)
     config_dict["dtype"] = "float32"  # what the blocks are dequantized to
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
-    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    generation = GenerationConfig.from_model_config(hf_config)
+    generation.eos_token_id = end_of_generation(generation.eos_token_id,
+                                                tokenizer.added_tokens_encoder)
+    generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / NAMES_FILE).write_text(json.dumps(names, indent=0, sort_keys=True))
 
 
 NAMES_FILE = "gguf_names.json"  # in the metadata folder: GGUF tensor name -> Hugging Face's
+# what the metadata folder's contents are as of: a folder written before says less
+METADATA_VERSION = 2
+# The tokens that end a turn in the chat templates of the common families. A GGUF names
+# one EOS (Gemma 3's is <eos>, while its template ends each turn with <end_of_turn>, which
+# is what the model says when done): a chat would run on past its answer to max_tokens.
+# Hugging Face's generation configs list both; llama.cpp stops on such tokens too.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+
+
+def end_of_generation(eos: int | list[int] | None, added_tokens: dict[str, int]
+                      ) -> list[int] | int | None:
+    """`eos` and the ids of the END_OF_TURN_TOKENS among a tokenizer's added tokens
+    (content -> id): the ids a generation stops at."""
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    ids += [added_tokens[t] for t in END_OF_TURN_TOKENS
+            if t in added_tokens and added_tokens[t] not in ids]
+    return ids[0] if len(ids) == 1 else (ids or None)
 
 
 def hf_names(hf_config: PretrainedConfig, architecture: str) -> dict[str, str]:

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from model_runner.config import ModelConfig
 from model_runner.gguf_file import cache_root, models_dir
-from model_runner.loader import default_gguf_path
+from model_runner.loader import default_gguf_path, load_model_spec
 from tests.support.gguf_parity import FileParity, file_parity
 from tests.support.gguf_q8_0 import write_q8_0
 
@@ -74,3 +75,13 @@ def test_greedy_tokens_are_hugging_faces_where_its_margin_allows(parity):
 def test_teacher_forced_top1_agrees_with_hugging_face(parity):
     assert parity.num_positions == 512
     assert parity.top1_agreement >= MIN_TOP1_AGREEMENT, parity
+
+
+def test_a_gemma_chat_ends_at_its_end_of_turn() -> None:
+    """The file names only <eos> (1); its template ends a turn with <end_of_turn> (106),
+    which Hugging Face's generation config and llama.cpp stop at too."""
+    path = models_dir() / GEMMA
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (docs/benchmarks.md says how to get or make it)")
+    spec = load_model_spec(ModelConfig(model=str(path)), with_tokenizer=False)
+    assert spec.eos_token_ids == {1, 106}

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from model_runner.gguf_file import NAMES_FILE, gguf_weights, hf_names
+from model_runner.gguf_file import NAMES_FILE, end_of_generation, gguf_weights, hf_names
 from model_runner.kernels.cpu_linear import FileBlocksLinear, SplitLinear
 from model_runner.loader import LoadedModel, resolve_model_folder
 from model_runner.models.registry import model_class
@@ -294,3 +294,13 @@ def test_the_embedding_table_stays_in_its_blocks(tmp_path: Path) -> None:
         expected = x.double() @ table.double().T
         tolerance = 1e-6 * (x.double().abs() @ table.double().abs().T).amax()
         assert (model.compute_logits(x).double() - expected).abs().amax() <= tolerance
+
+
+def test_a_generation_ends_at_the_eos_and_the_templates_end_of_turn() -> None:
+    # a GGUF names one EOS; the chat template's end-of-turn token is a stop too (Gemma 3:
+    # <eos> 1 and <end_of_turn> 106), once each; other added tokens are not
+    added = {"<eos>": 1, "<start_of_turn>": 105, "<end_of_turn>": 106, "<|endoftext|>": 7}
+    assert end_of_generation(1, added) == [1, 106]
+    assert end_of_generation([2], {"<|im_end|>": 2}) == 2  # SmolLM2's: already its EOS
+    assert end_of_generation(None, {"<|eot_id|>": 9, "<|eom_id|>": 8}) == [9, 8]
+    assert end_of_generation(None, {}) is None
