@@ -297,14 +297,16 @@ class FileBlocksLinear(SmallBatchPath):
         self.bias = None if bias is None else bias.detach()
         self.path = small_batch_path(weight_dtype, blocks.kind, *blocks.shape)
         self.blocks = None if self.path is None else blocks
+        # the path's op: the type's exact one or its int8-activation one (the kernel table's)
+        self.op = None if self.path is None else getattr(torch.ops.pagedserve, self.path.name)
         self.rows_weight = None
         self.use_table(table)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if x.shape[0] <= self.max_rows and self.blocks is not None:
-            return self.blocks(x, self.bias)
+        if x.shape[0] <= self.max_rows and self.op is not None:
+            return self.op(x, *self.form.tensors, self.bias)
         return self.form.gemm(x, self.bias)
 
     def decode_form(self) -> DecodeForm | None:

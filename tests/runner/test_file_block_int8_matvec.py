@@ -1,0 +1,92 @@
+"""The int8-activation kernels on a GGUF's blocks (csrc/cpu_matvec_file_blocks_int8.cpp):
+llama.cpp's arithmetic, held against gguf-py's own dequantize on random blocks of each type.
+
+Each row of x is quantized per 32 values (d_x = max|x| / 127, q_x = x / d_x rounded to
+nearest even), which the test repeats in float32 with numpy: the kernel's result is then
+d_x q_x @ dequantize(W).T up to float32's sums, and its distance from x @ W.T is x's
+rounding, at most d_x / 2 a value, which the test also bounds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from model_runner.kernels.cpu_kernel_table import MATVEC_MAX_ROWS, small_batch_path
+from tests.runner.test_file_block_matvec import TYPES, WIDTHS, random_blocks
+
+INT8_OPS = {name.replace("_matvec", "_int8_matvec"): name for name in TYPES}
+
+
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel rounds it (d_x q_x, float64) and each value's d_x / 2."""
+    blocks = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0))
+    q = np.clip(np.rint(blocks * inverse.astype(np.float32)), -127, 127)
+    rounded = (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+    half_step = np.broadcast_to(d / 2, blocks.shape).reshape(x.shape).astype(np.float64)
+    return torch.from_numpy(rounded), torch.from_numpy(half_step)
+
+
+@pytest.mark.parametrize("op_name", sorted(INT8_OPS))
+@pytest.mark.parametrize(("out_features", "shape"), [(1, 0), (37, 1), (130, 2)])
+def test_int8_activations_on_gguf_pys_dequantized_weights(
+    op_name: str, out_features: int, shape: int
+) -> None:
+    exact = INT8_OPS[op_name]
+    in_features = WIDTHS[GGML_QUANT_SIZES[TYPES[exact][0]][0]][shape]
+    raw = random_blocks(exact, out_features, in_features, seed=out_features + 1)
+    weight = torch.from_numpy(dequantize(raw, TYPES[exact][0])).double()
+    blocks = torch.from_numpy(raw)
+    op = getattr(torch.ops.pagedserve, op_name)
+    torch.manual_seed(out_features)
+    bias = torch.randn(out_features)
+    for rows in range(1, MATVEC_MAX_ROWS + 1):
+        x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
+        x[0, :32] = 0  # a block of zeros: d_x = 0
+        rounded, half_step = quantized_activations(x)
+        for b in (None, bias):
+            y = op(x, blocks, b).double()
+            offset = 0 if b is None else b.double()
+            # the kernel's own arithmetic: float32 sums of the rounded x's products
+            expected = rounded @ weight.T + offset
+            sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
+            assert (y - expected).abs().amax() <= sums
+            # and x's rounding is all that parts it from x @ W.T
+            bound = half_step @ weight.abs().T + sums
+            assert ((y - (x.double() @ weight.T + offset)).abs() <= bound).all()
+
+
+def test_bad_shapes_are_refused_by_name() -> None:
+    blocks = torch.from_numpy(random_blocks("q4_k_matvec", 4, 512, seed=0))
+    with pytest.raises(RuntimeError, match="q4_k_int8_matvec: blocks must be"):
+        torch.ops.pagedserve.q4_k_int8_matvec(torch.randn(1, 256), blocks, None)
+    with pytest.raises(RuntimeError, match="q4_k_int8_matvec: x must be"):
+        torch.ops.pagedserve.q4_k_int8_matvec(torch.randn(9, 512), blocks, None)
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu_flags(),
+                    reason="the host has no AVX-512 VNNI")
+def test_a_vnni_host_runs_the_vnni_kernels() -> None:
+    assert torch.ops.pagedserve.file_blocks_int8_isa() == "avx512_vnni"
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="the kernels are not built for AVX2 here")
+def test_a_files_blocks_take_int8_activations_by_default_and_exact_sums_under_float16() -> None:
+    assert small_batch_path("auto", "q8_0_file", 262144, 640).name == "q8_0_file_int8_matvec"
+    assert small_batch_path("int8", "q4_k", 640, 1024).name == "q4_k_int8_matvec"
+    assert small_batch_path("float16", "q6_k", 640, 2048).name == "q6_k_matvec"
+    assert torch.ops.pagedserve.file_blocks_int8_isa() in ("avx2", "avx512_vnni")
