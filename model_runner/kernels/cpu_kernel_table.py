@@ -88,7 +88,7 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q5_1_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
     # (q8_0_matvec above reads Q8_0 found in float32 values, its scales apart)
     KernelPath("q8_0_file_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
-    # the same blocks times activations quantized to int8 per 32, llama.cpp's arithmetic
+    # the same blocks times activations in two int8 planes per 32, llama.cpp's byte products
     # (csrc/cpu_matvec_file_blocks_int8.cpp: AVX-512 VNNI or AVX2 byte products, chosen at
     # run time; on a build without AVX2 `needs_avx2` leaves them out)
     KernelPath("q4_k_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256, needs_avx2=True),
@@ -106,11 +106,12 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
 FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_matvec",
                     "q4_0": "q4_0_matvec", "q5_0": "q5_0_matvec", "q5_1": "q5_1_matvec",
                     "q8_0_file": "q8_0_file_matvec"}
-# NOTE: by default (and under int8) a file's blocks take llama.cpp's arithmetic, int8
-# activations (its error: x's rounding, half a step of each block of 32 of x), as the
-# servers its users compare against do: a batch-1 step reads ~1 byte a weight of a Q8_0 LM
-# head, and int8 byte products do a block's work in a third of float32's instructions
-# (docs/benchmarks.md, issue 45). float16 and bfloat16 promise float32 sums: the exact paths.
+# NOTE: by default (and under int8) a file's blocks take llama.cpp's integer dot products:
+# the blocks' integers times x in two int8 planes per 32 values (16 bits of x: within 1/508
+# of a block's int8 step, where llama.cpp's one plane moved Gemma 3's logits by up to 0.7),
+# as fast as the weights are read at a batch-1 step where the exact float32 kernels are
+# bound by dequantizing every weight (docs/benchmarks.md, issue 45). float16 and bfloat16
+# promise float32 sums: the exact paths.
 FILE_BLOCK_INT8_PATHS = {kind: path.replace("_matvec", "_int8_matvec")
                          for kind, path in FILE_BLOCK_TYPES.items()}
 

@@ -1,10 +1,11 @@
-"""The int8-activation kernels on a GGUF's blocks (csrc/cpu_matvec_file_blocks_int8.cpp):
-llama.cpp's arithmetic, held against gguf-py's own dequantize on random blocks of each type.
+"""The int8-activation kernels on a GGUF's blocks (csrc/cpu_matvec_file_blocks_int8.cpp),
+held against gguf-py's own dequantize on random blocks of each type.
 
-Each row of x is quantized per 32 values (d_x = max|x| / 127, q_x = x / d_x rounded to
-nearest even), which the test repeats in float32 with numpy: the kernel's result is then
-d_x q_x @ dequantize(W).T up to float32's sums, and its distance from x @ W.T is x's
-rounding, at most d_x / 2 a value, which the test also bounds."""
+Each row of x is quantized per 32 values in two int8 planes, x ~ d (254 q0 + q1) with
+d = max|x| / 127 / 254 (q0 rounded to nearest even, q1 the residual rounded), which the
+test repeats with numpy: the kernel's result is then x's rounded values @ dequantize(W).T
+up to float32's sums, and its distance from x @ W.T is x's rounding, at most half of d a
+value (1/254 of one int8 plane's), which the test also bounds."""
 
 from __future__ import annotations
 
@@ -24,14 +25,20 @@ INT8_OPS = {name.replace("_matvec", "_int8_matvec"): name for name in TYPES}
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel rounds it (d_x q_x, float64) and each value's d_x / 2."""
+    """x as the kernel rounds it (float64) and a bound on each value's rounding."""
     blocks = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    d = amax / np.float32(127)
     inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0))
-    q = np.clip(np.rint(blocks * inverse.astype(np.float32)), -127, 127)
-    rounded = (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
-    half_step = np.broadcast_to(d / 2, blocks.shape).reshape(x.shape).astype(np.float64)
-    return torch.from_numpy(rounded), torch.from_numpy(half_step)
+    q0 = np.clip(np.rint(blocks * inverse.astype(np.float32)), -127, 127)
+    residual = blocks.astype(np.float64) - d.astype(np.float64) * q0
+    to_second = np.where(d > 0, 254.0 / np.where(d > 0, d, 1).astype(np.float64), 0.0)
+    q1 = np.clip(np.rint(residual * to_second), -127, 127)
+    unit = (d / np.float32(254)).astype(np.float32).astype(np.float64)
+    rounded = (unit * (254 * q0 + q1)).reshape(x.shape)
+    bound = (np.broadcast_to(unit / 2, blocks.shape).reshape(x.shape)
+             + 2.0**-22 * np.abs(x.numpy().astype(np.float64)))
+    return torch.from_numpy(rounded), torch.from_numpy(bound)
 
 
 @pytest.mark.parametrize("op_name", sorted(INT8_OPS))

@@ -1,17 +1,20 @@
 // y = x @ W.T + bias on a GGUF's blocks as the file stores them (block_formats.h), for up
-// to eight rows, in llama.cpp's arithmetic: int8 activations times the blocks' integers
-// (torch.ops.pagedserve.q4_k_int8_matvec, q5_k_, q6_k_, q4_0_, q5_0_, q5_1_,
+// to eight rows, on llama.cpp's integer dot products: the blocks' integers times int8
+// activations (torch.ops.pagedserve.q4_k_int8_matvec, q5_k_, q6_k_, q4_0_, q5_0_, q5_1_,
 // q8_0_file_int8_matvec; which ISA runs them: file_blocks_int8_isa).
 //
-// Each row of x is quantized once per call, per 32 values on its own grid (llama.cpp's
-// Q8_0 of the activations; finer than its Q8_K's one grid per 256 for the K-quants):
-// d_x = max|x| / 127, q_x = x / d_x rounded to nearest even, and the integer sums of each
-// half of 16. Each 32 weights of an output row are made as bytes q with a scale and an
-// offset per half (file_blocks_int8_rows.h); their dot with x is
-//   sum over halves of  s d_x sum(q q_x)  +  o d_x sum(q_x)
+// Each row of x is quantized once per call, per 32 values, in two int8 planes: q0 on
+// llama.cpp's Q8_0 grid (max|x| / 127), q1 the residual on a grid 254 times finer, so
+// x ~ d (254 q0 + q1) with d = max|x| / 127 / 254. One plane alone (llama.cpp's own
+// arithmetic) moved Gemma 3 270M's logits by up to 0.7 against the exact path, flipping
+// HF's near ties of 0.06; two move them by 0.003 (docs/benchmarks.md, issue 45), and cost
+// one more byte product a block, within the weights' reading on a batch-1 step. Each 32
+// weights of an output row are made as bytes q with a scale and an offset per half
+// (file_blocks_int8_rows.h); their dot with x is
+//   sum over halves of  s d sum(q (254 q0 + q1))  +  o d sum(254 q0 + q1)
 // the byte products summed exactly in int32, then in float32. The error against
-// x @ dequantize(W).T is that of x's rounding: at most d_x / 2 a value, so per block
-// |sum(w (x - d_x q_x))| <= d_x / 2 * sum|w|.
+// x @ dequantize(W).T is that of x's rounding: at most d / 2 a value, so per block
+// |sum(w (x - x~))| <= d / 2 * sum|w|.
 //
 // Chosen at run time: on an AVX-512 VNNI host (avx512vnni and avx512vl) each 32 byte
 // products are one vpdpbusd, on other AVX2 hosts maddubs then madd (AVX2's int16 pair sums,
@@ -44,17 +47,24 @@ using pagedserve::blocks::Type;
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrain = 16;  // output rows a thread takes at least
 
-// x's rows quantized per 32: q [rows, width] int8, d [rows, subs], the halves' integer sums
-// (exact in float32) [rows, subs, 2].
+constexpr float kPlaneStep = 254.f;  // the second plane's unit: 1/254 of the first's
+
+// x's rows quantized per 32 in two int8 planes: x ~ d (254 q0 + q1), d = max|x| / 127 / 254
+// (q0 = x / (254 d) rounded to nearest even, q1 what it left, rounded: |q1| <= 127). q
+// [2, rows, width]; d [rows, subs]; the halves' sums of 254 q0 + q1 [rows, subs, 2].
 struct Activations {
   std::vector<int8_t> q;
   std::vector<float> d, sums;
   int64_t rows, width, subs;
+
+  const int8_t* plane(int p, int64_t row, int64_t k) const {
+    return q.data() + (p * rows + row) * width + 32 * k;
+  }
 };
 
 Activations quantize(const float* x, int64_t stride, int64_t rows, int64_t width) {
   const int64_t subs = width / 32;
-  Activations a{std::vector<int8_t>(rows * width), std::vector<float>(rows * subs),
+  Activations a{std::vector<int8_t>(2 * rows * width), std::vector<float>(rows * subs),
                 std::vector<float>(2 * rows * subs), rows, width, subs};
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t k = 0; k < subs; ++k) {
@@ -62,13 +72,19 @@ Activations quantize(const float* x, int64_t stride, int64_t rows, int64_t width
       float amax = 0.f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(v[i]));
       const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = a.q.data() + r * width + 32 * k;
+      // the residual in double: v - d q0 exactly, then in the second plane's units
+      const double to_second = d > 0.f ? kPlaneStep / static_cast<double>(d) : 0.;
+      int8_t* q0 = a.q.data() + r * width + 32 * k;
+      int8_t* q1 = a.q.data() + (rows + r) * width + 32 * k;
       int32_t sums[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
-        q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inverse), -127.f, 127.f));
-        sums[i / 16] += q[i];
+        const float first = std::clamp(std::nearbyint(v[i] * inverse), -127.f, 127.f);
+        const double residual = static_cast<double>(v[i]) - static_cast<double>(d) * first;
+        q0[i] = static_cast<int8_t>(first);
+        q1[i] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * to_second), -127., 127.));
+        sums[i / 16] += 254 * q0[i] + q1[i];
       }
-      a.d[r * subs + k] = d;
+      a.d[r * subs + k] = d / kPlaneStep;
       a.sums[2 * (r * subs + k)] = static_cast<float>(sums[0]);
       a.sums[2 * (r * subs + k) + 1] = static_cast<float>(sums[1]);
     }

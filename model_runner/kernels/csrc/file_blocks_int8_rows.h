@@ -10,9 +10,10 @@
 //   Q4_0  s = d, o = -8 d      Q5_0  s = d, o = -16 d      Q5_1  s = d, o = m
 //   Q4_K, Q5_K  s = d * sc, o = -dmin * m (sc, m the sub-block's 6-bit scale and min)
 //   Q6_K  s = d * sc (one sc per 16), o = -32 s            Q8_0  s = d
-// Against a row of x quantized per 32 (x ~ d_x * q_x, its halves' sums S of q_x):
-//   dot = sum over halves of  s * d_x * sum(q q_x)  +  o * d_x * S
-// with sum(q q_x) exact in int32 (lanes 0..3 of the byte products are the first half).
+// Against a row of x quantized per 32 (x ~ d (254 q0 + q1), the halves' sums S of
+// 254 q0 + q1; Activations):
+//   dot = sum over halves of  s d sum(q (254 q0 + q1))  +  o d S
+// with the byte products exact in int32 (lanes 0..3 of them are the first half).
 
 inline __m256i load32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -183,10 +184,19 @@ inline void row_dots(const uint8_t* row, int64_t blocks, const Activations& a, f
   const auto step = [&](__m256(&acc)[R], const Sub& w, int64_t k) {
     const __m256i magnitude = U::kSigned ? _mm256_sign_epi8(w.q, w.q) : w.q;
     for (int r = 0; r < R; ++r) {
-      __m256i xq = load32(reinterpret_cast<const uint8_t*>(a.q.data() + r * a.width + 32 * k));
-      if constexpr (U::kSigned) xq = _mm256_sign_epi8(xq, w.q);
+      __m256i x0 = load32(reinterpret_cast<const uint8_t*>(a.plane(0, r, k)));
+      __m256i x1 = load32(reinterpret_cast<const uint8_t*>(a.plane(1, r, k)));
+      if constexpr (U::kSigned) {
+        x0 = _mm256_sign_epi8(x0, w.q);
+        x1 = _mm256_sign_epi8(x1, w.q);
+      }
       const float dx = a.d[r * a.subs + k];
-      const __m256 products = _mm256_cvtepi32_ps(dot_bytes(magnitude, xq));
+      // a lane's 254 sum(q q0) + sum(q q1), four products each: under 255 * 4 * 128 * 127
+      // < 2^24, so exact in float32 too
+      const __m256i both = _mm256_add_epi32(
+          _mm256_mullo_epi32(dot_bytes(magnitude, x0), _mm256_set1_epi32(254)),
+          dot_bytes(magnitude, x1));
+      const __m256 products = _mm256_cvtepi32_ps(both);
       const __m256 scale = U::kHalves ? _mm256_setr_m128(_mm_set1_ps(w.s0 * dx),
                                                          _mm_set1_ps(w.s1 * dx))
                                       : _mm256_set1_ps(w.s0 * dx);
