@@ -9,7 +9,10 @@ value (1/254 of one int8 plane's), which the test also bounds."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +22,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from model_runner.kernels.cpu_kernel_table import MATVEC_MAX_ROWS, small_batch_path
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
 from tests.runner.test_file_block_matvec import TYPES, WIDTHS, random_blocks
 
+load_cpu_kernels()
+
+ROOT = Path(__file__).resolve().parents[2]
 INT8_OPS = {name.replace("_matvec", "_int8_matvec"): name for name in TYPES}
 
 
@@ -97,3 +104,39 @@ def test_a_files_blocks_take_int8_activations_by_default_and_exact_sums_under_fl
     assert small_batch_path("int8", "q4_k", 640, 1024).name == "q4_k_int8_matvec"
     assert small_batch_path("float16", "q6_k", 640, 2048).name == "q6_k_matvec"
     assert torch.ops.pagedserve.file_blocks_int8_isa() in ("avx2", "avx512_vnni")
+
+
+AVX2_RUN = """
+import sys, torch
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
+load_cpu_kernels()
+from tests.runner.test_file_block_int8_matvec import inputs
+print(torch.ops.pagedserve.file_blocks_int8_isa())
+torch.save([getattr(torch.ops.pagedserve, op)(x, w, None) for op, x, w in inputs()], sys.argv[1])
+"""
+
+
+def inputs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each op with three rows of x and 37 output rows of random blocks."""
+    cases = []
+    for i, op_name in enumerate(sorted(INT8_OPS)):
+        exact = INT8_OPS[op_name]
+        in_features = WIDTHS[GGML_QUANT_SIZES[TYPES[exact][0]][0]][1]
+        blocks = torch.from_numpy(random_blocks(exact, 37, in_features, seed=i))
+        cases.append((op_name, torch.randn(3, in_features, generator=torch.Generator()
+                                           .manual_seed(i)), blocks))
+    return cases
+
+
+@pytest.mark.skipif(torch.ops.pagedserve.file_blocks_int8_isa() != "avx512_vnni",
+                    reason="the AVX2 kernels are the only ones here")
+def test_the_avx2_kernels_give_the_vnni_kernels_numbers(tmp_path: Path) -> None:
+    """The same int32 byte-product sums by maddubs and madd (PAGEDSERVE_NO_VNNI, in a
+    process of its own) as by vpdpbusd, then the same float32 steps: equal to the bit."""
+    out = tmp_path / "avx2.pt"
+    env = {**os.environ, "PAGEDSERVE_NO_VNNI": "1"}
+    run = subprocess.run([sys.executable, "-c", AVX2_RUN, str(out)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert run.stdout.split()[-1] == "avx2"
+    for (op_name, x, blocks), theirs in zip(inputs(), torch.load(out), strict=True):
+        assert torch.equal(getattr(torch.ops.pagedserve, op_name)(x, blocks, None), theirs)

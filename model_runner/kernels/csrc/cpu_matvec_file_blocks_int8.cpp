@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -110,10 +111,12 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
+// PAGEDSERVE_NO_VNNI set: the AVX2 kernels on a VNNI host too (their tests run them so).
 bool has_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") &&
                           __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw");
+                          __builtin_cpu_supports("avx512bw") &&
+                          std::getenv("PAGEDSERVE_NO_VNNI") == nullptr;
   return has;
 }
 #endif
