@@ -109,9 +109,9 @@ FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_
 # NOTE: by default (and under int8) a file's blocks take llama.cpp's integer dot products:
 # the blocks' integers times x in two int8 planes per 32 values (16 bits of x: within 1/508
 # of a block's int8 step, where llama.cpp's one plane moved Gemma 3's logits by up to 0.7),
-# as fast as the weights are read at a batch-1 step where the exact float32 kernels are
-# bound by dequantizing every weight (docs/benchmarks.md, issue 45). float16 and bfloat16
-# promise float32 sums: the exact paths.
+# 1.3-1.65x the exact float32 kernels, which are bound by dequantizing every weight
+# (docs/benchmarks.md, issue 45), but for Q8_0 (below). float16 and bfloat16 promise
+# float32 sums: the exact paths.
 FILE_BLOCK_INT8_PATHS = {kind: path.replace("_matvec", "_int8_matvec")
                          for kind, path in FILE_BLOCK_TYPES.items()}
 
@@ -135,6 +135,9 @@ SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("int8", None): ("int8_matvec",),
     **{(dtype, kind): (FILE_BLOCK_INT8_PATHS[kind], path) for dtype in ("auto", "int8")
        for kind, path in FILE_BLOCK_TYPES.items()},
+    # Q8_0's weights are bytes already, made in one multiply: its exact path is as fast as
+    # two planes' byte products (a tied 262k-row LM head, one thread: 14.4 against 15.5 ms)
+    ("auto", "q8_0_file"): ("q8_0_file_matvec",),
     **{(dtype, kind): (path,) for dtype in ("float16", "bfloat16")
        for kind, path in FILE_BLOCK_TYPES.items()},
 }

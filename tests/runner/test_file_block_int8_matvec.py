@@ -99,9 +99,11 @@ def test_a_vnni_host_runs_the_vnni_kernels() -> None:
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="the kernels are not built for AVX2 here")
-def test_a_files_blocks_take_int8_activations_by_default_and_exact_sums_under_float16() -> None:
-    assert small_batch_path("auto", "q8_0_file", 262144, 640).name == "q8_0_file_int8_matvec"
+def test_a_files_blocks_take_int8_planes_by_default_but_q8_0_and_exact_sums_under_float16() -> None:
+    assert small_batch_path("auto", "q5_0", 2048, 640).name == "q5_0_int8_matvec"
     assert small_batch_path("int8", "q4_k", 640, 1024).name == "q4_k_int8_matvec"
+    assert small_batch_path("auto", "q8_0_file", 262144, 640).name == "q8_0_file_matvec"
+    assert small_batch_path("int8", "q8_0_file", 262144, 640).name == "q8_0_file_int8_matvec"
     assert small_batch_path("float16", "q6_k", 640, 2048).name == "q6_k_matvec"
     assert torch.ops.pagedserve.file_blocks_int8_isa() in ("avx2", "avx512_vnni")
 
