@@ -1,9 +1,10 @@
-"""Where one batch-1 decode step of the default model goes, component by component.
+"""Where one batch-1 decode step of a model goes, component by component.
 
-`python -m bench.step_profile [--weight-dtype auto|float16|int8] [--kv-cache-dtype
+`python -m bench.step_profile [--model PATH] [--weight-dtype auto|float16|int8] [--kv-cache-dtype
 auto|float16] [--steps 48] [--threads N] [--paired-matvec | --paired-decode-stack |
 --bandwidth]`
 
+The model is the default one, or --model's (a GGUF file or a checkpoint folder).
 One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
 (`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
 token to the client: the step message encoded, sent over a pyzmq `ipc://` pair and
@@ -94,7 +95,7 @@ class Timers:
 
 def build_core(args: argparse.Namespace) -> tuple[EngineCore, ModelRunner, Any]:
     config = ModelConfig(
-        model=None, dtype="float32", weight_dtype=args.weight_dtype,
+        model=args.model, dtype="float32", weight_dtype=args.weight_dtype,
         kv_cache_dtype=args.kv_cache_dtype, device="cpu", num_kv_blocks=64,
     )
     loaded = load_model(config)
@@ -108,7 +109,7 @@ def instrument(core: EngineCore, runner: ModelRunner, timers: Timers) -> None:
     """Time the components of a step where they are called (bench only: patched for good)."""
     timers.wrap(core.scheduler, "schedule", "scheduler: schedule()")
     timers.wrap(runner_module, "prepare_inputs", "runner: layout (prepare_inputs)")
-    timers.wrap(runner.model, "forward", "runner: forward (30 layers, final norm)")
+    timers.wrap(runner.model, "forward", "runner: forward (layers, final norm)")
     timers.wrap(runner.model, "compute_logits", "runner: LM head")
     timers.wrap(Sampler, "__call__", "runner: sampler")
     timers.wrap(LaunchedStep, "result", "runner: sampled ids to the host")
@@ -223,6 +224,8 @@ def bandwidth(repeats: int = 7) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file or checkpoint folder instead of the default model")
     parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=48)

@@ -48,9 +48,19 @@ class KernelPath:
     max_rows: int
     out_multiple: int = 1  # groups of eight output rows
     in_multiple: int = 1
+    needs_avx2: bool = False  # built only where the kernels are built for AVX2 or wider
 
     def fits(self, out_features: int, in_features: int) -> bool:
-        return out_features % self.out_multiple == 0 and in_features % self.in_multiple == 0
+        return (out_features % self.out_multiple == 0 and in_features % self.in_multiple == 0
+                and (not self.needs_avx2 or _built_for_avx2()))
+
+
+def _built_for_avx2() -> bool:
+    """Whether the C++ kernels are built for AVX2 or wider (cpu_kernels.py builds for the
+    capability torch detects)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 # In the C++ decode stack's kind order: its constructor checks the names and the tensor
@@ -78,13 +88,32 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q5_1_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
     # (q8_0_matvec above reads Q8_0 found in float32 values, its scales apart)
     KernelPath("q8_0_file_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32),
+    # the same blocks times activations in two int8 planes per 32, llama.cpp's byte products
+    # (csrc/cpu_matvec_file_blocks_int8.cpp: AVX-512 VNNI or AVX2 byte products, chosen at
+    # run time; on a build without AVX2 `needs_avx2` leaves them out)
+    KernelPath("q4_k_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256, needs_avx2=True),
+    KernelPath("q5_k_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256, needs_avx2=True),
+    KernelPath("q6_k_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=256, needs_avx2=True),
+    KernelPath("q4_0_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
+    KernelPath("q5_0_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
+    KernelPath("q5_1_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
+    KernelPath("q8_0_file_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32,
+               needs_avx2=True),
 )}
 
 # A file's blocks are read as they are whatever the weight dtype: the file's bits are the
-# model (a dtype is for weights that arrive as floats). Each type -> its path.
+# model (a dtype is for weights that arrive as floats). Each type -> its exact path.
 FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_matvec",
                     "q4_0": "q4_0_matvec", "q5_0": "q5_0_matvec", "q5_1": "q5_1_matvec",
                     "q8_0_file": "q8_0_file_matvec"}
+# NOTE: by default (and under int8) a file's blocks take llama.cpp's integer dot products:
+# the blocks' integers times x in two int8 planes per 32 values (16 bits of x: within 1/508
+# of a block's int8 step, where llama.cpp's one plane moved Gemma 3's logits by up to 0.7),
+# 1.3-1.65x the exact float32 kernels, which are bound by dequantizing every weight
+# (docs/benchmarks.md, issue 45), but for Q8_0 (below). float16 and bfloat16 promise
+# float32 sums: the exact paths.
+FILE_BLOCK_INT8_PATHS = {kind: path.replace("_matvec", "_int8_matvec")
+                         for kind, path in FILE_BLOCK_TYPES.items()}
 
 # (weight dtype, the weight's GGUF blocks: "q4_1", "q8_0" (exact in its float32 values),
 # a type of FILE_BLOCK_TYPES (kept from the file) or None) -> the small-batch paths it may
@@ -104,7 +133,12 @@ SMALL_BATCH_PATHS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("int8", "q4_1"): ("q4_1_int8_matvec", "int8_matvec"),
     ("int8", "q8_0"): ("q8_0_int8_matvec", "int8_matvec"),
     ("int8", None): ("int8_matvec",),
-    **{(dtype, kind): (path,) for dtype in ("auto", "float16", "bfloat16", "int8")
+    **{(dtype, kind): (FILE_BLOCK_INT8_PATHS[kind], path) for dtype in ("auto", "int8")
+       for kind, path in FILE_BLOCK_TYPES.items()},
+    # Q8_0's weights are bytes already, made in one multiply: its exact path is as fast as
+    # two planes' byte products (a tied 262k-row LM head, one thread: 14.4 against 15.5 ms)
+    ("auto", "q8_0_file"): ("q8_0_file_matvec",),
+    **{(dtype, kind): (path,) for dtype in ("float16", "bfloat16")
        for kind, path in FILE_BLOCK_TYPES.items()},
 }
 

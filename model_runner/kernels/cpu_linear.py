@@ -307,6 +307,8 @@ class FileBlocksLinear(SmallBatchPath):
         self.bias = None if bias is None else bias.detach()
         self.path = small_batch_path(weight_dtype, blocks.kind, *blocks.shape)
         self.blocks = None if self.path is None else blocks
+        # the path's op: the type's exact one or its int8-activation one (the kernel table's)
+        self.op = None if self.path is None else getattr(torch.ops.pagedserve, self.path.name)
         self.rows_weight = None
         self.bfloat16_batches = weight_dtype == "bfloat16"
         self.use_table(table)
@@ -314,8 +316,8 @@ class FileBlocksLinear(SmallBatchPath):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if x.shape[0] <= self.max_rows and self.blocks is not None:
-            return self.blocks(x, self.bias)
+        if x.shape[0] <= self.max_rows and self.op is not None:
+            return self.op(x, *self.form.tensors, self.bias)
         if self.bfloat16_batches and x.shape[0] >= BF16_GEMM_MIN_ROWS:
             weight = self.form.dequantized().to(torch.bfloat16)
             y = F.linear(x.to(torch.bfloat16), weight).float()

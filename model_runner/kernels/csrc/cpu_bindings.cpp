@@ -46,6 +46,18 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("q5_1_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor", &pagedserve::q5_1_matvec);
   m.def("q8_0_file_matvec(Tensor x, Tensor blocks, Tensor? bias) -> Tensor",
         &pagedserve::q8_0_file_matvec);
+  // cpu_matvec_file_blocks_int8.cpp: the same blocks times int8 activations
+  for (const auto& [name, fn] : {std::pair{"q4_k_int8_matvec", &pagedserve::q4_k_int8_matvec},
+                                 std::pair{"q5_k_int8_matvec", &pagedserve::q5_k_int8_matvec},
+                                 std::pair{"q6_k_int8_matvec", &pagedserve::q6_k_int8_matvec},
+                                 std::pair{"q4_0_int8_matvec", &pagedserve::q4_0_int8_matvec},
+                                 std::pair{"q5_0_int8_matvec", &pagedserve::q5_0_int8_matvec},
+                                 std::pair{"q5_1_int8_matvec", &pagedserve::q5_1_int8_matvec},
+                                 std::pair{"q8_0_file_int8_matvec",
+                                           &pagedserve::q8_0_file_int8_matvec}}) {
+    m.def((std::string(name) + "(Tensor x, Tensor blocks, Tensor? bias) -> Tensor").c_str(), fn);
+  }
+  m.def("file_blocks_int8_isa", &pagedserve::file_blocks_int8_isa);
   // cpu_matvec_file_blocks.cpp: a GGUF's blocks' larger batches, and their values
   m.def("file_blocks_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
         &pagedserve::file_blocks_gemm);

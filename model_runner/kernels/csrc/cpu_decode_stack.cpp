@@ -47,15 +47,20 @@ enum class Kind : int64_t {
   q5_0_matvec,         // [blocks]
   q5_1_matvec,         // [blocks]
   q8_0_file_matvec,    // [blocks]
+  // [blocks]: the same blocks times int8 activations (cpu_matvec_file_blocks_int8.cpp)
+  q4_k_int8_matvec, q5_k_int8_matvec, q6_k_int8_matvec, q4_0_int8_matvec, q5_0_int8_matvec,
+  q5_1_int8_matvec, q8_0_file_int8_matvec,
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
     "q4_1_int8_matvec", "q8_0_int8_matvec", "q4_1_planes_matvec",
     "q4_k_matvec", "q5_k_matvec", "q6_k_matvec", "q4_0_matvec", "q5_0_matvec",
-    "q5_1_matvec", "q8_0_file_matvec",
+    "q5_1_matvec", "q8_0_file_matvec", "q4_k_int8_matvec", "q5_k_int8_matvec",
+    "q6_k_int8_matvec", "q4_0_int8_matvec", "q5_0_int8_matvec", "q5_1_int8_matvec",
+    "q8_0_file_int8_matvec",
 };
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q8_0_file_matvec) + 1;
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q8_0_file_int8_matvec) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Part {
@@ -118,6 +123,15 @@ struct Part {
         PROFILED("q8_0_file_matvec");
         return q8_0_file_matvec(x, weights[0], bias);
       }
+      // clang-format off
+      case Kind::q4_k_int8_matvec: { PROFILED("q4_k_int8_matvec"); return q4_k_int8_matvec(x, weights[0], bias); }
+      case Kind::q5_k_int8_matvec: { PROFILED("q5_k_int8_matvec"); return q5_k_int8_matvec(x, weights[0], bias); }
+      case Kind::q6_k_int8_matvec: { PROFILED("q6_k_int8_matvec"); return q6_k_int8_matvec(x, weights[0], bias); }
+      case Kind::q4_0_int8_matvec: { PROFILED("q4_0_int8_matvec"); return q4_0_int8_matvec(x, weights[0], bias); }
+      case Kind::q5_0_int8_matvec: { PROFILED("q5_0_int8_matvec"); return q5_0_int8_matvec(x, weights[0], bias); }
+      case Kind::q5_1_int8_matvec: { PROFILED("q5_1_int8_matvec"); return q5_1_int8_matvec(x, weights[0], bias); }
+      case Kind::q8_0_file_int8_matvec: { PROFILED("q8_0_file_int8_matvec"); return q8_0_file_int8_matvec(x, weights[0], bias); }
+      // clang-format on
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
           PROFILED("hadamard_rows");

@@ -81,6 +81,23 @@ at::Tensor file_blocks_gemm(const at::Tensor& x, const at::Tensor& blocks, int64
                             const std::optional<at::Tensor>& bias);
 void dequantize_file_blocks_(at::Tensor& out, const at::Tensor& blocks, int64_t kind);
 
+// cpu_matvec_file_blocks_int8.cpp: the same blocks times int8 activations (llama.cpp's)
+at::Tensor q4_k_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q5_k_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q6_k_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q4_0_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q5_0_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q5_1_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor q8_0_file_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
+                                 const std::optional<at::Tensor>& bias);
+std::string file_blocks_int8_isa();
+
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,
 // which it checks against its own projection kinds.
