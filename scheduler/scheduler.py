@@ -211,8 +211,7 @@ class Scheduler(AdmissionAndPreemption, LoRAScheduling):
             self.speculation.grant_before_prefills(self, step)
         cap = prefill_cap(self.config, len(self.requests), self._has_protected_decodes(step))
         if self.policy is SchedulingPolicy.SLO:
-            cap = self.slo.size_prefills(step, len(step.decode_ids) + step.num_draft_tokens,
-                                         cap)
+            cap = self.slo.size_prefills(step, work_of(step, self.requests), cap)
         step.prefill_room = cap
         self._schedule_prefills(step)
         if self.speculation is not None:

@@ -103,7 +103,6 @@ class SloPlanner:
         self._planned: StepCost | None = None  # the fit this step was planned with
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
-        self._decode_keys = 0  # the keys this step's decodes attend to
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
 
     @property
@@ -150,7 +149,6 @@ class SloPlanner:
     def begin_step(self, decodes: Sequence[Request]) -> None:
         """Note this step's decodes (in priority order) for the rooms below."""
         self._tightest = None
-        self._decode_keys = sum(r.num_computed_tokens + 1 for r in decodes)
         self._bounds = []
         self._planned = None
         last_priority: int | None = None
@@ -163,9 +161,10 @@ class SloPlanner:
             if tpot is not None and (self._tightest is None or tpot < self._tightest):
                 self._tightest = tpot
 
-    def size_prefills(self, step: StepBudget, num_decode_rows: int, cap: int | None
+    def size_prefills(self, step: StepBudget, decodes: StepWork, cap: int | None
                       ) -> int | None:
-        """The prefill cost `step` may carry beside its decodes: what keeps the predicted
+        """The prefill cost `step` may carry beside its decodes (their work: `decodes`,
+        drafts included): what keeps the predicted
         step plus its `margin` within the tightest tpot_s among them, in place of `cap`
         (the fixed factor of the batch other policies use, kept when no decode has a
         target), counted at the fitted exchange between a token and its context
@@ -176,7 +175,7 @@ class SloPlanner:
         if self._tightest is None:
             return cap
         cost = self._planned = self.cost
-        decodes_s = cost.predict(num_decode_rows, decode_keys=self._decode_keys)
+        decodes_s = decodes.seconds(cost)
         spare = self._tightest - self.margin(self._tightest, True) - decodes_s
         context, unit_s = cost.prefill_exchange()
         room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)

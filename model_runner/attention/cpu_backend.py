@@ -106,9 +106,12 @@ class _DecodeRows:
         starts, contexts = meta.query_start_loc.tolist(), meta.context_lens.tolist()
         query_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
         chunks = range(num_decodes, num_seqs)
-        short = [i for i in chunks if query_lens[i] <= SHORT_CHUNK_MAX
-                 and query_lens[i] * contexts[i] <= SHORT_CHUNK_KEYS]
-        long_chunks = [i for i in chunks if i not in short]
+        short: list[int] = []
+        long_chunks: list[int] = []
+        for i in chunks:
+            rows = query_lens[i]
+            fits = rows <= SHORT_CHUNK_MAX and rows * contexts[i] <= SHORT_CHUNK_KEYS
+            (short if fits else long_chunks).append(i)
         if not short:  # the decodes lead: their rows, tables and lengths as they are
             return cls(num_decodes, None, meta.block_tables, meta.context_lens, None,
                        long_chunks)

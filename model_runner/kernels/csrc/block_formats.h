@@ -120,8 +120,10 @@ struct Q8_0 {
   }
 };
 
-// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's twelve scale bytes.
-inline void scale_min(int j, const uint8_t* s, float& sc, float& m) {
+// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's twelve scale bytes
+// (as float for the dequantized weights, as int for the int8 row kernels' sums).
+template <typename T>
+inline void scale_min(int64_t j, const uint8_t* s, T& sc, T& m) {
   if (j < 4) {
     sc = s[j] & 63;
     m = s[j + 4] & 63;

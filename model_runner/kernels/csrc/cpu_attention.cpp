@@ -167,12 +167,11 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& k_cache,
   const int D = STATIC_D ? STATIC_D : static_cast<int>(query.size(2));
   // each sequence's first query row, and the most rows one has
   std::vector<int64_t> first_row(num_seqs + 1, 0);
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    first_row[seq + 1] = first_row[seq] + (query_rows != nullptr ? query_rows[seq] : 1);
-  }
   int64_t most_rows = 1;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    most_rows = std::max(most_rows, first_row[seq + 1] - first_row[seq]);
+    const int64_t rows = query_rows != nullptr ? query_rows[seq] : 1;
+    first_row[seq + 1] = first_row[seq] + rows;
+    most_rows = std::max(most_rows, rows);
   }
   // A thread takes a run of (sequence, kv head) pairs, so that fewer sequences than
   // threads with long contexts (an urgent stream's decode) are spread over the threads

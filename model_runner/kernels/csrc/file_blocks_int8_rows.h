@@ -1,8 +1,8 @@
 // The row kernels of cpu_matvec_file_blocks_int8.cpp, which includes this file twice: inside
 // namespace `avx2` (AVX2's byte products: maddubs, then madd) and inside namespace `vnni`
 // under `#pragma GCC target` for AVX-512 VNNI (one vpdpbusd), with PAGEDSERVE_INT8_VNNI
-// saying which. No includes here: the includer's (immintrin.h, block_formats.h' Type,
-// Activations).
+// saying which. No includes here: the includer's (immintrin.h, block_formats.h' Type and
+// scale_min, Activations).
 //
 // Each 32 weights of a row (a sub-block: a legacy block, or a K-quant's eighth) are made as
 // 32 bytes q and per half of 16 a scale s and an offset o, w = s * q + o, q unsigned
@@ -98,17 +98,6 @@ struct Q8_0 {
   }
 };
 
-// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block's twelve scale bytes.
-inline void k_scale_min(int64_t j, const uint8_t* s, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // Q4_K (kFifthBit false) and Q5_K: sub-block j is the low (j even) or high nibbles of the
 // 32 bytes of chunk j / 2; Q5_K's fifth bit of weight l is bit j of qh[l]. A super-block's
 // eight sub-blocks are made at once (`unpack_all`: its scales decoded once).
@@ -123,7 +112,7 @@ struct QK45 {
     if constexpr (kFifthBit) qh = load32(b + 16);
     for (int64_t j = 0; j < 8; ++j) {
       int sc, m;
-      k_scale_min(j, b + 4, sc, m);
+      pagedserve::blocks::scale_min(j, b + 4, sc, m);
       const __m256i raw = load32(qs + 32 * (j / 2));
       __m256i q = (j & 1) ? high_nibbles(raw) : low_nibbles(raw);
       if constexpr (kFifthBit) {
