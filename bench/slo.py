@@ -7,8 +7,15 @@ runner standing in for the device, with +-5% noise), the CPU server's defaults (
 512 tokens a step, prefill cap 32). Capacity is the fcfs throughput (requests/s) of a
 backlog; then Poisson arrivals at 0.5x, 1x, 1.5x and 2x it, three classes in one load:
 interactive (priority 0, ttft 500 ms, tpot 100 ms), standard (priority 0, ttft 3 s) and
-background (priority 10, no target), a third each, under each policy in the same run.
-Goodput: requests/s meeting every target they carry; attainment per class; throughput.
+background (priority 10, no target), a third each (`--mix` sets other shares), under each
+policy in the same run. Goodput: requests/s meeting every target they carry; attainment per
+class; throughput.
+
+Every request finishes and background carries no target, so goodput differs between two
+policies only by the interactive and standard requests on time. With shares i and s, and
+the priority policy's attainment of them g_i and g_s, slo's goodput over priority's is at
+most 1 / (1 - i (1 - g_i) - s (1 - g_s)) (slo on time for all, at the same throughput): 1.5
+at most for thirds, however late priority is; 2 for half interactive.
 
 `python -m bench.slo --real [--policies priority,slo]` runs the step-size rule on the
 real default model in this process (the engine core's own steps): 16 decodes carrying
@@ -22,7 +29,7 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvcache.config import CacheConfig
@@ -91,11 +98,12 @@ class Outcome:
         return not self.rejected and self.ttft_met() and self.tpot_met()
 
 
-def arrivals(rate: float, duration_s: float, seed: int) -> list[Arrival]:
+def arrivals(rate: float, duration_s: float, seed: int,
+             classes: tuple[RequestClass, ...] = CLASSES) -> list[Arrival]:
     """Poisson arrivals at `rate` requests/s over `duration_s` (rate 0: a backlog of
-    duration_s x 10 requests at time 0)."""
+    duration_s x 10 requests at time 0), each of a class drawn by the classes' shares."""
     rng = random.Random(seed)
-    kinds = [c for c in CLASSES for _ in range(round(c.share * 12))]
+    kinds = [c for c in classes for _ in range(round(c.share * 12))]
     out, now = [], 0.0
     count = int(duration_s * 10) if rate == 0 else None
     while True:
@@ -176,7 +184,7 @@ class Simulation:
             "throughput_rps": len(outcomes) / span,
             "tokens_per_s": sum(o.num_tokens for o in outcomes) / span,
         }
-        for kind in CLASSES:
+        for kind in dict.fromkeys(a.kind for a in load):
             mine = [o for o in outcomes if o.arrival.kind is kind]
             summary[f"{kind.name}_ttft"] = _share(o.ttft_met() for o in mine)
             summary[f"{kind.name}_tpot"] = _share(o.tpot_met() for o in mine)
@@ -193,21 +201,24 @@ def _tokens(out: SchedulerOutput) -> ModelRunnerOutput:
                                                 if s.sample})
 
 
-def capacity(cost: StepCost, duration_s: float, seed: int) -> float:
+def capacity(cost: StepCost, duration_s: float, seed: int,
+             classes: tuple[RequestClass, ...]) -> float:
     """Requests/s of a backlog of this mix under fcfs."""
-    backlog = arrivals(0.0, duration_s, seed)
+    backlog = arrivals(0.0, duration_s, seed, classes)
     return float(Simulation("fcfs", cost, seed).run(backlog)["throughput_rps"])
 
 
-def simulate(cost: StepCost, duration_s: float, seed: int, loads: tuple[float, ...]) -> None:
-    rate = capacity(cost, duration_s, seed)
+def simulate(cost: StepCost, duration_s: float, seed: int, loads: tuple[float, ...],
+             classes: tuple[RequestClass, ...] = CLASSES) -> None:
+    rate = capacity(cost, duration_s, seed, classes)
+    print("mix: " + ", ".join(f"{c.name} {c.share:.2f}" for c in classes))
     print(f"step cost {cost}; capacity {rate:.2f} requests/s (fcfs, backlog)")
     header = ("load", "policy", "goodput", "thr r/s", "tok/s", "int ttft", "int tpot",
               "std ttft")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for load in loads:
-        arrivals_ = arrivals(rate * load, duration_s, seed + 1)
+        arrivals_ = arrivals(rate * load, duration_s, seed + 1, classes)
         for policy in POLICIES:
             s = Simulation(policy, cost, seed).run(arrivals_)
             print(f"| {load:g}x | {policy} | {s['goodput']:.2f} | {s['throughput_rps']:.2f} | "
@@ -289,6 +300,9 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
+    parser.add_argument("--mix", default=None,
+                        help="INTERACTIVE,STANDARD,BACKGROUND shares in twelfths (4,4,4: "
+                        "thirds, the default; 6,3,3: half interactive)")
     parser.add_argument("--real", action="store_true",
                         help="the step-size rule on the real default model instead")
     parser.add_argument("--policies", default="priority,slo", help="for --real")
@@ -307,7 +321,16 @@ def main() -> None:
     if len(coefficients) == 3:  # a token at context 2,048 costs two
         coefficients.append(coefficients[2] / 2048)
     loads = tuple(float(x) for x in args.loads.split(","))
-    simulate(StepCost(*coefficients), args.duration_s, args.seed, loads)
+    simulate(StepCost(*coefficients), args.duration_s, args.seed, loads, _mix(args.mix))
+
+
+def _mix(text: str | None) -> tuple[RequestClass, ...]:
+    if text is None:
+        return CLASSES
+    twelfths = [int(x) for x in text.split(",")]
+    if len(twelfths) != len(CLASSES) or sum(twelfths) != 12 or min(twelfths) < 0:
+        raise SystemExit(f"--mix {text}: three shares in twelfths that add up to 12")
+    return tuple(replace(c, share=t / 12) for c, t in zip(CLASSES, twelfths, strict=True))
 
 
 if __name__ == "__main__":

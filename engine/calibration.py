@@ -7,7 +7,8 @@ chunk from a prompt's start and at a long context.
 Each runs once untimed (first calls: allocations, kernel builds, graph replays set up),
 then `REPEATS` times timed; the model fitted to those times (scheduler/step_cost.py)
 becomes the scheduler's seed, so the slo policy plans the first requests with this
-device's costs instead of a guess, and the steps it runs refine it from there. The
+device's costs instead of a guess, and the steps it runs refine it from there (the timed
+steps stay in its fit: they span the work its window may not). The
 simulated runner needs no measuring: a step costs its step time, whatever its work.
 """
 
@@ -34,11 +35,12 @@ LONG_CONTEXT = 1024  # a chunk's start: the per-key part apart from the per-toke
 
 
 def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seqs: int,
-              max_num_batched_tokens: int) -> StepCost:
-    """The step-cost model fitted to a few timed steps of `runner` (held toward `seed`
-    where they say nothing), within its seats, step budget, context and KV blocks."""
+              max_num_batched_tokens: int) -> StepCostModel:
+    """The step-cost model of a few timed steps of `runner` (its `cost` fitted to them,
+    held toward `seed` where they say nothing; its `steps` them), within its seats, step
+    budget, context and KV blocks."""
     if isinstance(runner, SimulatedRunner):
-        return StepCost(runner.step_s + runner.host_s, 0.0, 0.0, 0.0)
+        return StepCostModel(StepCost(runner.step_s + runner.host_s, 0.0, 0.0, 0.0))
     model = StepCostModel(seed)
     plans = _plans(runner, max_num_seqs, max_num_batched_tokens)
     for work, plan in plans:
@@ -50,7 +52,7 @@ def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seq
                           time.perf_counter() - start, work.decode_keys)
     ids = sorted({r.request_id for _, plan in plans for r in plan.scheduled})
     runner.execute(SchedulerOutput(finished_ids=ids))  # the runner forgets them
-    return model.cost
+    return model
 
 
 def _plans(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int

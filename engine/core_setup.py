@@ -119,11 +119,11 @@ def _calibrate(runner: ModelRunner | SimulatedRunner, scheduler: Scheduler) -> N
     if not config.calibrate_step_cost:
         return
     start = time.perf_counter()
-    seed = calibrate(runner, config.step_cost_seed, config.max_num_seqs,
-                     config.max_num_batched_tokens)
+    calibration = calibrate(runner, config.step_cost_seed, config.max_num_seqs,
+                            config.max_num_batched_tokens)
     seconds = time.perf_counter() - start
-    scheduler.slo.calibrated(seed, seconds)
-    logger.info("step cost calibrated in %.2f s: %s", seconds, seed)
+    scheduler.slo.calibrated(calibration, seconds)
+    logger.info("step cost calibrated in %.2f s: %s", seconds, calibration.cost)
 
 
 def _load_loras(

@@ -109,9 +109,10 @@ class SloPlanner:
     def cost(self) -> StepCost:
         return self.model.cost
 
-    def calibrated(self, seed: StepCost, seconds: float) -> None:
-        """The engine core measured `seed` at start, in `seconds`: plan from it."""
-        self.model.reseed(seed)
+    def calibrated(self, calibration: StepCostModel, seconds: float) -> None:
+        """The engine core timed `calibration`'s steps at start, in `seconds`: plan from
+        its fit, and keep its steps in every fit."""
+        self.model.reseed(calibration.cost, calibration.steps)
         self.calibration_s = seconds
 
     def observe(self, work: StepWork, seconds: float, gap_s: float | None = None) -> None:

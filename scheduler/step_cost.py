@@ -12,9 +12,13 @@ of each step it ran (`observe`); the coefficients are refitted by least squares 
 last `window` steps, held toward the seed (a ridge prior): so a window of decode-only
 steps, which says nothing of the prefill coefficients, leaves them at their seed (and
 steps of one batch size, which cannot tell the fixed part from the per-row part, split
-them as the seed does). Plain Python: a step adds to running sums (O(1)); the small
-system is solved only when the fit is read (`cost`) after new steps, so a policy that
-never plans with it pays for no solve.
+them as the seed does). A calibration's timed steps stay in every fit beside the window's
+(`reseed`'s anchors): a long prompt computed in one-token chunks while the decodes' contexts
+grow gives the window no way to tell a prefill key from a decode key, and a split made by
+noise, extrapolated to a larger chunk, held the chunks at one token for 98 s.
+Plain Python: a step adds to running sums (O(1)); the small system is solved only when
+the fit is read (`cost`) after new steps, so a policy that never plans with it pays for
+no solve.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class StepCostModel:
         self.window = window
         self.num_observed = 0
         self._samples: deque[tuple[tuple[float, ...], float]] = deque()
+        self._anchors: tuple[tuple[tuple[float, ...], float], ...] = ()
         self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         self._xty = [0.0] * NUM_FEATURES
 
@@ -109,10 +114,20 @@ class StepCostModel:
         self._cost = cost
         self._stale = False
 
-    def reseed(self, seed: StepCost) -> None:
-        """Hold the fit toward `seed` from now on (a calibration's); the fit itself while
-        no step was observed."""
+    @property
+    def steps(self) -> tuple[tuple[tuple[float, ...], float], ...]:
+        """The window's steps: each one's features (1, decode rows, prefill tokens,
+        prefill keys, decode keys) and seconds."""
+        return tuple(self._samples)
+
+    def reseed(self, seed: StepCost,
+               anchors: tuple[tuple[tuple[float, ...], float], ...] = ()) -> None:
+        """Hold the fit toward `seed` from now on and keep `anchors` (a calibration's
+        `steps`, whose fit `seed` is) in every fit; `seed` itself while no step was
+        observed."""
         self.seed = seed
+        self._anchors = anchors
+        self._resum()
         if self._samples:
             self._stale = True
         else:
@@ -143,7 +158,7 @@ class StepCostModel:
         prompts would otherwise fit its prefill coefficients to that residue."""
         self._xtx = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
         self._xty = [0.0] * NUM_FEATURES
-        for x, y in self._samples:
+        for x, y in (*self._anchors, *self._samples):
             self._accumulate(x, y, +1.0)
 
     def _accumulate(self, x: tuple[float, ...], y: float, sign: float) -> None:
@@ -156,7 +171,7 @@ class StepCostModel:
         """Ridge least squares toward the seed, each coefficient's prior scaled to its
         feature's spread so that the prior counts as PRIOR_STEPS steps of evidence."""
         seed = astuple(self.seed)
-        n = len(self._samples)
+        n = len(self._samples) + len(self._anchors)
         a = [row[:] for row in self._xtx]
         b = self._xty[:]
         for i in range(NUM_FEATURES):

@@ -65,7 +65,7 @@ def test_calibration_seeds_the_model_and_leaves_no_trace(folder: str) -> None:
 def test_the_simulated_runner_reports_its_known_cost(folder: str) -> None:
     spec = load_model_spec(ModelConfig(model=folder))
     runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=16), step_ms=7, host_ms=1)
-    cost = calibrate(runner, DEFAULT_SEED, 8, 256)
+    cost = calibrate(runner, DEFAULT_SEED, 8, 256).cost
     assert astuple(cost) == pytest.approx((0.008, 0.0, 0.0, 0.0, 0.0))
 
 

@@ -115,6 +115,32 @@ def test_cost_model_forgets_steps_beyond_its_window() -> None:
         model.observe(10, 0, 0, 0.02)
     assert model.cost.predict(10, 0) == pytest.approx(0.02, rel=0.05)
 
+def test_a_calibrations_steps_hold_what_the_window_cannot_tell_apart() -> None:
+    # A long prompt computed one token a step beside 16 decodes: both contexts grow one
+    # key a step, so the window's prefill keys and decode keys are collinear, and a short
+    # chunk's keys are read at a decode's cost, not at the prefill matmul's. The window
+    # alone splits the sum between the two coefficients; the calibration's steps (a
+    # 128-token chunk at context 1,024 among them) keep the prefill key at its cost.
+    truth = StepCost(0.007, 0.0015, 0.0008, 5e-7, 2.6e-6)
+    calibration = StepCostModel(truth)
+    for rows, context in ((1, 64), (32, 64), (8, 1024)):
+        calibration.observe(rows, 0, 0, truth.predict(rows, 0, 0, rows * context),
+                            rows * context)
+    for start in (0, 1024):
+        keys = prompt_keys(start, 128)
+        calibration.observe(0, 128, keys, truth.predict(0, 128, keys))
+    plain, anchored = StepCostModel(calibration.cost), StepCostModel(calibration.cost)
+    anchored.reseed(calibration.cost, calibration.steps)
+    for model in (plain, anchored):
+        for i in range(256):
+            context, decode_keys = 200 + i, 16 * (300 + i)
+            seconds = truth.predict(16, 1, 0, decode_keys + context) + 0.004 * (i % 3)
+            model.observe(16, 1, context, seconds, decode_keys)
+    chunk = (16, 64, prompt_keys(1500, 64), 16 * 600)  # planned at a later step
+    assert anchored.cost.predict(*chunk) == pytest.approx(truth.predict(*chunk), rel=0.1)
+    assert plain.cost.predict(*chunk) > 1.3 * truth.predict(*chunk)  # what anchors prevent
+
+
 
 # ---- waiting order ----
 
