@@ -155,6 +155,42 @@ GEMMS = {
 FILE_BLOCKS_GEMM = "file_blocks_gemm"
 
 
+@dataclass(frozen=True)
+class MatrixUnitPath:
+    """A file's blocks' batches of `min_rows` rows or more on the host's matrix unit: the
+    op torch.ops.pagedserve.<name>(x, blocks, bias), taken where the host has the unit
+    and the kernel grants it (`granted`, an op of no arguments), for weights whose out
+    features are a multiple of `out_multiple`, under the weight dtypes of
+    FILE_BLOCK_INT8_PATHS (its arithmetic is theirs)."""
+
+    name: str
+    granted: str
+    min_rows: int
+    out_multiple: int
+
+
+# NOTE: Q8_0 on AMX's int8 tiles (csrc/cpu_matvec_file_blocks_int8.cpp), x in the int8
+# paths' two planes, the weight's bytes read in place: Gemma 3's tied 262k-row LM head at
+# 16 rows 12 ms against the panels' 34 (8 rows: 12 against the exact matvec's 17; at 1-3
+# rows the exact matvec is faster, docs/benchmarks.md, issue 45).
+MATRIX_UNIT_PATHS = {
+    "q8_0_file": MatrixUnitPath("q8_0_file_amx_gemm", "amx_int8_granted", min_rows=4,
+                                out_multiple=16),
+}
+
+
+def matrix_unit_path(weight_dtype: str, blocks: str | None, out_features: int
+                     ) -> MatrixUnitPath | None:
+    """The matrix-unit path of a file's `blocks` under `weight_dtype`, or None (no such
+    path, another dtype, a shape it does not take, or a host without the unit)."""
+    path = MATRIX_UNIT_PATHS.get(blocks or "")
+    if path is None or weight_dtype not in ("auto", "int8") or out_features % path.out_multiple:
+        return None
+    import torch
+
+    return path if getattr(torch.ops.pagedserve, path.granted)() else None
+
+
 def small_batch_path(
     weight_dtype: str, blocks: str | None, out_features: int, in_features: int
 ) -> KernelPath | None:

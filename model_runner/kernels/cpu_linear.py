@@ -61,6 +61,7 @@ from model_runner.kernels.cpu_kernel_table import (
     PATHS,
     KernelPath,
     KernelTable,
+    matrix_unit_path,
     small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
@@ -297,7 +298,9 @@ class FileBlocksLinear(SmallBatchPath):
     (csrc/cpu_matvec_file_blocks.cpp). Under `--weight-dtype bfloat16` a batch of
     BF16_GEMM_MIN_ROWS rows or more runs as BFloat16Linear's batches do instead: the
     weight dequantized to bfloat16 for the call (no copy kept), oneDNN's bfloat16 matmul
-    (AMX tiles where the host has them), float32 sums."""
+    (AMX tiles where the host has them), float32 sums. Where the kernel table has a
+    matrix-unit path for the blocks (cpu_kernel_table.matrix_unit_path: Q8_0 on AMX's
+    int8 tiles), batches from its rows on take it."""
 
     def __init__(
         self, blocks: GGUFBlocks, bias: torch.Tensor | None, weight_dtype: str,
@@ -311,13 +314,27 @@ class FileBlocksLinear(SmallBatchPath):
         self.op = None if self.path is None else getattr(torch.ops.pagedserve, self.path.name)
         self.rows_weight = None
         self.bfloat16_batches = weight_dtype == "bfloat16"
+        matrix_unit = (matrix_unit_path(weight_dtype, blocks.kind, blocks.shape[0])
+                       if cpu_kernels_available() else None)
+        self.matrix_unit = (None if matrix_unit is None
+                            else getattr(torch.ops.pagedserve, matrix_unit.name))
+        self.matrix_unit_min_rows = 0 if matrix_unit is None else matrix_unit.min_rows
         self.use_table(table)
+
+    def use_table(self, table: KernelTable) -> None:
+        """Small batches up to the rows `table` gives the path, and below the matrix
+        unit's."""
+        super().use_table(table)
+        if self.matrix_unit is not None:
+            self.max_rows = min(self.max_rows, self.matrix_unit_min_rows - 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.shape[0] <= self.max_rows and self.op is not None:
             return self.op(x, *self.form.tensors, self.bias)
+        if self.matrix_unit is not None and x.shape[0] >= self.matrix_unit_min_rows:
+            return self.matrix_unit(x, self.form.blocks, self.bias)
         if self.bfloat16_batches and x.shape[0] >= BF16_GEMM_MIN_ROWS:
             weight = self.form.dequantized().to(torch.bfloat16)
             y = F.linear(x.to(torch.bfloat16), weight).float()

@@ -142,3 +142,75 @@ def test_the_avx2_kernels_give_the_vnni_kernels_numbers(tmp_path: Path) -> None:
     assert run.stdout.split()[-1] == "avx2"
     for (op_name, x, blocks), theirs in zip(inputs(), torch.load(out), strict=True):
         assert torch.equal(getattr(torch.ops.pagedserve, op_name)(x, blocks, None), theirs)
+
+
+AMX_HOST = {"amx_tile", "amx_int8"} <= cpu_flags()
+
+
+@pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+@pytest.mark.parametrize("rows", [1, 4, 16, 37])
+def test_q8_0_batches_on_amx_tiles_are_the_int8_planes_arithmetic(rows: int) -> None:
+    # 48 output rows: three groups of 16; 37 rows of x: two full tiles and a part
+    assert torch.ops.pagedserve.amx_int8_granted()
+    in_features = 96
+    raw = random_blocks("q8_0_file_matvec", 48, in_features, seed=rows)
+    weight = torch.from_numpy(dequantize(raw, TYPES["q8_0_file_matvec"][0])).double()
+    blocks = torch.from_numpy(raw)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
+    x[0, :32] = 0
+    bias = torch.randn(48)
+    rounded, half_step = quantized_activations(x)
+    for b in (None, bias):
+        y = torch.ops.pagedserve.q8_0_file_amx_gemm(x, blocks, b).double()
+        offset = 0 if b is None else b.double()
+        sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
+        assert (y - (rounded @ weight.T + offset)).abs().amax() <= sums
+        assert ((y - (x.double() @ weight.T + offset)).abs()
+                <= half_step @ weight.abs().T + sums).all()
+
+
+@pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+def test_a_q8_0_weight_takes_amx_tiles_from_four_rows_and_refuses_bad_shapes() -> None:
+    from model_runner.kernels.block_quant import Q80FileBlocks
+    from model_runner.kernels.cpu_linear import FileBlocksLinear
+
+    raw = random_blocks("q8_0_file_matvec", 32, 64, seed=3)
+    linear = FileBlocksLinear(Q80FileBlocks(torch.from_numpy(raw), 64), None, "auto")
+    assert linear.max_rows == 3 and linear.matrix_unit is not None
+    x = torch.randn(6, 64)
+    amx = torch.ops.pagedserve.q8_0_file_amx_gemm(x, torch.from_numpy(raw), None)
+    assert torch.equal(linear(x), amx)
+    assert torch.equal(linear(x[:3]), torch.ops.pagedserve.q8_0_file_matvec(
+        x[:3], torch.from_numpy(raw), None))  # the exact path below
+    with pytest.raises(RuntimeError, match="q8_0_file_amx_gemm: blocks must be"):
+        torch.ops.pagedserve.q8_0_file_amx_gemm(
+            x, torch.from_numpy(random_blocks("q8_0_file_matvec", 8, 64, seed=4)), None)
+
+
+NO_AMX_RUN = """
+import torch
+from model_runner.kernels.cpu_kernels import load_cpu_kernels
+load_cpu_kernels()
+from model_runner.kernels.block_quant import Q80FileBlocks
+from model_runner.kernels.cpu_linear import FileBlocksLinear
+from tests.runner.test_file_block_matvec import random_blocks
+raw = torch.from_numpy(random_blocks("q8_0_file_matvec", 32, 64, seed=3))
+linear = FileBlocksLinear(Q80FileBlocks(raw, 64), None, "auto")
+x = torch.randn(16, 64)
+assert not torch.ops.pagedserve.amx_int8_granted() and linear.matrix_unit is None
+assert linear.max_rows == 8
+assert torch.equal(linear(x), torch.ops.pagedserve.file_blocks_gemm(x, raw, 6, None))
+try:
+    torch.ops.pagedserve.q8_0_file_amx_gemm(x, raw, None)
+except RuntimeError as e:
+    print("refused:", "no AMX int8 tiles granted" in str(e))
+"""
+
+
+def test_without_amx_q8_0_keeps_the_exact_matvec_and_the_panels() -> None:
+    # PAGEDSERVE_NO_AMX stands for a host (or a kernel) that does not grant the tiles
+    env = {**os.environ, "PAGEDSERVE_NO_AMX": "1"}
+    run = subprocess.run([sys.executable, "-c", NO_AMX_RUN], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert run.stdout.split()[-1] == "True", run.stdout + run.stderr[-2000:]

@@ -16,6 +16,11 @@
 // x @ dequantize(W).T is that of x's rounding: at most d / 2 a value, so per block
 // |sum(w (x - x~))| <= d / 2 * sum|w|.
 //
+// Q8_0's larger batches (q8_0_file_amx_gemm, any rows) take AMX's int8 tiles where the host
+// has them and the kernel grants them (amx_int8_granted): per block of 32, one tile product
+// per plane of 16 weight rows by 16 rows of x, its int32 sums then scaled in float32 as
+// above; the same arithmetic as the matvec's two planes.
+//
 // Chosen at run time: on an AVX-512 VNNI host (avx512vnni and avx512vl) each 32 byte
 // products are one vpdpbusd, on other AVX2 hosts maddubs then madd (AVX2's int16 pair sums,
 // which the magnitudes here cannot saturate). The row kernels are written once
@@ -40,6 +45,11 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -63,33 +73,38 @@ struct Activations {
   }
 };
 
+// Row r of x (stride apart) into a's planes, scales and halves' sums.
+void quantize_row(const float* x, int64_t stride, int64_t r, Activations& a) {
+  for (int64_t k = 0; k < a.subs; ++k) {
+    const float* v = x + r * stride + 32 * k;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(v[i]));
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    // the residual in double: v - d q0 exactly, then in the second plane's units
+    const double to_second = d > 0.f ? kPlaneStep / static_cast<double>(d) : 0.;
+    int8_t* q0 = a.q.data() + r * a.width + 32 * k;
+    int8_t* q1 = a.q.data() + (a.rows + r) * a.width + 32 * k;
+    int32_t sums[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      const float first = std::clamp(std::nearbyint(v[i] * inverse), -127.f, 127.f);
+      const double residual = static_cast<double>(v[i]) - static_cast<double>(d) * first;
+      q0[i] = static_cast<int8_t>(first);
+      q1[i] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * to_second), -127., 127.));
+      sums[i / 16] += 254 * q0[i] + q1[i];
+    }
+    a.d[r * a.subs + k] = d / kPlaneStep;
+    a.sums[2 * (r * a.subs + k)] = static_cast<float>(sums[0]);
+    a.sums[2 * (r * a.subs + k) + 1] = static_cast<float>(sums[1]);
+  }
+}
+
 Activations quantize(const float* x, int64_t stride, int64_t rows, int64_t width) {
   const int64_t subs = width / 32;
   Activations a{std::vector<int8_t>(2 * rows * width), std::vector<float>(rows * subs),
                 std::vector<float>(2 * rows * subs), rows, width, subs};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < subs; ++k) {
-      const float* v = x + r * stride + 32 * k;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(v[i]));
-      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-      // the residual in double: v - d q0 exactly, then in the second plane's units
-      const double to_second = d > 0.f ? kPlaneStep / static_cast<double>(d) : 0.;
-      int8_t* q0 = a.q.data() + r * width + 32 * k;
-      int8_t* q1 = a.q.data() + (rows + r) * width + 32 * k;
-      int32_t sums[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const float first = std::clamp(std::nearbyint(v[i] * inverse), -127.f, 127.f);
-        const double residual = static_cast<double>(v[i]) - static_cast<double>(d) * first;
-        q0[i] = static_cast<int8_t>(first);
-        q1[i] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * to_second), -127., 127.));
-        sums[i / 16] += 254 * q0[i] + q1[i];
-      }
-      a.d[r * subs + k] = d / kPlaneStep;
-      a.sums[2 * (r * subs + k)] = static_cast<float>(sums[0]);
-      a.sums[2 * (r * subs + k) + 1] = static_cast<float>(sums[1]);
-    }
-  }
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(x, stride, r, a);
+  });
   return a;
 }
 
@@ -162,6 +177,157 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& blocks,
 #endif
 }
 
+#if defined(PAGEDSERVE_FILE_INT8) && defined(__x86_64__)
+#define PAGEDSERVE_AMX 1
+
+// AMX's tile state is the kernel's to grant, per process (ARCH_REQ_XCOMP_PERM); a tile
+// instruction without it faults, as llama.cpp's native build does on this kind of virtual
+// machine. Asked once; PAGEDSERVE_NO_AMX set (or no VNNI: the combine is AVX-512): never.
+bool amx_granted() {
+  static const bool granted = [] {
+    if (std::getenv("PAGEDSERVE_NO_AMX") != nullptr || !has_vnni()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    const bool tile = ((d >> 24) & 1) != 0, int8 = ((d >> 25) & 1) != 0;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+}
+
+constexpr int64_t kTile = 16;  // weight rows, and rows of x, of one tile product
+constexpr int64_t kPlaneTile = 512;  // bytes of one plane of a sub-block as tile B
+
+// tmm0: A, 16 weight rows x one sub-block's 32 bytes (read from the file's blocks in place);
+// tmm1, tmm2: B, x's two planes of that sub-block for 16 rows of x (8 rows of 16 x 4
+// bytes); tmm3, tmm4: C, their int32 sums, 16 x 16.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {32, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 8, 8, 16, 16};
+};
+
+// x's planes as tiles B, per (tile of 16 rows of x, sub-block, plane): B[kk][4 n + j] =
+// q[row n][4 kk + j]; and each sub-block's 16 scales d. Rows past x's end: zeros.
+struct PackedX {
+  std::vector<int8_t> tiles;
+  std::vector<float> d;
+};
+
+PackedX pack_x(const Activations& a, int64_t row_tiles) {
+  PackedX packed{std::vector<int8_t>(row_tiles * a.subs * 2 * kPlaneTile, 0),
+                 std::vector<float>(row_tiles * a.subs * kTile, 0.f)};
+  at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t k = 0; k < a.subs; ++k) {
+        for (int64_t n = 0; n < kTile && t * kTile + n < a.rows; ++n) {
+          packed.d[(t * a.subs + k) * kTile + n] = a.d[(t * kTile + n) * a.subs + k];
+          for (int p = 0; p < 2; ++p) {
+            int8_t* tile = packed.tiles.data() + ((t * a.subs + k) * 2 + p) * kPlaneTile;
+            const int8_t* q = a.plane(p, t * kTile + n, k);
+            for (int kk = 0; kk < 8; ++kk) std::memcpy(tile + 64 * kk + 4 * n, q + 4 * kk, 4);
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,amx-tile,amx-int8")
+namespace amx {
+
+// Weight rows [16 g0, 16 g1) (Q8_0 blocks, row_bytes apart) against every tile of x: y's
+// columns there, plus bias.
+void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
+                 int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
+                 int64_t g1) {
+  const TileConfig config;
+  _tile_loadconfig(&config);
+  alignas(64) int32_t first[kTile * kTile], second[kTile * kTile];
+  alignas(64) float out[kTile * kTile];
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = w + g * kTile * row_bytes;
+    for (int64_t t = 0; t < row_tiles; ++t) {
+      __m512 acc[kTile];
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      for (int64_t k = 0; k < subs; ++k) {
+        const uint8_t* block = group + k * 34;
+        const int8_t* b = x.tiles.data() + (t * subs + k) * 2 * kPlaneTile;
+        _tile_loadd(0, block + 2, row_bytes);
+        _tile_loadd(1, b, 64);
+        _tile_loadd(2, b + kPlaneTile, 64);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_dpbssd(3, 0, 1);
+        _tile_dpbssd(4, 0, 2);
+        _tile_stored(3, first, 64);
+        _tile_stored(4, second, 64);
+        // C[m][n] of each plane: weight row m's sub-block times x row n's; x ~ d (254 q0 + q1)
+        const __m512 dx = _mm512_loadu_ps(x.d.data() + (t * subs + k) * kTile);
+        for (int64_t m = 0; m < kTile; ++m) {
+          const __m512i sum = _mm512_add_epi32(
+              _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m), _mm512_set1_epi32(254)),
+              _mm512_load_si512(second + kTile * m));
+          uint16_t bits;
+          std::memcpy(&bits, block + m * row_bytes, 2);
+          const __m512 scale = _mm512_mul_ps(dx, _mm512_set1_ps(_cvtsh_ss(bits)));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+        }
+      }
+      for (int64_t m = 0; m < kTile; ++m) _mm512_store_ps(out + kTile * m, acc[m]);
+      for (int64_t n = 0; n < kTile && t * kTile + n < rows; ++n) {
+        float* yr = y + (t * kTile + n) * out_features + g * kTile;
+        for (int64_t m = 0; m < kTile; ++m) {
+          yr[m] = out[kTile * m + n] + (bias != nullptr ? bias[g * kTile + m] : 0.f);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+#endif
+
+at::Tensor q8_0_amx_product(const at::Tensor& x, const at::Tensor& blocks,
+                            const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "q8_0_file_amx_gemm";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
+              ": x must be float32 [n, in] with contiguous columns");
+  const int64_t out_features = blocks.dim() == 2 ? blocks.size(0) : 0;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.stride(1) == 1 &&
+                  blocks.stride(0) == blocks.size(1) && x.size(1) % 32 == 0 &&
+                  blocks.size(1) == x.size(1) / 32 * 34 && out_features % kTile == 0,
+              op, ": blocks must be contiguous uint8 [out, in / 32 * 34] (Q8_0, in a multiple "
+              "of 32, out of 16)");
+  TORCH_CHECK(!bias.has_value() ||
+                  (bias->dim() == 1 && bias->size(0) == out_features &&
+                   bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              op, ": bias must be float32 [out]");
+#if defined(PAGEDSERVE_AMX)
+  TORCH_CHECK(amx_granted(), op, ": this host has no AMX int8 tiles granted "
+              "(torch.ops.pagedserve.amx_int8_granted())");
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1));
+  const PackedX packed = pack_x(a, (x.size(0) + kTile - 1) / kTile);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, out_features / kTile, 4, [&](int64_t begin, int64_t end) {
+    amx::gemm_groups(w, blocks.size(1), packed, a.subs, a.rows, b, out, out_features, begin,
+                     end);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, op, ": needs a build for x86-64 with AVX2");
+#endif
+}
+
 }  // namespace
 
 namespace pagedserve {
@@ -209,6 +375,27 @@ std::string file_blocks_int8_isa() {
   return has_vnni() ? "avx512_vnni" : "avx2";
 #else
   return "none";
+#endif
+}
+
+}  // namespace pagedserve
+
+namespace pagedserve {
+
+// x [n, in] float32 (any n), blocks [out, in / 32 * 34] uint8 (Q8_0 as the file has them,
+// out a multiple of 16): [n, out] float32, on AMX's int8 tiles (two planes of x, as the
+// matvecs above). Refused where amx_int8_granted() is false.
+at::Tensor q8_0_file_amx_gemm(const at::Tensor& x, const at::Tensor& blocks,
+                              const std::optional<at::Tensor>& bias) {
+  return q8_0_amx_product(x, blocks, bias);
+}
+
+// Whether this host has AMX's int8 tiles and the kernel granted this process their state.
+bool amx_int8_granted() {
+#if defined(PAGEDSERVE_AMX)
+  return amx_granted();
+#else
+  return false;
 #endif
 }
 
