@@ -158,24 +158,30 @@ FILE_BLOCKS_GEMM = "file_blocks_gemm"
 @dataclass(frozen=True)
 class MatrixUnitPath:
     """A file's blocks' batches of `min_rows` rows or more on the host's matrix unit: the
-    op torch.ops.pagedserve.<name>(x, blocks, bias), taken where the host has the unit
-    and the kernel grants it (`granted`, an op of no arguments), for weights whose out
-    features are a multiple of `out_multiple`, under the weight dtypes of
+    op torch.ops.pagedserve.<name>(x, blocks, kind, bias), taken where the host has the
+    unit and the kernel grants it (`granted`, an op of no arguments), for weights whose
+    out features are a multiple of `out_multiple`, under the weight dtypes of
     FILE_BLOCK_INT8_PATHS (its arithmetic is theirs)."""
 
     name: str
     granted: str
     min_rows: int
-    out_multiple: int
+    out_multiple: int = 16
 
 
-# NOTE: Q8_0 on AMX's int8 tiles (csrc/cpu_matvec_file_blocks_int8.cpp), x in the int8
-# paths' two planes, the weight's bytes read in place: Gemma 3's tied 262k-row LM head at
-# 16 rows 12 ms against the panels' 34 (8 rows: 12 against the exact matvec's 17; at 1-3
-# rows the exact matvec is faster, docs/benchmarks.md, issue 45).
+# NOTE: AMX's int8 tiles (csrc/cpu_matvec_file_blocks_int8.cpp), x in the int8 paths' two
+# planes, 16 weight rows unpacked to bytes once for every 16 rows of x (Q8_0's bytes read
+# in place). Measured against the paths they replace (docs/benchmarks.md, issue 45): Gemma
+# 3's tied 262k-row Q8_0 LM head at 16 rows 12 ms against the panels' 34, at 8 rows 12
+# against the exact matvec's 17 (from 4 rows on); Q5_0 and the 256-weight K-quants past
+# the small-batch paths' 8 rows (Q5_0 [4096, 640] at 16 rows 0.30 against 0.47 ms, 64
+# rows 0.65 against 1.30); not Q6_K, whose scale per 16 halves each tile product (slower
+# than its panels at every size).
 MATRIX_UNIT_PATHS = {
-    "q8_0_file": MatrixUnitPath("q8_0_file_amx_gemm", "amx_int8_granted", min_rows=4,
-                                out_multiple=16),
+    "q8_0_file": MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted", min_rows=4),
+    **{kind: MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted",
+                            min_rows=MATVEC_MAX_ROWS + 1)
+       for kind in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k")},
 }
 
 

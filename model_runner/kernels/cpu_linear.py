@@ -299,8 +299,8 @@ class FileBlocksLinear(SmallBatchPath):
     BF16_GEMM_MIN_ROWS rows or more runs as BFloat16Linear's batches do instead: the
     weight dequantized to bfloat16 for the call (no copy kept), oneDNN's bfloat16 matmul
     (AMX tiles where the host has them), float32 sums. Where the kernel table has a
-    matrix-unit path for the blocks (cpu_kernel_table.matrix_unit_path: Q8_0 on AMX's
-    int8 tiles), batches from its rows on take it."""
+    matrix-unit path for the blocks (cpu_kernel_table.matrix_unit_path: AMX's int8
+    tiles), batches from its rows on take it."""
 
     def __init__(
         self, blocks: GGUFBlocks, bias: torch.Tensor | None, weight_dtype: str,
@@ -334,7 +334,7 @@ class FileBlocksLinear(SmallBatchPath):
         if x.shape[0] <= self.max_rows and self.op is not None:
             return self.op(x, *self.form.tensors, self.bias)
         if self.matrix_unit is not None and x.shape[0] >= self.matrix_unit_min_rows:
-            return self.matrix_unit(x, self.form.blocks, self.bias)
+            return self.matrix_unit(x, self.form.blocks, self.form.code, self.bias)
         if self.bfloat16_batches and x.shape[0] >= BF16_GEMM_MIN_ROWS:
             weight = self.form.dequantized().to(torch.bfloat16)
             y = F.linear(x.to(torch.bfloat16), weight).float()

@@ -148,26 +148,33 @@ AMX_HOST = {"amx_tile", "amx_int8"} <= cpu_flags()
 
 
 @pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
-@pytest.mark.parametrize("rows", [1, 4, 16, 37])
-def test_q8_0_batches_on_amx_tiles_are_the_int8_planes_arithmetic(rows: int) -> None:
+@pytest.mark.parametrize("op_name", sorted(INT8_OPS))
+def test_batches_on_amx_tiles_are_the_int8_planes_arithmetic(op_name: str) -> None:
     # 48 output rows: three groups of 16; 37 rows of x: two full tiles and a part
     assert torch.ops.pagedserve.amx_int8_granted()
-    in_features = 96
-    raw = random_blocks("q8_0_file_matvec", 48, in_features, seed=rows)
-    weight = torch.from_numpy(dequantize(raw, TYPES["q8_0_file_matvec"][0])).double()
+    exact = INT8_OPS[op_name]
+    kind, code, _ = TYPES[exact]  # code: the kernels' number of the type
+    in_features = WIDTHS[GGML_QUANT_SIZES[kind][0]][1]
+    raw = random_blocks(exact, 48, in_features, seed=len(op_name))
+    weight = torch.from_numpy(dequantize(raw, kind)).double()
     blocks = torch.from_numpy(raw)
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
-    x[0, :32] = 0
+    torch.manual_seed(3)
     bias = torch.randn(48)
-    rounded, half_step = quantized_activations(x)
-    for b in (None, bias):
-        y = torch.ops.pagedserve.q8_0_file_amx_gemm(x, blocks, b).double()
-        offset = 0 if b is None else b.double()
-        sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
-        assert (y - (rounded @ weight.T + offset)).abs().amax() <= sums
-        assert ((y - (x.double() @ weight.T + offset)).abs()
-                <= half_step @ weight.abs().T + sums).all()
+    for rows in (1, 4, 16, 37):
+        x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
+        x[0, :32] = 0
+        rounded, half_step = quantized_activations(x)
+        for b in (None, bias):
+            y = torch.ops.pagedserve.file_blocks_amx_gemm(x, blocks, code, b).double()
+            offset = 0 if b is None else b.double()
+            sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
+            assert (y - (rounded @ weight.T + offset)).abs().amax() <= sums
+            assert ((y - (x.double() @ weight.T + offset)).abs()
+                    <= half_step @ weight.abs().T + sums).all()
+        if rows <= MATVEC_MAX_ROWS:  # the matvec's numbers but for the order of the sums
+            assert torch.allclose(torch.ops.pagedserve.file_blocks_amx_gemm(x, blocks, code, bias),
+                                  getattr(torch.ops.pagedserve, op_name)(x, blocks, bias),
+                                  rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
@@ -175,17 +182,18 @@ def test_a_q8_0_weight_takes_amx_tiles_from_four_rows_and_refuses_bad_shapes() -
     from model_runner.kernels.block_quant import Q80FileBlocks
     from model_runner.kernels.cpu_linear import FileBlocksLinear
 
-    raw = random_blocks("q8_0_file_matvec", 32, 64, seed=3)
-    linear = FileBlocksLinear(Q80FileBlocks(torch.from_numpy(raw), 64), None, "auto")
+    raw = torch.from_numpy(random_blocks("q8_0_file_matvec", 32, 64, seed=3))
+    linear = FileBlocksLinear(Q80FileBlocks(raw, 64), None, "auto")
     assert linear.max_rows == 3 and linear.matrix_unit is not None
     x = torch.randn(6, 64)
-    amx = torch.ops.pagedserve.q8_0_file_amx_gemm(x, torch.from_numpy(raw), None)
-    assert torch.equal(linear(x), amx)
-    assert torch.equal(linear(x[:3]), torch.ops.pagedserve.q8_0_file_matvec(
-        x[:3], torch.from_numpy(raw), None))  # the exact path below
-    with pytest.raises(RuntimeError, match="q8_0_file_amx_gemm: blocks must be"):
-        torch.ops.pagedserve.q8_0_file_amx_gemm(
-            x, torch.from_numpy(random_blocks("q8_0_file_matvec", 8, 64, seed=4)), None)
+    assert torch.equal(linear(x), torch.ops.pagedserve.file_blocks_amx_gemm(x, raw, 6, None))
+    # the exact path below
+    assert torch.equal(linear(x[:3]), torch.ops.pagedserve.q8_0_file_matvec(x[:3], raw, None))
+    with pytest.raises(RuntimeError, match="file_blocks_amx_gemm: blocks must be"):
+        torch.ops.pagedserve.file_blocks_amx_gemm(
+            x, torch.from_numpy(random_blocks("q8_0_file_matvec", 8, 64, seed=4)), 6, None)
+    with pytest.raises(RuntimeError, match="file_blocks_amx_gemm: kind 0..6"):
+        torch.ops.pagedserve.file_blocks_amx_gemm(x, raw, 7, None)
 
 
 NO_AMX_RUN = """
@@ -202,7 +210,7 @@ assert not torch.ops.pagedserve.amx_int8_granted() and linear.matrix_unit is Non
 assert linear.max_rows == 8
 assert torch.equal(linear(x), torch.ops.pagedserve.file_blocks_gemm(x, raw, 6, None))
 try:
-    torch.ops.pagedserve.q8_0_file_amx_gemm(x, raw, None)
+    torch.ops.pagedserve.file_blocks_amx_gemm(x, raw, 6, None)
 except RuntimeError as e:
     print("refused:", "no AMX int8 tiles granted" in str(e))
 """

@@ -58,9 +58,9 @@ TORCH_LIBRARY(pagedserve, m) {
     m.def((std::string(name) + "(Tensor x, Tensor blocks, Tensor? bias) -> Tensor").c_str(), fn);
   }
   m.def("file_blocks_int8_isa", &pagedserve::file_blocks_int8_isa);
-  // the same file: Q8_0's larger batches on AMX's int8 tiles
-  m.def("q8_0_file_amx_gemm(Tensor x, Tensor blocks, Tensor? bias) -> Tensor",
-        &pagedserve::q8_0_file_amx_gemm);
+  // the same file: larger batches on AMX's int8 tiles
+  m.def("file_blocks_amx_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
+        &pagedserve::file_blocks_amx_gemm);
   m.def("amx_int8_granted", &pagedserve::amx_int8_granted);
   // cpu_matvec_file_blocks.cpp: a GGUF's blocks' larger batches, and their values
   m.def("file_blocks_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",

@@ -16,10 +16,11 @@
 // x @ dequantize(W).T is that of x's rounding: at most d / 2 a value, so per block
 // |sum(w (x - x~))| <= d / 2 * sum|w|.
 //
-// Q8_0's larger batches (q8_0_file_amx_gemm, any rows) take AMX's int8 tiles where the host
-// has them and the kernel grants them (amx_int8_granted): per block of 32, one tile product
-// per plane of 16 weight rows by 16 rows of x, its int32 sums then scaled in float32 as
-// above; the same arithmetic as the matvec's two planes.
+// Larger batches (file_blocks_amx_gemm, any rows) take AMX's int8 tiles where the host has
+// them and the kernel grants them (amx_int8_granted): 16 weight rows unpacked once into
+// bytes (the row kernels' unpacking), then per sub-block (a half, for Q6_K's scale per 16)
+// one tile product per plane of x for every 16 rows of x, the int32 sums scaled in float32
+// as above; the same arithmetic as the matvecs' two planes.
 //
 // Chosen at run time: on an AVX-512 VNNI host (avx512vnni and avx512vl) each 32 byte
 // products are one vpdpbusd, on other AVX2 hosts maddubs then madd (AVX2's int16 pair sums,
@@ -40,6 +41,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -198,32 +200,44 @@ bool amx_granted() {
 constexpr int64_t kTile = 16;  // weight rows, and rows of x, of one tile product
 constexpr int64_t kPlaneTile = 512;  // bytes of one plane of a sub-block as tile B
 
-// tmm0: A, 16 weight rows x one sub-block's 32 bytes (read from the file's blocks in place);
-// tmm1, tmm2: B, x's two planes of that sub-block for 16 rows of x (8 rows of 16 x 4
-// bytes); tmm3, tmm4: C, their int32 sums, 16 x 16.
+// tmm0: A, 16 weight rows x a sub-block's 32 bytes (or a half's 16: K); tmm1, tmm2: B, x's
+// two planes of it for 16 rows of x (K / 4 rows of 16 x 4 bytes); tmm3, tmm4: C, their
+// int32 sums, 16 x 16.
 struct alignas(64) TileConfig {
+  explicit TileConfig(int k) {
+    colsb[0] = static_cast<uint16_t>(k);
+    rows[1] = rows[2] = static_cast<uint8_t>(k / 4);
+  }
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {32, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 8, 8, 16, 16};
 };
 
 // x's planes as tiles B, per (tile of 16 rows of x, sub-block, plane): B[kk][4 n + j] =
-// q[row n][4 kk + j]; and each sub-block's 16 scales d. Rows past x's end: zeros.
+// q[row n][4 kk + j] (a half's tile: rows 4 h .. 4 h + 3); per (tile, sub-block) the 16
+// rows' d, and per (tile, sub-block, half) d times the half's sum of 254 q0 + q1. Rows
+// past x's end: zeros.
 struct PackedX {
   std::vector<int8_t> tiles;
-  std::vector<float> d;
+  std::vector<float> d, offsets;
 };
 
 PackedX pack_x(const Activations& a, int64_t row_tiles) {
   PackedX packed{std::vector<int8_t>(row_tiles * a.subs * 2 * kPlaneTile, 0),
-                 std::vector<float>(row_tiles * a.subs * kTile, 0.f)};
+                 std::vector<float>(row_tiles * a.subs * kTile, 0.f),
+                 std::vector<float>(row_tiles * a.subs * 2 * kTile, 0.f)};
   at::parallel_for(0, row_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t k = 0; k < a.subs; ++k) {
+        const int64_t tk = t * a.subs + k;
         for (int64_t n = 0; n < kTile && t * kTile + n < a.rows; ++n) {
-          packed.d[(t * a.subs + k) * kTile + n] = a.d[(t * kTile + n) * a.subs + k];
+          const int64_t rk = (t * kTile + n) * a.subs + k;
+          packed.d[tk * kTile + n] = a.d[rk];
+          for (int h = 0; h < 2; ++h) {
+            packed.offsets[(2 * tk + h) * kTile + n] = a.d[rk] * a.sums[2 * rk + h];
+          }
           for (int p = 0; p < 2; ++p) {
-            int8_t* tile = packed.tiles.data() + ((t * a.subs + k) * 2 + p) * kPlaneTile;
+            int8_t* tile = packed.tiles.data() + (2 * tk + p) * kPlaneTile;
             const int8_t* q = a.plane(p, t * kTile + n, k);
             for (int kk = 0; kk < 8; ++kk) std::memcpy(tile + 64 * kk + 4 * n, q + 4 * kk, 4);
           }
@@ -235,46 +249,106 @@ PackedX pack_x(const Activations& a, int64_t row_tiles) {
 }
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,amx-tile,amx-int8")
 namespace amx {
 
-// Weight rows [16 g0, 16 g1) (Q8_0 blocks, row_bytes apart) against every tile of x: y's
-// columns there, plus bias.
+// 16 weight rows as a panel: each sub-block's bytes q (vnni's unpacking: w = s q + o per
+// half) as tile A [sub-block][16 rows][32], its scales and offsets [sub-block][half][16].
+struct Panel {
+  std::vector<int8_t> q;
+  std::vector<float> s, o;
+  explicit Panel(int64_t subs)
+      : q(subs * kTile * 32), s(subs * 2 * kTile), o(subs * 2 * kTile) {}
+
+  void put(const vnni::Sub& sub, int64_t m, int64_t k) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + (k * kTile + m) * 32), sub.q);
+    s[2 * k * kTile + m] = sub.s0;
+    s[(2 * k + 1) * kTile + m] = sub.s1;
+    o[2 * k * kTile + m] = sub.o0;
+    o[(2 * k + 1) * kTile + m] = sub.o1;
+  }
+};
+
+template <class U>
+void unpack_group(const uint8_t* w, int64_t row_bytes, int64_t subs, Panel& panel) {
+  for (int64_t m = 0; m < kTile; ++m) {
+    const uint8_t* row = w + m * row_bytes;
+    if constexpr (U::kSubs == 1) {
+      for (int64_t k = 0; k < subs; ++k) panel.put(U::unpack(row + k * U::kBytes), m, k);
+    } else {
+      vnni::Sub unpacked[U::kSubs];
+      for (int64_t b = 0; b < subs / U::kSubs; ++b) {
+        U::unpack_all(row + b * U::kBytes, unpacked);
+        for (int64_t j = 0; j < U::kSubs; ++j) panel.put(unpacked[j], m, b * U::kSubs + j);
+      }
+    }
+  }
+}
+
+// Weight rows [16 g0, 16 g1) (blocks of U, row_bytes apart) against every tile of x: y's
+// columns there, plus bias. Per sub-block (or half, for U::kHalves) and plane one tile
+// product; then acc[m] += (254 C0 + C1)[m] s[m] d + o[m] d S. Q8_0's bytes are read in
+// place (tile A straight from the blocks, row_bytes apart), the others' unpacked first.
+template <class U>
 void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
                  int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
                  int64_t g1) {
-  const TileConfig config;
+  constexpr bool kInPlace = std::is_same_v<U, vnni::Q8_0>;
+  constexpr int kHalves = U::kHalves ? 2 : 1;
+  const TileConfig config(32 / kHalves);
   _tile_loadconfig(&config);
   alignas(64) int32_t first[kTile * kTile], second[kTile * kTile];
   alignas(64) float out[kTile * kTile];
+  Panel panel(kInPlace ? 1 : subs);
+  float scales[kTile];
   const int64_t row_tiles = (rows + kTile - 1) / kTile;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = w + g * kTile * row_bytes;
+    if constexpr (!kInPlace) unpack_group<U>(group, row_bytes, subs, panel);
     for (int64_t t = 0; t < row_tiles; ++t) {
       __m512 acc[kTile];
       for (auto& v : acc) v = _mm512_setzero_ps();
       for (int64_t k = 0; k < subs; ++k) {
-        const uint8_t* block = group + k * 34;
-        const int8_t* b = x.tiles.data() + (t * subs + k) * 2 * kPlaneTile;
-        _tile_loadd(0, block + 2, row_bytes);
-        _tile_loadd(1, b, 64);
-        _tile_loadd(2, b + kPlaneTile, 64);
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_dpbssd(3, 0, 1);
-        _tile_dpbssd(4, 0, 2);
-        _tile_stored(3, first, 64);
-        _tile_stored(4, second, 64);
-        // C[m][n] of each plane: weight row m's sub-block times x row n's; x ~ d (254 q0 + q1)
-        const __m512 dx = _mm512_loadu_ps(x.d.data() + (t * subs + k) * kTile);
-        for (int64_t m = 0; m < kTile; ++m) {
-          const __m512i sum = _mm512_add_epi32(
-              _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m), _mm512_set1_epi32(254)),
-              _mm512_load_si512(second + kTile * m));
-          uint16_t bits;
-          std::memcpy(&bits, block + m * row_bytes, 2);
-          const __m512 scale = _mm512_mul_ps(dx, _mm512_set1_ps(_cvtsh_ss(bits)));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[m]);
+        const int64_t tk = t * subs + k;
+        const __m512 dx = _mm512_loadu_ps(x.d.data() + tk * kTile);
+        for (int h = 0; h < kHalves; ++h) {
+          const int8_t* b = x.tiles.data() + 2 * tk * kPlaneTile + 256 * h;
+          const float* s = scales;
+          const float* o = scales;  // (no offsets in place: Q8_0's are 0)
+          if constexpr (kInPlace) {
+            const uint8_t* block = group + k * U::kBytes;
+            _tile_loadd(0, block + 2, row_bytes);
+            for (int64_t m = 0; m < kTile; ++m) {
+              scales[m] = vnni::half_of(block + m * row_bytes);
+            }
+          } else {
+            _tile_loadd(0, panel.q.data() + k * kTile * 32 + 16 * h, 32);
+            s = panel.s.data() + (2 * k + h) * kTile;
+            o = panel.o.data() + (2 * k + h) * kTile;
+          }
+          _tile_loadd(1, b, 64);
+          _tile_loadd(2, b + kPlaneTile, 64);
+          _tile_zero(3);
+          _tile_zero(4);
+          _tile_dpbssd(3, 0, 1);
+          _tile_dpbssd(4, 0, 2);
+          _tile_stored(3, first, 64);
+          _tile_stored(4, second, 64);
+          const float* offsets = x.offsets.data() + 2 * tk * kTile;
+          const __m512 dsum = kHalves == 2
+              ? _mm512_loadu_ps(offsets + h * kTile)
+              : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
+          for (int64_t m = 0; m < kTile; ++m) {
+            const __m512i sum = _mm512_add_epi32(
+                _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m),
+                                   _mm512_set1_epi32(254)),
+                _mm512_load_si512(second + kTile * m));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                     _mm512_mul_ps(dx, _mm512_set1_ps(s[m])), acc[m]);
+            if constexpr (!kInPlace) {
+              acc[m] = _mm512_fmadd_ps(dsum, _mm512_set1_ps(o[m]), acc[m]);
+            }
+          }
         }
       }
       for (int64_t m = 0; m < kTile; ++m) _mm512_store_ps(out + kTile * m, acc[m]);
@@ -289,21 +363,50 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
   _tile_release();
 }
 
+void groups(Type type, const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
+            int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
+            int64_t g1) {
+  switch (type) {
+    case Type::q4_k:
+      return gemm_groups<vnni::Q4_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    case Type::q5_k:
+      return gemm_groups<vnni::Q5_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    case Type::q6_k:
+      return gemm_groups<vnni::Q6_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    case Type::q4_0:
+      return gemm_groups<vnni::Q4_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    case Type::q5_0:
+      return gemm_groups<vnni::Q5_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    case Type::q5_1:
+      return gemm_groups<vnni::Q5_1>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+    default:
+      return gemm_groups<vnni::Q8_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
+  }
+}
+
 }  // namespace amx
 #pragma GCC pop_options
 #endif
 
-at::Tensor q8_0_amx_product(const at::Tensor& x, const at::Tensor& blocks,
-                            const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "q8_0_file_amx_gemm";
+at::Tensor amx_product(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "file_blocks_amx_gemm";
+  TORCH_CHECK(kind >= 0 && kind < pagedserve::blocks::kNumTypes, op,
+              ": kind 0..6 (Q4_K, Q5_K, Q6_K, Q4_0, Q5_0, Q5_1, Q8_0)");
+  const Type type = static_cast<Type>(kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
               ": x must be float32 [n, in] with contiguous columns");
   const int64_t out_features = blocks.dim() == 2 ? blocks.size(0) : 0;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.stride(1) == 1 &&
-                  blocks.stride(0) == blocks.size(1) && x.size(1) % 32 == 0 &&
-                  blocks.size(1) == x.size(1) / 32 * 34 && out_features % kTile == 0,
-              op, ": blocks must be contiguous uint8 [out, in / 32 * 34] (Q8_0, in a multiple "
-              "of 32, out of 16)");
+  pagedserve::blocks::with_format(type, [&](auto format) {
+    using F = decltype(format);
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
+                    blocks.stride(1) == 1 && blocks.stride(0) == blocks.size(1) &&
+                    x.size(1) % F::kWeights == 0 &&
+                    blocks.size(1) == x.size(1) / F::kWeights * F::kBytes &&
+                    out_features % kTile == 0,
+                op, ": blocks must be contiguous uint8 [out, in / ", F::kWeights, " * ",
+                F::kBytes, "] (in a multiple of ", F::kWeights, ", out of 16)");
+  });
   TORCH_CHECK(!bias.has_value() ||
                   (bias->dim() == 1 && bias->size(0) == out_features &&
                    bias->scalar_type() == at::kFloat && bias->is_contiguous()),
@@ -319,8 +422,8 @@ at::Tensor q8_0_amx_product(const at::Tensor& x, const at::Tensor& blocks,
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
   at::parallel_for(0, out_features / kTile, 4, [&](int64_t begin, int64_t end) {
-    amx::gemm_groups(w, blocks.size(1), packed, a.subs, a.rows, b, out, out_features, begin,
-                     end);
+    amx::groups(type, w, blocks.size(1), packed, a.subs, a.rows, b, out, out_features, begin,
+                end);
   });
   return y;
 #else
@@ -382,12 +485,12 @@ std::string file_blocks_int8_isa() {
 
 namespace pagedserve {
 
-// x [n, in] float32 (any n), blocks [out, in / 32 * 34] uint8 (Q8_0 as the file has them,
-// out a multiple of 16): [n, out] float32, on AMX's int8 tiles (two planes of x, as the
-// matvecs above). Refused where amx_int8_granted() is false.
-at::Tensor q8_0_file_amx_gemm(const at::Tensor& x, const at::Tensor& blocks,
-                              const std::optional<at::Tensor>& bias) {
-  return q8_0_amx_product(x, blocks, bias);
+// x [n, in] float32 (any n), blocks of `kind` (block_formats.h's Type) as the matvecs above
+// take them, out a multiple of 16: [n, out] float32, on AMX's int8 tiles (the matvecs' two
+// planes of x). Refused where amx_int8_granted() is false.
+at::Tensor file_blocks_amx_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                const std::optional<at::Tensor>& bias) {
+  return amx_product(x, blocks, kind, bias);
 }
 
 // Whether this host has AMX's int8 tiles and the kernel granted this process their state.

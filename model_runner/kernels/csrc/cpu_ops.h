@@ -97,8 +97,8 @@ at::Tensor q5_1_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
 at::Tensor q8_0_file_int8_matvec(const at::Tensor& x, const at::Tensor& blocks,
                                  const std::optional<at::Tensor>& bias);
 std::string file_blocks_int8_isa();
-at::Tensor q8_0_file_amx_gemm(const at::Tensor& x, const at::Tensor& blocks,
-                              const std::optional<at::Tensor>& bias);
+at::Tensor file_blocks_amx_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                                const std::optional<at::Tensor>& bias);
 bool amx_int8_granted();
 
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
