@@ -366,22 +366,10 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
 void groups(Type type, const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
             int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
             int64_t g1) {
-  switch (type) {
-    case Type::q4_k:
-      return gemm_groups<vnni::Q4_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    case Type::q5_k:
-      return gemm_groups<vnni::Q5_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    case Type::q6_k:
-      return gemm_groups<vnni::Q6_K>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    case Type::q4_0:
-      return gemm_groups<vnni::Q4_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    case Type::q5_0:
-      return gemm_groups<vnni::Q5_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    case Type::q5_1:
-      return gemm_groups<vnni::Q5_1>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-    default:
-      return gemm_groups<vnni::Q8_0>(w, row_bytes, x, subs, rows, bias, y, out_features, g0, g1);
-  }
+  vnni::with_unpacking(type, [&](auto unpacking) {
+    gemm_groups<decltype(unpacking)>(w, row_bytes, x, subs, rows, bias, y, out_features, g0,
+                                     g1);
+  });
 }
 
 }  // namespace amx

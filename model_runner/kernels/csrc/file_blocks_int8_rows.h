@@ -238,17 +238,25 @@ void rows_of(const uint8_t* blocks, int64_t row_bytes, const Activations& a, con
   }
 }
 
+// fn(U{}), U the unpacking of `type`'s blocks.
+template <class Fn>
+inline void with_unpacking(Type type, Fn&& fn) {
+  switch (type) {
+    case Type::q4_k: return fn(Q4_K{});
+    case Type::q5_k: return fn(Q5_K{});
+    case Type::q6_k: return fn(Q6_K{});
+    case Type::q4_0: return fn(Q4_0{});
+    case Type::q5_0: return fn(Q5_0{});
+    case Type::q5_1: return fn(Q5_1{});
+    default: return fn(Q8_0{});
+  }
+}
+
 // Output rows [begin, end) of y = x @ W.T + bias, W in blocks of `type`.
 void output_rows(Type type, const uint8_t* blocks, int64_t row_bytes, const Activations& a,
                  const float* bias, float* y, int64_t out_features, int64_t begin,
                  int64_t end) {
-  switch (type) {
-    case Type::q4_k: return rows_of<Q4_K>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    case Type::q5_k: return rows_of<Q5_K>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    case Type::q6_k: return rows_of<Q6_K>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    case Type::q4_0: return rows_of<Q4_0>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    case Type::q5_0: return rows_of<Q5_0>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    case Type::q5_1: return rows_of<Q5_1>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-    default: return rows_of<Q8_0>(blocks, row_bytes, a, bias, y, out_features, begin, end);
-  }
+  with_unpacking(type, [&](auto unpacking) {
+    rows_of<decltype(unpacking)>(blocks, row_bytes, a, bias, y, out_features, begin, end);
+  });
 }
