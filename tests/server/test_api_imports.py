@@ -1,8 +1,8 @@
 """The API process imports neither torch nor transformers (~250 MB and ~1.5 s of every
-start): its app built for a real GGUF (the default model's, its config and tokenizer folder
-written at this first start, in a fresh cache) and a chat request served through it (chat
-template, tokenizer, grammar, detokenizer) leave both out of sys.modules. The engine core,
-a process of its own, imports them."""
+start): `pagedserve serve`'s check for a GPU, its app built for a real GGUF (the default
+model's, its config and tokenizer folder written at this first start, in a fresh cache)
+and a chat request served through it (chat template, tokenizer, grammar, detokenizer)
+leave both out of sys.modules. The engine core, a process of its own, imports them."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ from engine.client import start_engine
 from model_runner.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from server.app import build_app
+from server.cli import _has_cuda
 from server.config import ServerConfig
 
+_has_cuda("auto")  # the serve command's defaults for a GPU, asked of torch in a child
 engine = start_engine(ModelConfig(num_kv_blocks=64), SchedulerConfig(),
                       simulate_step_ms=1.0).wait()
 body = {"model": engine.info.model_name, "max_tokens": 3,
