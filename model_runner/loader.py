@@ -39,6 +39,7 @@ from model_runner.tokenizer_files import TokenizerFiles
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with what the server needs to talk about it."""
