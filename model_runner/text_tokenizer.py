@@ -38,14 +38,14 @@ class TextTokenizer:
             config_file = folder / "tokenizer_config.json"
             config: dict[str, Any] = (json.loads(config_file.read_text())
                                       if config_file.is_file() else {})
-        except (OSError, ValueError, Exception) as e:  # tokenizers raises plain Exception
+        except Exception as e:  # OSError, ValueError, or tokenizers' plain Exception
             raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from e
         backend.no_truncation()
         backend.no_padding()
         self.special_tokens_map = {name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES
                                    if _content(config.get(name)) is not None}
-        extra = [_content(t) for t in config.get("extra_special_tokens")
-                 or config.get("additional_special_tokens") or ()]
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+        extra = [_content(t) for t in (extra.values() if isinstance(extra, dict) else extra or ())]
         _add_missing_special_tokens(backend, [*self.special_tokens_map.values(), *extra])
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.backend_tokenizer = backend
@@ -76,8 +76,10 @@ class TextTokenizer:
         if token is None:
             return None
         found = self.backend_tokenizer.token_to_id(token)
-        return self.token_id(self.special_tokens_map.get("unk_token")) if found is None and (
-            token != self.special_tokens_map.get("unk_token")) else found
+        unknown = self.special_tokens_map.get("unk_token")
+        if found is None and unknown is not None:
+            found = self.backend_tokenizer.token_to_id(unknown)
+        return None if found is None else int(found)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -112,21 +114,20 @@ class TextTokenizer:
         """The template text to render, chosen as transformers' `get_chat_template` does."""
         own = self.chat_template
         if isinstance(own, dict):
-            if chat_template is not None and chat_template in own:
-                return own[chat_template]
-            if chat_template is None:
-                if tools is not None and "tool_use" in own:
-                    return own["tool_use"]
-                if "default" in own:
-                    return own["default"]
-                raise ValueError("This model has multiple chat templates with no default "
-                                 f"specified; its template names are {sorted(own)}.")
-        if chat_template is None:
-            if own is None:
-                raise ValueError("Cannot use chat template functions because the tokenizer "
-                                 "has no chat template and no template was passed.")
-            return own
-        return chat_template
+            if chat_template is not None:
+                return own.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in own:
+                return own["tool_use"]
+            if "default" in own:
+                return own["default"]
+            raise ValueError("This model has multiple chat templates with no default "
+                             f"specified; its template names are {sorted(own)}.")
+        if chat_template is not None:
+            return chat_template
+        if own is None:
+            raise ValueError("Cannot use chat template functions because the tokenizer has no "
+                             "chat template and no template was passed.")
+        return own
 
 
 def load_tokenizer(folder: Path) -> Any:
