@@ -397,7 +397,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _serve_on(listener: socket.socket, configs: ServeConfigs, tenants: TenantRegistry) -> int:
     """Load the model and serve on `listener` (bound) until SIGTERM/SIGINT."""
-    # NOTE: imported here so that `pagedserve bench` and --help need no torch.
+    # NOTE: imported here so that `pagedserve bench` and --help import no engine.
     from engine.client import EngineClient, create_engine, start_engine
     from engine.core_client import EngineStartError
     from engine.core_process import freeze_startup_objects
