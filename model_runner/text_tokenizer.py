@@ -29,8 +29,8 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 class TextTokenizer:
     """tokenizer.json and tokenizer_config.json of `folder`, read-only once loaded (no
-    truncation or padding, so that threads share one: a copy of a 262k-token tokenizer is
-    ~300 MB); picklable (template worker processes get a copy)."""
+    truncation or padding, so that threads share one: a 262k-token tokenizer holds ~100 MB,
+    ~300 MB while it loads); picklable (template worker processes get a copy)."""
 
     def __init__(self, folder: Path) -> None:
         try:
@@ -44,8 +44,9 @@ class TextTokenizer:
         backend.no_padding()
         self.special_tokens_map = {name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES
                                    if _content(config.get(name)) is not None}
-        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
-        extra = [_content(t) for t in (extra.values() if isinstance(extra, dict) else extra or ())]
+        listed = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+        extra = [_content(t) for t in (listed.values() if isinstance(listed, dict)
+                                       else listed or ())]
         _add_missing_special_tokens(backend, [*self.special_tokens_map.values(), *extra])
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.backend_tokenizer = backend
