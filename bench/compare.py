@@ -76,7 +76,7 @@ def server_in_tree(cmd: list[str], port: int, log: Path, tree: Path | None = Non
 
 def model_file(args: argparse.Namespace) -> Path:
     """The GGUF every system serves: --model, or the default model's."""
-    from model_runner.loader import default_gguf_path
+    from model_runner.model_source import default_gguf_path
 
     return args.model or default_gguf_path()
 

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.core import EngineCore, Runner
@@ -39,7 +40,9 @@ from engine.outputs import EngineDeadError, RequestStream
 from engine.request import EngineRequest
 from kvcache.config import CacheConfig
 from model_runner.config import ModelConfig
-from model_runner.loader import ModelSpec, load_model_spec, resolve_model_folder
+from model_runner.model_source import resolve_model_folder
+from model_runner.served_config import read_config_json, served_eos_token_ids
+from model_runner.text_tokenizer import load_tokenizer
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 from structured.compiler import build_ll_tokenizer, fast_tokenizer_json
@@ -109,8 +112,8 @@ class EngineClient:
         self.metrics = metrics or ServerMetrics(info.model_name)
         if info.cache_config is not None:
             self.metrics.set_cache_config(info.cache_config)
-        # NOTE: one tokenizer for the handlers' threads and the output processor: the
-        # loader's is read-only (model_runner/loader.py `_load_tokenizer`)
+        # NOTE: one tokenizer for the handlers' threads and the output processor: it is
+        # read-only (model_runner/text_tokenizer.py)
         self._processor = OutputProcessor(info.tokenizer, self.metrics, stream_interval,
                                           client.send)
         self._client = client
@@ -338,35 +341,39 @@ def start_engine(
     and builds the matching scheduler; see `build_core_parts`); `EngineStart.wait` gives
     the engine once the core is ready.
 
-    The tokenizer (and its grammar tokenizer) loads here while the core loads the model;
-    a GGUF's config and tokenizer folder is written first, by this process alone.
+    The tokenizer (and its grammar tokenizer) loads here while the core loads the model,
+    from the model's folder alone (no torch or transformers here for a folder with a
+    tokenizer.json); a GGUF's config and tokenizer folder is written first, once.
     `core_name` and `num_threads` are for data parallelism (engine/data_parallel.py);
     `grammar_step_timeout_s` is the steps' grammar-mask deadline (--grammar-step-timeout-s).
     NOTE: call it on the thread that will outlive the core (the main thread): the core
     dies with the thread that started it (PR_SET_PDEATHSIG).
     """
-    resolve_model_folder(model_config.model)
+    folder, _ = resolve_model_folder(model_config.model)
     client = ProcessCoreClient(CoreConfig(
         model_config, scheduler_config, enable_prefix_caching, served_model_name,
         simulate_step_ms, log_level, num_threads, core_name, grammar_step_timeout_s,
     ))
     try:
-        spec = load_model_spec(model_config)
-        grammar_tokenizer = _grammar_tokenizer(spec)
+        tokenizer = load_tokenizer(folder)
+        grammar_tokenizer = _grammar_tokenizer(folder, tokenizer)
     except BaseException:
         client.kill()
         raise
-    return EngineStart(client, spec.tokenizer, grammar_tokenizer, step_timeout_s,
+    return EngineStart(client, tokenizer, grammar_tokenizer, step_timeout_s,
                        stream_interval, ready_timeout_s)
 
 
-def _grammar_tokenizer(spec: ModelSpec) -> Any:
-    """llguidance's tokenizer of the model, for the grammars compiled in this process;
-    None where llguidance cannot read it (the core then turns structured outputs off)."""
+def _grammar_tokenizer(folder: Path, tokenizer: Any) -> Any:
+    """llguidance's tokenizer of the model in `folder`, for the grammars compiled in this
+    process (the vocabulary size and EOS ids the core reads); None where llguidance cannot
+    read it (the core then turns structured outputs off)."""
+    config = read_config_json(folder)
+    eos_token_ids = served_eos_token_ids(folder, config, tokenizer.eos_token_id)
     try:
-        return build_ll_tokenizer(fast_tokenizer_json(spec.tokenizer),
-                                  int(spec.hf_config.vocab_size), sorted(spec.eos_token_ids))
-    except ValueError:
+        return build_ll_tokenizer(fast_tokenizer_json(tokenizer), int(config["vocab_size"]),
+                                  sorted(eos_token_ids))
+    except (ValueError, KeyError):
         return None
 
 

@@ -34,7 +34,7 @@ from engine.messages import (
     command_encoder,
     output_decoder,
 )
-from model_runner.distributed.tp_workers import WORKER_DIED_EXIT_CODE
+from model_runner.process_lifetime import WORKER_DIED_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

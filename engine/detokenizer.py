@@ -1,10 +1,11 @@
 """Incremental detokenization with stop strings.
 
-A Hugging Face fast tokenizer decodes each new token once, with tokenizers'
-`DecodeStream` (primed with the prompt's last tokens). Any other tokenizer decodes a
-short window per token (a few already-read ones for context, so that tokenizers that
-drop a leading space when decoding a lone token still get it right) and emits only the
-new text. Text is held back while:
+A tokenizer on the `tokenizers` library (the served one, model_runner/text_tokenizer.py,
+or transformers' fast one) decodes each new token once, with its `DecodeStream` (primed
+with the prompt's last tokens). Any other tokenizer decodes a short window per token (a
+few already-read ones for context, so that tokenizers that drop a leading space when
+decoding a lone token still get it right) and emits only the new text. Text is held back
+while:
 - it ends in U+FFFD: a multi-byte character split across tokens is not complete yet;
 - its tail could be the start of a stop string: it is sent once that is ruled out.
 A matched stop string and everything after it are never sent (with

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from model_runner.lora_adapters import AdapterError
-from model_runner.lora_layers import ReadyAdapter
 from scheduler.lora_slots import LoRASlots
+
+if TYPE_CHECKING:
+    from model_runner.lora_layers import ReadyAdapter
 
 
 class LoRAHolder(Protocol):
@@ -89,6 +90,9 @@ class LoRALoader:
                 return None
             if known:
                 return f"The LoRA adapter {name!r} has already been loaded."
+            # NOTE: here, in the core only: the API process imports this module, not torch
+            from model_runner.lora_adapters import AdapterError
+
             try:
                 holder.check(name, path)
             except AdapterError as exc:

@@ -31,7 +31,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import hashlib
 import json
 import logging
 import math
@@ -61,6 +60,7 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
+from model_runner.gguf_cache import cache_root, metadata_folder_path
 from model_runner.gguf_metadata import fast_reading
 from model_runner.kernels.block_quant import FILE_BLOCK_FORMS
 from model_runner.models.registry import model_class
@@ -75,11 +75,6 @@ KERNEL_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.Q4_1,
 # the types whose blocks are handed from the file to the kernels as they are (a matrix the
 # model packs on the CPU: `keep_blocks`)
 FILE_BLOCK_TYPES = frozenset(GGMLQuantizationType[kind.upper()] for kind in FILE_BLOCK_FORMS)
-
-
-def cache_root() -> Path:
-    """Where a GGUF's config and tokenizer are kept: $PAGEDSERVE_CACHE or ~/.cache/pagedserve."""
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
 def models_dir() -> Path:
@@ -97,10 +92,7 @@ def metadata_folder(gguf: Path) -> Path:
     leaves nothing behind. ValueError for a file transformers cannot read or we cannot
     serve, and for a cache folder that cannot be written (saying what to do).
     """
-    stat = gguf.stat()
-    key = hashlib.sha256(
-        f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{METADATA_VERSION}".encode())
-    folder = cache_root() / f"{gguf.stem}-meta-{key.hexdigest()[:12]}"
+    folder = metadata_folder_path(gguf)
     if (folder / "config.json").is_file():
         return folder
     logger.info("reading the config and tokenizer of %s into %s (once)", gguf, folder)
@@ -157,8 +149,6 @@ def _write_metadata(gguf: Path, out: Path) -> None:
 
 
 NAMES_FILE = "gguf_names.json"  # in the metadata folder: GGUF tensor name -> Hugging Face's
-# what the metadata folder's contents are as of: a folder written before says less
-METADATA_VERSION = 2
 # The tokens that end a turn in the chat templates of the common families. A GGUF names
 # one EOS (Gemma 3's is <eos>, while its template ends each turn with <end_of_turn>, which
 # is what the model says when done): a chat would run on past its answer to max_tokens.

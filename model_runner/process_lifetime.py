@@ -8,6 +8,9 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# the engine core's exit status after one of its tensor-parallel workers died (read by the
+# API process, which imports no worker code)
+WORKER_DIED_EXIT_CODE = 3
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -48,7 +48,7 @@ class Serving(Admission):
     def __init__(self, engine: EngineClient | DataParallelEngine, config: ServerConfig) -> None:
         super().__init__(engine, config)
         # NOTE: one tokenizer for the event loop, the tokenizer thread and the render
-        # threads: the loader's is read-only (model_runner/loader.py `_load_tokenizer`)
+        # threads: it is read-only (model_runner/text_tokenizer.py)
         self.tokenizer = engine.info.tokenizer
         # NOTE: tokenizing and chat templates run off the event loop, so that a huge prompt
         # stalls no other stream nor /health

@@ -43,14 +43,13 @@ from model_runner.distributed.tp_plan import BlockTables, PlanWriter
 from model_runner.loader import LoadedModel, load_model, load_model_spec, resolve_device
 from model_runner.lora_layers import LoRAModel
 from model_runner.models.registry import model_class
-from model_runner.process_lifetime import die_with_parent
+from model_runner.process_lifetime import WORKER_DIED_EXIT_CODE, die_with_parent
 from model_runner.runner import ModelRunner
 from scheduler.output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 10.0
-WORKER_DIED_EXIT_CODE = 3  # the engine core's exit status after a worker died
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def default_tokenizer():
     """The default model's tokenizer (from the folder the server converted the GGUF to)."""
     from transformers import AutoTokenizer
 
-    from model_runner.loader import resolve_model_folder
+    from model_runner.model_source import resolve_model_folder
 
     folder, _ = resolve_model_folder(None)
     return AutoTokenizer.from_pretrained(folder)

@@ -23,7 +23,8 @@ import pytest
 
 from model_runner.config import ModelConfig
 from model_runner.gguf_file import cache_root, models_dir
-from model_runner.loader import default_gguf_path, load_model_spec
+from model_runner.loader import load_model_spec
+from model_runner.model_source import default_gguf_path
 from tests.support.gguf_parity import FileParity, file_parity
 from tests.support.gguf_q8_0 import write_q8_0
 

@@ -78,7 +78,7 @@ def test_local_completions_matches_the_hf_model(server, task_folder, monkeypatch
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
-    from model_runner.loader import default_gguf_path, resolve_model_folder
+    from model_runner.model_source import default_gguf_path, resolve_model_folder
 
     # NOTE: lm-eval's own tasks left out: indexing them takes most of a minute
     tasks = TaskManager(include_path=str(task_folder), include_defaults=False)

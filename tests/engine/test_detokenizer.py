@@ -99,13 +99,13 @@ def test_special_tokens_are_skipped() -> None:
 
 
 def test_real_tokenizer_spaces_and_accents_round_trip() -> None:
-    transformers = pytest.importorskip("transformers")
-    from model_runner.gguf_file import cache_root
+    from model_runner.gguf_cache import cache_root
+    from model_runner.text_tokenizer import TextTokenizer
 
     folders = sorted(cache_root().glob("**/tokenizer.json")) if cache_root().exists() else []
     if not folders:
         pytest.skip("no converted default model in the cache")
-    tok = transformers.AutoTokenizer.from_pretrained(folders[0].parent)
+    tok = TextTokenizer(folders[0].parent)  # the served tokenizer
     text = " Hello there, naïve café – ça va? 日本 🙂"
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, tok.encode("Say:", add_special_tokens=False), ())
@@ -114,15 +114,15 @@ def test_real_tokenizer_spaces_and_accents_round_trip() -> None:
     assert "".join(deltas) + detok.flush() == tok.decode(ids)
 
 
-def test_a_fast_tokenizer_decodes_each_token_once() -> None:
+def test_the_served_tokenizer_decodes_each_token_once() -> None:
     """DecodeStream: no full decode per step (the windowed path decoded twice per token)."""
-    transformers = pytest.importorskip("transformers")
-    from model_runner.gguf_file import cache_root
+    from model_runner.gguf_cache import cache_root
+    from model_runner.text_tokenizer import TextTokenizer
 
     folders = sorted(cache_root().glob("**/tokenizer.json")) if cache_root().exists() else []
     if not folders:
         pytest.skip("no converted default model in the cache")
-    tok = transformers.AutoTokenizer.from_pretrained(folders[0].parent)
+    tok = TextTokenizer(folders[0].parent)  # the served tokenizer
     text = " Streaming, token by token: naïve 日本 🙂 and a stop here."
     ids = tok.encode(text, add_special_tokens=False)
     calls = []

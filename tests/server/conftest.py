@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from model_runner.chat_jinja import render_chat
 from server.app import build_app
 from server.config import ServerConfig
 from server.limits import RequestLimits
@@ -19,20 +20,19 @@ from tests.support.structured_helpers import MaskedRandomRunner, make_structured
 
 
 class JinjaTokenizer(ByteTokenizer):
-    """The byte tokenizer with a real (transformers) jinja chat template; picklable, so a
-    template worker can render with it."""
+    """The byte tokenizer with a real jinja chat template (rendered as the served tokenizer
+    renders one: model_runner/chat_jinja.py); picklable, so a template worker can render
+    with it."""
 
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template(
-            [messages], chat_template=chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **kwargs)
-        return str(rendered[0])
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            **kwargs: Any) -> str:
+        return render_chat(chat_template or self.chat_template, messages, tools=tools,
+                           documents=None, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=False, variables=kwargs)
 
 
 @pytest.fixture
