@@ -18,6 +18,10 @@ Memory: one compile holds what those limits allow (tens of MB at most, while it 
 cache holds at most `cache_size` grammars and `cache_bytes` of their estimated memory
 (`grammar_cost`), the least recently used going first: a stream of distinct costly
 grammars cannot pile up. (A request's own copy of its matcher is freed with the request.)
+
+The tokenizer may still be building (the engine core's, built on the compile thread while
+the core is already serving: ~1-3 s for a 262k-token vocabulary): a compile then waits for
+it, and a tokenizer that failed to build fails every compile with its ValueError.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import ctypes
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -81,23 +86,36 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        tokenizer: llguidance.LLTokenizer,
+        tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer],
         num_threads: int = 1,
         cache_size: int = DEFAULT_CACHE_SIZE,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
+        """`tokenizer`: llguidance's tokenizer, or a function that builds it, called on
+        the compile thread first (the compiler is ready at once; its compiles wait for the
+        tokenizer, and a ValueError of the build is every compile's)."""
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
-        self.tokenizer = tokenizer
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="grammar-compile"
         )
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer]
+        if isinstance(tokenizer, llguidance.LLTokenizer):
+            self._tokenizer = concurrent.futures.Future()
+            self._tokenizer.set_result(tokenizer)
+        else:
+            self._tokenizer = self._pool.submit(tokenizer)
         self._cache: OrderedDict[str, concurrent.futures.Future[LLMatcher]] = OrderedDict()
         self._costs: dict[str, int] = {}  # the cached compiled grammars' estimated memory
         self._lock = threading.Lock()
         self.num_compiles = 0  # grammars compiled (cache misses)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer (waits while it builds; raises its build's ValueError)."""
+        return self._tokenizer.result()
 
     @property
     def vocab_size(self) -> int:
