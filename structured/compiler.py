@@ -19,9 +19,10 @@ cache holds at most `cache_size` grammars and `cache_bytes` of their estimated m
 (`grammar_cost`), the least recently used going first: a stream of distinct costly
 grammars cannot pile up. (A request's own copy of its matcher is freed with the request.)
 
-The tokenizer may still be building (the engine core's, built on the compile thread while
-the core is already serving: ~1-3 s for a 262k-token vocabulary): a compile then waits for
-it, and a tokenizer that failed to build fails every compile with its ValueError.
+The tokenizer may be built on first use (the engine core's: on the compile thread, at the
+first compile, ~1-3 s and ~150-250 MB for a 262k-token vocabulary, which a server never
+asked for a grammar does not pay): the compiles wait for it, and a tokenizer that failed
+to build fails every compile with its ValueError.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class GrammarCompiler:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         """`tokenizer`: llguidance's tokenizer, or a function that builds it, called on
-        the compile thread first (the compiler is ready at once; its compiles wait for the
-        tokenizer, and a ValueError of the build is every compile's)."""
+        the compile thread at the first compile (which waits for it, as do the compiles
+        after it; a ValueError of the build is every compile's)."""
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
         self.cache_size = cache_size
@@ -101,12 +102,13 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="grammar-compile"
         )
-        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer]
+        self._build: Callable[[], llguidance.LLTokenizer] | None = None
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer] = (
+            concurrent.futures.Future())
         if isinstance(tokenizer, llguidance.LLTokenizer):
-            self._tokenizer = concurrent.futures.Future()
             self._tokenizer.set_result(tokenizer)
         else:
-            self._tokenizer = self._pool.submit(tokenizer)
+            self._build = tokenizer
         self._cache: OrderedDict[str, concurrent.futures.Future[LLMatcher]] = OrderedDict()
         self._costs: dict[str, int] = {}  # the cached compiled grammars' estimated memory
         self._lock = threading.Lock()
@@ -114,8 +116,18 @@ class GrammarCompiler:
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        """The tokenizer (waits while it builds; raises its build's ValueError)."""
+        """The tokenizer (built first if it was not; waits while it builds; raises its
+        build's ValueError)."""
+        with self._lock:
+            self._start_build()
         return self._tokenizer.result()
+
+    def _start_build(self) -> None:
+        """Start building the tokenizer on the compile thread, unless it was started (the
+        caller holds the lock)."""
+        if self._build is not None:
+            self._tokenizer = self._pool.submit(self._build)
+            self._build = None
 
     @property
     def vocab_size(self) -> int:
@@ -138,6 +150,7 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(grammar)
                 return future
+            self._start_build()
             future = self._pool.submit(self._compile, grammar)
             self._cache[grammar] = future
             self.num_compiles += 1

@@ -289,13 +289,21 @@ def test_core_reports_a_grammar_that_fails_to_compile() -> None:
     assert not core.has_work
 
 
-def test_a_request_before_the_grammar_tokenizer_is_built_waits_for_it() -> None:
-    """The core's grammar tokenizer builds after the core is ready: a constrained request
-    that comes sooner waits for it (no KV block, no error) while others run, then is
-    answered within its grammar."""
-    built = threading.Event()
-    structured = StructuredOutputs(GrammarCompiler(lambda: (built.wait(), byte_ll_tokenizer())[1]))
+def test_the_grammar_tokenizer_is_built_for_the_first_constrained_request() -> None:
+    """The core's grammar tokenizer is built at the first constrained request, which waits
+    for it (no KV block, no error) while others run, then is answered within its
+    grammar; a server never asked for a grammar never builds it."""
+    built, builds = threading.Event(), []
+
+    def build() -> Any:
+        builds.append(built.wait())
+        return byte_ll_tokenizer()
+
+    structured = StructuredOutputs(GrammarCompiler(build))
     core = _core(structured)
+    core.apply(AddRequests([NewRequest(request_id="plain", prompt_token_ids=[1, 2],
+                                       sampling_params=SamplingParams(max_tokens=4))]))
+    assert _run(core)["plain"][1] == "length" and not builds
     params = SamplingParams(max_tokens=20, grammar=choice_grammar(["red", "green"]))
     core.apply(AddRequests([
         NewRequest(request_id="early", prompt_token_ids=[1, 2], sampling_params=params),
@@ -306,7 +314,7 @@ def test_a_request_before_the_grammar_tokenizer_is_built_waits_for_it() -> None:
     assert structured.num_compiling == 1 and core.scheduler.kv_cache.usage == 0
     built.set()
     token_ids, finish = _run(core)["early"]
-    assert finish == "stop" and _text(token_ids) in ("red", "green")
+    assert finish == "stop" and _text(token_ids) in ("red", "green") and builds == [True]
 
 
 def test_a_grammar_tokenizer_that_fails_to_build_fails_constrained_requests_only() -> None:
