@@ -21,7 +21,7 @@ from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
-from model_runner.models.rope import rope_inv_freq
+from model_runner.models.rope import RopeAngles, rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -398,3 +398,15 @@ def test_two_byte_kv_cache_is_for_float32_models_on_the_cpu():
         kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
         ModelConfig(kv_cache_dtype="int8")
+
+
+def test_rope_of_a_steps_positions_is_a_full_tables_rows() -> None:
+    """The cos and sin computed for a step's positions (no table of every position kept)
+    are, bit for bit, the rows of the table of every position: the values the parity
+    tests hold against Hugging Face, whatever the step's size."""
+    inv_freq = rope_inv_freq(SimpleNamespace(rope_parameters={"rope_theta": 1e6}), 256)
+    table = torch.outer(torch.arange(32768, dtype=torch.float32), inv_freq)
+    rope = RopeAngles(inv_freq, 1.0, torch.float32)
+    for positions in (torch.arange(32768), torch.tensor([7]), torch.randint(0, 32768, (19,))):
+        cos, sin = rope(positions)
+        assert torch.equal(cos, table.cos()[positions]) and torch.equal(sin, table.sin()[positions])
