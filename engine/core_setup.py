@@ -35,7 +35,7 @@ def build_core_parts(
     served_model_name: str | None = None,
     simulate_step_ms: float | None = None,
     grammar_step_timeout_s: float | None = None,
-) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo, StructuredOutputs | None]:
+) -> tuple[Scheduler, ModelRunner | SimulatedRunner, CoreInfo, StructuredOutputs]:
     """Load the model (with `simulate_step_ms`, only its config and tokenizer, for a
     SimulatedRunner), size the KV cache and build the scheduler that matches it. With
     model_config.tensor_parallel_size > 1 this process is rank 0 and the other ranks'
@@ -85,7 +85,7 @@ def build_core_parts(
         loras=None if lora is None else dict(lora.modules),
     )
     structured = _structured_outputs(model.tokenizer, info, grammar_step_timeout_s)
-    info.structured_outputs = structured is not None
+    info.structured_outputs = True
     return scheduler, runner, info, structured
 
 
@@ -149,14 +149,22 @@ def _load_loras(
 
 def _structured_outputs(
     tokenizer: Any, info: CoreInfo, step_timeout_s: float | None
-) -> StructuredOutputs | None:
-    """Grammar state on the model's tokenizer (or its files); None (constrained requests
-    then fail) when llguidance cannot read the tokenizer (it needs a fast one)."""
-    try:
-        tokenizer_json = (tokenizer.llguidance_json() if isinstance(tokenizer, TokenizerFiles)
-                          else fast_tokenizer_json(tokenizer))
-        ll_tokenizer = build_ll_tokenizer(tokenizer_json, info.vocab_size, info.eos_token_ids)
-    except ValueError as exc:
-        logger.warning("structured outputs are off: %s", exc)
-        return None
-    return StructuredOutputs(GrammarCompiler(ll_tokenizer), step_timeout_s)
+) -> StructuredOutputs:
+    """Grammar state on the model's tokenizer (or its files). Its llguidance tokenizer
+    builds on the compile thread at the first constrained request, which waits for it
+    (~1-3 s and ~150-250 MB for a 262k-token vocabulary, off the start and out of a server
+    never asked for a grammar; NOTE: the build holds the GIL, the steps wait with it).
+    Where llguidance cannot read the tokenizer (it needs a fast one), constrained requests
+    fail, naming why (the API process, which reads the same tokenizer, refuses them
+    first)."""
+
+    def build() -> Any:
+        try:
+            tokenizer_json = (tokenizer.llguidance_json() if isinstance(tokenizer, TokenizerFiles)
+                              else fast_tokenizer_json(tokenizer))
+            return build_ll_tokenizer(tokenizer_json, info.vocab_size, info.eos_token_ids)
+        except ValueError as exc:
+            logger.warning("structured outputs are off: %s", exc)
+            raise ValueError(f"structured outputs are not available: {exc}") from exc
+
+    return StructuredOutputs(GrammarCompiler(build), step_timeout_s)

@@ -129,7 +129,7 @@ def load_model(
     model.load_weights(_iter_safetensors(spec.folder) if spec.gguf is None
                        else gguf_weights(spec.gguf, hf_config, read_hf_names(spec.folder),
                                          keep_blocks=packs and cpu_kernels_available()))
-    model.init_rope_cache(max_model_len)
+    model.init_rope(max_model_len)
     model.eval()
     if packs:
         model.pack_weights(config.weight_dtype)

@@ -75,6 +75,10 @@ def resolve_model_folder(model: str | None) -> tuple[Path, str]:
                 folder = pool.submit(_write_metadata_folder, path).result()
         except BrokenProcessPool as e:  # killed (out of memory) or crashed
             raise ValueError(f"cannot read GGUF file {path}: the process reading it died") from e
+        except (ValueError, OSError):
+            raise
+        except Exception as e:  # a file that is not the GGUF it says (struct, key errors)
+            raise ValueError(f"cannot read GGUF file {path}: {e!r}") from e
     return folder, served_name
 
 

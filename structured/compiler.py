@@ -18,6 +18,11 @@ Memory: one compile holds what those limits allow (tens of MB at most, while it 
 cache holds at most `cache_size` grammars and `cache_bytes` of their estimated memory
 (`grammar_cost`), the least recently used going first: a stream of distinct costly
 grammars cannot pile up. (A request's own copy of its matcher is freed with the request.)
+
+The tokenizer may be built on first use (the engine core's: on the compile thread, at the
+first compile, ~1-3 s and ~150-250 MB for a 262k-token vocabulary, which a server never
+asked for a grammar does not pay): the compiles wait for it, and a tokenizer that failed
+to build fails every compile with its ValueError.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import ctypes
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -81,23 +87,47 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        tokenizer: llguidance.LLTokenizer,
+        tokenizer: llguidance.LLTokenizer | Callable[[], llguidance.LLTokenizer],
         num_threads: int = 1,
         cache_size: int = DEFAULT_CACHE_SIZE,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
+        """`tokenizer`: llguidance's tokenizer, or a function that builds it, called on
+        the compile thread at the first compile (which waits for it, as do the compiles
+        after it; a ValueError of the build is every compile's)."""
         if cache_size < 1:
             raise ValueError("cache_size must be >= 1")
-        self.tokenizer = tokenizer
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
         self._pool = concurrent.futures.ThreadPoolExecutor(
             num_threads, thread_name_prefix="grammar-compile"
         )
+        self._build: Callable[[], llguidance.LLTokenizer] | None = None
+        self._tokenizer: concurrent.futures.Future[llguidance.LLTokenizer] = (
+            concurrent.futures.Future())
+        if isinstance(tokenizer, llguidance.LLTokenizer):
+            self._tokenizer.set_result(tokenizer)
+        else:
+            self._build = tokenizer
         self._cache: OrderedDict[str, concurrent.futures.Future[LLMatcher]] = OrderedDict()
         self._costs: dict[str, int] = {}  # the cached compiled grammars' estimated memory
         self._lock = threading.Lock()
         self.num_compiles = 0  # grammars compiled (cache misses)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer (built first if it was not; waits while it builds; raises its
+        build's ValueError)."""
+        with self._lock:
+            self._start_build()
+        return self._tokenizer.result()
+
+    def _start_build(self) -> None:
+        """Start building the tokenizer on the compile thread, unless it was started (the
+        caller holds the lock)."""
+        if self._build is not None:
+            self._tokenizer = self._pool.submit(self._build)
+            self._build = None
 
     @property
     def vocab_size(self) -> int:
@@ -120,6 +150,7 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(grammar)
                 return future
+            self._start_build()
             future = self._pool.submit(self._compile, grammar)
             self._cache[grammar] = future
             self.num_compiles += 1

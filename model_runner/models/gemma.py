@@ -40,7 +40,7 @@ from model_runner.models.decode_stack import (
 )
 from model_runner.models.layers import MLP, Attention, RMSNorm
 from model_runner.models.llama import LlamaForCausalLM
-from model_runner.models.rope import rope_inv_freq
+from model_runner.models.rope import RopeAngles, rope_inv_freq
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -171,7 +171,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().__init__(config, tp)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self.rope_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ropes: dict[str, RopeAngles] = {}  # by rope key, once `init_rope` sets them
 
     def make_layer(
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
@@ -179,20 +179,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         layer_types = config.layer_types or ["full_attention"] * config.num_hidden_layers
         return GemmaDecoderLayer(config, self.head_dim, layer_types[layer_id], tp)
 
-    def init_rope_cache(self, max_positions: int) -> None:
-        """cos and sin [max_positions, D / 2] of each RoPE the layers use."""
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        positions = torch.arange(max_positions, dtype=torch.float32)
+    def init_rope(self, max_positions: int) -> None:
+        """Each RoPE the layers use (no attention factor; `max_positions` picks nothing)."""
+        weight = self.embed_tokens.weight
         for key in {layer.rope_key for layer in self.layers}:
             params = self.config.rope_parameters
             params = params[key] if key != DEFAULT_ROPE else params
             inv_freq = rope_inv_freq(SimpleNamespace(rope_parameters=params), self.head_dim)
-            freqs = torch.outer(positions, inv_freq)
-            # NOTE: computed in float32 and cast to the model dtype, as Hugging Face does.
-            self.rope_caches[key] = (
-                freqs.cos().to(device=device, dtype=dtype),
-                freqs.sin().to(device=device, dtype=dtype),
-            )
+            self.ropes[key] = RopeAngles(inv_freq.to(weight.device), 1.0, weight.dtype)
 
     def forward(
         self,
@@ -203,8 +197,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, H]."""
-        ropes = {key: (cos[positions], sin[positions]) for key, (cos, sin) in
-                 self.rope_caches.items()}  # [T, D / 2] each
+        ropes = {key: rope(positions) for key, rope in self.ropes.items()}  # [T, D / 2] each
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
         if self.decode_stack is not None and self.runs_decode_stack(meta, x, attn, ops):

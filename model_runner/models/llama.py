@@ -41,7 +41,7 @@ from model_runner.models.decode_stack import (
     form_of,
 )
 from model_runner.models.layers import MLP, Attention, Linear, RMSNorm, dropped, is_first
-from model_runner.models.rope import rope_cache, rotary_dim
+from model_runner.models.rope import RopeAngles, rotary_dim
 from model_runner.models.sliding_windows import layer_windows
 from model_runner.models.weights import FileBlocks, WeightSource, read
 
@@ -97,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family decoder over a paged KV cache.
 
     Build it (cheaply under `torch.device("meta")`), move it with `to_empty`, then call
-    `load_weights` and `init_rope_cache`. `forward` returns the final-norm hidden states of
+    `load_weights` and `init_rope`. `forward` returns the final-norm hidden states of
     every token; `compute_logits` applies the LM head to the rows that sample.
     With `tp`, this rank's shard of the model (see the module docstring); `num_kv_heads`
     is then this rank's.
@@ -150,8 +150,7 @@ class LlamaForCausalLM(nn.Module):
         # the embedding table left in a GGUF's blocks (no float32 table): the lookup
         # dequantizes the rows it gathers, a tied LM head runs on the same blocks
         self.embedding_blocks: GGUFBlocks | None = None
-        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        self.rope: RopeAngles | None = None  # once `init_rope` sets it
 
     def make_layer(
         self, config: PretrainedConfig, layer_id: int, tp: TensorParallel | None
@@ -174,13 +173,11 @@ class LlamaForCausalLM(nn.Module):
         experts overrides it)."""
         return MLP(config, tp)
 
-    def init_rope_cache(self, max_positions: int) -> None:
-        """Precompute cos and sin for positions 0..max_positions-1 on the model's device."""
-        cos, sin = rope_cache(self.config, self.rotary_dim, max_positions)  # [positions, R / 2]
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
-        # NOTE: computed in float32 and cast to the model dtype, as Hugging Face does.
-        self.cos_cache = cos.to(device=device, dtype=dtype)
-        self.sin_cache = sin.to(device=device, dtype=dtype)
+    def init_rope(self, max_positions: int) -> None:
+        """The RoPE of a context of `max_positions`, on the model's device and dtype."""
+        weight = self.embed_tokens.weight
+        self.rope = RopeAngles.of(self.config, self.rotary_dim, max_positions, weight.device,
+                                  weight.dtype)
 
     def forward(
         self,
@@ -191,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states after the final norm: [T, H]."""
-        cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # [T, R / 2]
+        assert self.rope is not None, "init_rope first"
+        cos, sin = self.rope(positions)  # [T, R / 2]
         x = self.embed(input_ids)  # [T, H]
         ops = self.layer_ops(attn, x.dtype)
         if self.decode_stack is not None and self.runs_decode_stack(meta, x, attn, ops):

@@ -1,5 +1,6 @@
 """Rotary position embeddings read from a Hugging Face config: the settings, the inverse
-frequencies of each supported RoPE type, the cos/sin table and the rotation itself."""
+frequencies of each supported RoPE type, the cos/sin of a step's positions and the
+rotation itself."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def rope_inv_freq(config: PretrainedConfig, dim: int, long: bool = False) -> tor
     width `dim`; ValueError for an unsupported type.
 
     LongRoPE has two sets, for positions below and from `original_max_position_embeddings`:
-    the short one, or the long one with `long` (see rope_cache).
+    the short one, or the long one with `long` (see RopeAngles.of).
     """
     params = rope_parameters(config)
     rope_type = params["rope_type"]
@@ -150,22 +151,40 @@ def _yarn_mscale(params: dict[str, Any], factor: float) -> float:
     return mscale(factor)
 
 
-def rope_cache(
-    config: PretrainedConfig, dim: int, max_positions: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, dim / 2] (float32) for positions 0..max_positions-1.
+class RopeAngles:
+    """cos and sin [T, R / 2] of a step's positions, computed for them as Hugging Face
+    computes them (float32: positions times inverse frequencies, times the attention
+    factor), then cast to the model's dtype: no table of every position (Gemma 3's two
+    RoPEs at 32k positions held 64 MiB; a 128k-context Llama's one, 64 MiB too)."""
 
-    NOTE: LongRoPE takes its long factors when the context (`max_positions`, the served
-    max_model_len) reaches past `original_max_position_embeddings`, else the short ones,
-    for every position, as vLLM does. Hugging Face picks by each sequence's length, and
-    recomputes the whole sequence when it grows past: a paged cache cannot, so its
-    short-factor answers are served with `--max-model-len` at most the original length.
-    """
-    long = max_positions > _original_max_positions(config)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(config, dim, long))  # [max_positions, dim / 2]
-    scale = _attention_factor(config)
-    return freqs.cos() * scale, freqs.sin() * scale
+    def __init__(self, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+        self.inv_freq = inv_freq  # [R / 2] float32, on the model's device
+        self.scale = scale
+        self.dtype = dtype
+
+    @classmethod
+    def of(
+        cls, config: PretrainedConfig, dim: int, max_positions: int, device: torch.device,
+        dtype: torch.dtype,
+    ) -> RopeAngles:
+        """The config's RoPE for a rotary width `dim` and a context of `max_positions`.
+
+        NOTE: LongRoPE takes its long factors when the context (`max_positions`, the served
+        max_model_len) reaches past `original_max_position_embeddings`, else the short ones,
+        for every position, as vLLM does. Hugging Face picks by each sequence's length, and
+        recomputes the whole sequence when it grows past: a paged cache cannot, so its
+        short-factor answers are served with `--max-model-len` at most the original length.
+        """
+        long = max_positions > _original_max_positions(config)
+        inv_freq = rope_inv_freq(config, dim, long).to(device)
+        return cls(inv_freq, _attention_factor(config), dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)  # [T, R / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos.mul_(self.scale), sin.mul_(self.scale)
+        return cos.to(self.dtype), sin.to(self.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

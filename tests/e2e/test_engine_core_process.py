@@ -203,3 +203,14 @@ def test_preemption_storm_across_the_boundary_loses_no_token(sim_server) -> None
     metrics = httpx.get(f"{sim_server.url}/metrics").text
     assert json.dumps(state)  # JSON all the way through
     assert "pagedserve_num_preemptions_total" in metrics
+
+
+def test_the_core_process_imports_none_of_the_api(sim_server) -> None:
+    """The core is spawned without the API's main module (server.cli, FastAPI, pydantic,
+    uvicorn: ~0.7 s of its start and ~25 MB it would keep): pydantic's compiled core is
+    mapped in the API process, not in the engine core."""
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "_pydantic_core" in maps(sim_server.pid)
+    assert "_pydantic_core" not in maps(core_pid(sim_server))

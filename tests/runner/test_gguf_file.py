@@ -184,7 +184,7 @@ def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConf
     model = model.to_empty(device="cpu")
     model.load_weights(gguf_weights(path, hf_config, hf_names(hf_config, "llama"),
                                     keep_blocks=True))
-    model.init_rope_cache(128)
+    model.init_rope(128)
     model.eval().pack_weights("auto")
     return model, hf, hf_config
 

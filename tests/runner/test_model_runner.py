@@ -7,8 +7,10 @@ through the loader, and driven by the minimal engine loop of tests/support/model
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,12 +18,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from model_runner import gguf_file, kv_cache
+from model_runner import gguf_file, kv_cache, model_source
 from model_runner.block_tables import BlockTables
 from model_runner.config import ModelConfig
 from model_runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from model_runner.loader import load_model
-from model_runner.models.rope import rope_inv_freq
+from model_runner.models.rope import RopeAngles, rope_inv_freq
 from model_runner.runner import ModelRunner, prepare_inputs
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -309,6 +311,42 @@ def test_a_full_disk_while_a_gguf_metadata_is_kept_is_one_clear_error(tmp_path, 
     assert (folder / "config.json").read_text() == "{}"
 
 
+class InProcessPool:
+    """concurrent.futures' pool API, each call run at once in this process."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> InProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def submit(self, fn: Callable[..., object], *args: object
+               ) -> concurrent.futures.Future[object]:
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+def test_a_corrupt_gguf_at_start_exits_1_naming_it(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from server.cli import main
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")  # the magic, then nothing: read in the metadata child
+    with caplog.at_level(logging.INFO):
+        assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
+    (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"cannot read GGUF file {gguf}" in error.getMessage() and error.exc_info is None
+
+
 def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplog):
     import logging
 
@@ -322,6 +360,8 @@ def test_a_full_disk_at_start_exits_1_with_one_line(tmp_path, monkeypatch, caplo
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(gguf_file, "_write_metadata", full_disk)
+    # the metadata child's work in this process, where the patch holds
+    monkeypatch.setattr(model_source, "ProcessPoolExecutor", InProcessPool)
     with caplog.at_level(logging.INFO):
         assert main(["serve", "--model", str(gguf), "--port", "0", "--device", "cpu"]) == 1
     (error,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -398,3 +438,15 @@ def test_two_byte_kv_cache_is_for_float32_models_on_the_cpu():
         kv_cache_dtype("float16", torch.float32, torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
         ModelConfig(kv_cache_dtype="int8")
+
+
+def test_rope_of_a_steps_positions_is_a_full_tables_rows() -> None:
+    """The cos and sin computed for a step's positions (no table of every position kept)
+    are, bit for bit, the rows of the table of every position: the values the parity
+    tests hold against Hugging Face, whatever the step's size."""
+    inv_freq = rope_inv_freq(SimpleNamespace(rope_parameters={"rope_theta": 1e6}), 256)
+    table = torch.outer(torch.arange(32768, dtype=torch.float32), inv_freq)
+    rope = RopeAngles(inv_freq, 1.0, torch.float32)
+    for positions in (torch.arange(32768), torch.tensor([7]), torch.randint(0, 32768, (19,))):
+        cos, sin = rope(positions)
+        assert torch.equal(cos, table.cos()[positions]) and torch.equal(sin, table.sin()[positions])

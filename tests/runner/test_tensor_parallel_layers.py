@@ -49,7 +49,7 @@ def build(folder: Path, tp: TensorParallel | None, weight_dtype: str | None) -> 
         model = model_class(config)(config, tp)
     model = model.to_empty(device="cpu")
     model.load_weights(_iter_safetensors(folder))
-    model.init_rope_cache(64)
+    model.init_rope(64)
     if weight_dtype is not None:
         model.pack_weights(weight_dtype)
     return model.eval()
@@ -101,7 +101,8 @@ def check_layers(tp: TensorParallel, folder: Path) -> None:
 def attention(model: LlamaForCausalLM, x: torch.Tensor) -> torch.Tensor:
     """Layer 0's attention over a fresh cache: one prefill of the rows of x."""
     meta, cache, attn, positions = _prefill(model)
-    cos, sin = model.cos_cache[positions], model.sin_cache[positions]
+    assert model.rope is not None
+    cos, sin = model.rope(positions)
     return model.layers[0].self_attn(x, cos, sin, meta, cache.layers[0], attn)
 
 

@@ -56,3 +56,33 @@ def test_the_eos_token_is_read_as_transformers_reads_it(tmp_path: Path, eos_toke
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     expected = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True).eos_token_id
     assert TokenizerFiles(tmp_path).eos_token_id == expected
+
+
+@pytest.mark.parametrize("head_bytes", [64, 1 << 22])  # the added tokens cut, or whole
+@pytest.mark.parametrize("eos_token", ["<|im_end|>", "hello"])  # an added token, a word's
+def test_the_eos_token_is_found_wherever_the_head_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, head_bytes: int, eos_token: str
+) -> None:
+    """The core looks for the EOS token in the file's first MiBs, then in the whole file
+    (a word of the vocabulary, or added tokens longer than the head): the same id."""
+    source, _ = resolve_model_folder(None)
+    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
+    spec = json.loads((source / "tokenizer.json").read_text())
+    expected = next((t["id"] for t in spec["added_tokens"] if t["content"] == eos_token),
+                    spec["model"]["vocab"].get(eos_token))
+    monkeypatch.setattr("model_runner.tokenizer_files._HEAD_BYTES", head_bytes)
+    assert TokenizerFiles(tmp_path).eos_token_id == expected is not None
+
+
+def test_the_grammar_tokenizers_json_has_no_truncation_or_padding(tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation and padding set reaches llguidance without
+    them (as the API process's tokenizer, loaded with neither), its vocabulary whole."""
+    source, _ = resolve_model_folder(None)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    spec["truncation"] = {"max_length": 8, "strategy": "LongestFirst", "stride": 0,
+                          "direction": "Right"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    got = json.loads(TokenizerFiles(tmp_path).llguidance_json())
+    assert got["truncation"] is None and got["padding"] is None
+    assert got["model"] == spec["model"] and got["added_tokens"] == spec["added_tokens"]

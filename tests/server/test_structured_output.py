@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from typing import Any
 
 import jsonschema
 import numpy as np
@@ -28,7 +29,7 @@ from server.requests import CompletionRequest
 from server.structured_output import GrammarError, request_grammar
 from structured.compiler import GrammarCompiler
 from structured.grammars import choice_grammar, json_schema_grammar, regex_grammar
-from structured.matchers import GrammarState
+from structured.matchers import GrammarState, StructuredOutputs
 from tests.conftest import BYTE_EOS
 from tests.support.structured_helpers import (
     MaskedRandomRunner,
@@ -286,6 +287,50 @@ def test_core_reports_a_grammar_that_fails_to_compile() -> None:
     results = _run(core)
     assert not results or results["bad"][1].startswith("error")
     assert not core.has_work
+
+
+def test_the_grammar_tokenizer_is_built_for_the_first_constrained_request() -> None:
+    """The core's grammar tokenizer is built at the first constrained request, which waits
+    for it (no KV block, no error) while others run, then is answered within its
+    grammar; a server never asked for a grammar never builds it."""
+    built, builds = threading.Event(), []
+
+    def build() -> Any:
+        builds.append(built.wait())
+        return byte_ll_tokenizer()
+
+    structured = StructuredOutputs(GrammarCompiler(build))
+    core = _core(structured)
+    core.apply(AddRequests([NewRequest(request_id="plain", prompt_token_ids=[1, 2],
+                                       sampling_params=SamplingParams(max_tokens=4))]))
+    assert _run(core)["plain"][1] == "length" and not builds
+    params = SamplingParams(max_tokens=20, grammar=choice_grammar(["red", "green"]))
+    core.apply(AddRequests([
+        NewRequest(request_id="early", prompt_token_ids=[1, 2], sampling_params=params),
+        NewRequest(request_id="free", prompt_token_ids=[1, 2],
+                   sampling_params=SamplingParams(max_tokens=4))]))
+    early = _run(core, max_steps=20)
+    assert early["free"][1] == "length" and "early" not in early
+    assert structured.num_compiling == 1 and core.scheduler.kv_cache.usage == 0
+    built.set()
+    token_ids, finish = _run(core)["early"]
+    assert finish == "stop" and _text(token_ids) in ("red", "green") and builds == [True]
+
+
+def test_a_grammar_tokenizer_that_fails_to_build_fails_constrained_requests_only() -> None:
+    def build() -> Any:
+        raise ValueError("structured outputs are not available: no fast tokenizer")
+
+    core = _core(StructuredOutputs(GrammarCompiler(build)))
+    params = SamplingParams(max_tokens=10, grammar=regex_grammar("a+"))
+    core.apply(AddRequests([
+        NewRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=params),
+        NewRequest(request_id="free", prompt_token_ids=[1, 2],
+                   sampling_params=SamplingParams(max_tokens=4))]))
+    results = _run(core)
+    assert "no fast tokenizer" in (results["r"][1] or "") and results["free"][1] == "length"
+    core.scheduler.check_integrity()
+    assert core.scheduler.kv_cache.usage == 0
 
 
 def test_core_without_structured_outputs_fails_constrained_requests() -> None:
