@@ -30,6 +30,7 @@ from model_runner.config import ModelConfig
 from model_runner.kv_cache import KVCache, allocate_kv_cache, bytes_per_block
 from model_runner.loader import LoadedModel
 from model_runner.models.sliding_windows import model_window
+from model_runner.sampler import greedy
 from scheduler.output import ModelRunnerOutput, ScheduledRequest
 
 
@@ -118,7 +119,7 @@ class DraftModel:
             if steps:
                 inputs.input_ids = steps[-1][:len(batch)]  # the drafts just proposed
             hidden = self.forward(inputs)
-            steps.append(self.model.compute_logits(hidden).argmax(dim=-1))
+            steps.append(greedy(self.model.compute_logits(hidden)))
             batch = [replace(r, num_computed_tokens=r.num_computed_tokens + 1) for r in batch]
         flat = iter(torch.cat(steps).tolist())
         proposals: dict[str, list[int]] = {r.request_id: [] for r in order}

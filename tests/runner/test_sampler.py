@@ -227,3 +227,17 @@ def test_new_params_under_a_known_id_rewrite_its_row():
     row = request(penalised, output=[1], request_id="a")
     assert kept(logits.clone(), [row], [None]).token_ids == [2]
     assert kept.batch.num_rows == 1 and kept.batch.num_writes == 2
+
+
+def test_greedy_is_argmax_with_ties_to_the_first_on_every_path():
+    from model_runner.sampler import greedy
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 262144)
+    logits[:, 7] = logits[:, 70000] = logits[:, 262143] = 20.0  # three equal maxima
+    logits[3] = 1.0  # a row of one value: its first id
+    ids = greedy(logits)
+    assert torch.equal(ids, logits.argmax(dim=-1))
+    assert ids.tolist() == [7] * 3 + [0] + [7] * 12
+    small = torch.randint(0, 3, (64, 1000)).float()  # many ties
+    assert torch.equal(greedy(small), small.argmax(dim=-1))
