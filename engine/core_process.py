@@ -11,7 +11,6 @@ loading thread had opened OpenMP parallel regions, a CPU decode step was ~40% sl
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
@@ -34,6 +33,7 @@ from engine.messages import (
 from model_runner.config import ModelConfig
 from model_runner.process_lifetime import die_with_parent
 from scheduler.config import SchedulerConfig
+from structured.compiler import return_free_memory
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -67,10 +67,7 @@ def freeze_startup_objects() -> None:
     system."""
     gc.collect()
     gc.freeze()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    return_free_memory()
 
 
 def core_main(

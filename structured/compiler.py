@@ -54,7 +54,7 @@ def build_ll_tokenizer(
     The build's transient memory (the JSON's parse) is handed back to the system after."""
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                        eos_token=eos_token_ids)
-    _return_free_memory()
+    return_free_memory()
     return tokenizer
 
 
@@ -73,8 +73,9 @@ def fast_tokenizer_json(hf_tokenizer: Any) -> str:
     return str(backend.to_str())
 
 
-def _return_free_memory() -> None:
-    """glibc's free heap pages given back to the system (malloc_trim); nothing elsewhere."""
+def return_free_memory() -> None:
+    """glibc's free heap pages given back to the system (malloc_trim); nothing elsewhere
+    (the engine core's start-up, too: engine/core_process.py)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

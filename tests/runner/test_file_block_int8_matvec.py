@@ -64,17 +64,21 @@ def test_int8_activations_on_gguf_pys_dequantized_weights(
     for rows in range(1, MATVEC_MAX_ROWS + 1):
         x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
         x[0, :32] = 0  # a block of zeros: d_x = 0
-        rounded, half_step = quantized_activations(x)
         for b in (None, bias):
-            y = op(x, blocks, b).double()
-            offset = 0 if b is None else b.double()
-            # the kernel's own arithmetic: float32 sums of the rounded x's products
-            expected = rounded @ weight.T + offset
-            sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
-            assert (y - expected).abs().amax() <= sums
-            # and x's rounding is all that parts it from x @ W.T
-            bound = half_step @ weight.abs().T + sums
-            assert ((y - (x.double() @ weight.T + offset)).abs() <= bound).all()
+            assert_the_planes_arithmetic(op(x, blocks, b), x, weight, b)
+
+
+def assert_the_planes_arithmetic(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None) -> None:
+    """y, a kernel's x @ W.T + bias on x in two int8 planes, is its own arithmetic: float32
+    sums of the rounded x's products; and x's rounding is all that parts it from x @ W.T."""
+    rounded, half_step = quantized_activations(x)
+    y = y.double()
+    offset = 0 if bias is None else bias.double()
+    sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
+    assert (y - (rounded @ weight.T + offset)).abs().amax() <= sums
+    bound = half_step @ weight.abs().T + sums
+    assert ((y - (x.double() @ weight.T + offset)).abs() <= bound).all()
 
 
 def test_bad_shapes_are_refused_by_name() -> None:
@@ -163,14 +167,9 @@ def test_batches_on_amx_tiles_are_the_int8_planes_arithmetic(op_name: str) -> No
     for rows in (1, 4, 16, 37):
         x = torch.randn(rows, 2 * in_features)[:, :in_features]  # strided rows
         x[0, :32] = 0
-        rounded, half_step = quantized_activations(x)
         for b in (None, bias):
-            y = torch.ops.pagedserve.file_blocks_amx_gemm(x, blocks, code, b).double()
-            offset = 0 if b is None else b.double()
-            sums = 2e-6 * (rounded.abs() @ weight.abs().T).amax() + 1e-6
-            assert (y - (rounded @ weight.T + offset)).abs().amax() <= sums
-            assert ((y - (x.double() @ weight.T + offset)).abs()
-                    <= half_step @ weight.abs().T + sums).all()
+            assert_the_planes_arithmetic(
+                torch.ops.pagedserve.file_blocks_amx_gemm(x, blocks, code, b), x, weight, b)
         if rows <= MATVEC_MAX_ROWS:  # the matvec's numbers but for the order of the sums
             assert torch.allclose(torch.ops.pagedserve.file_blocks_amx_gemm(x, blocks, code, bias),
                                   getattr(torch.ops.pagedserve, op_name)(x, blocks, bias),

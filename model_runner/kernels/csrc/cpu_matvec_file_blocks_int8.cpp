@@ -138,12 +138,11 @@ bool has_vnni() {
 }
 #endif
 
-at::Tensor int8_product(const at::Tensor& x, const at::Tensor& blocks,
-                        const std::optional<at::Tensor>& bias, Type type, const char* op) {
-#if defined(PAGEDSERVE_FILE_INT8)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
-                  x.size(0) <= kMaxRows,
-              op, ": x must be float32 [n <= 8, in] with contiguous columns");
+// What both products ask of blocks (contiguous uint8 rows of `type`'s blocks for x's
+// width, out features a multiple of `out_multiple`) and of bias; `op` names the op.
+void check_blocks_and_bias(const at::Tensor& x, const at::Tensor& blocks,
+                           const std::optional<at::Tensor>& bias, Type type, const char* op,
+                           int64_t out_multiple) {
   const int64_t out_features = blocks.dim() == 2 ? blocks.size(0) : 0;
   TORCH_CHECK(!bias.has_value() ||
                   (bias->dim() == 1 && bias->size(0) == out_features &&
@@ -154,10 +153,23 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& blocks,
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
                     blocks.stride(1) == 1 && blocks.stride(0) == blocks.size(1) &&
                     x.size(1) % F::kWeights == 0 &&
-                    blocks.size(1) == x.size(1) / F::kWeights * F::kBytes,
+                    blocks.size(1) == x.size(1) / F::kWeights * F::kBytes &&
+                    out_features % out_multiple == 0,
                 op, ": blocks must be contiguous uint8 [out, in / ", F::kWeights, " * ",
-                F::kBytes, "] (in a multiple of ", F::kWeights, ")");
+                F::kBytes, "] (in a multiple of ", F::kWeights,
+                out_multiple > 1 ? ", out of " + std::to_string(out_multiple) : std::string(),
+                ")");
   });
+}
+
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& blocks,
+                        const std::optional<at::Tensor>& bias, Type type, const char* op) {
+#if defined(PAGEDSERVE_FILE_INT8)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  x.size(0) <= kMaxRows,
+              op, ": x must be float32 [n <= 8, in] with contiguous columns");
+  check_blocks_and_bias(x, blocks, bias, type, op, 1);
+  const int64_t out_features = blocks.size(0);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
   const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1));
@@ -299,7 +311,7 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
   _tile_loadconfig(&config);
   alignas(64) int32_t first[kTile * kTile], second[kTile * kTile];
   alignas(64) float out[kTile * kTile];
-  Panel panel(kInPlace ? 1 : subs);
+  Panel panel(kInPlace ? 0 : subs);  // (Q8_0's bytes and scales are read in place)
   float scales[kTile];
   const int64_t row_tiles = (rows + kTile - 1) / kTile;
   for (int64_t g = g0; g < g1; ++g) {
@@ -314,7 +326,6 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
         for (int h = 0; h < kHalves; ++h) {
           const int8_t* b = x.tiles.data() + 2 * tk * kPlaneTile + 256 * h;
           const float* s = scales;
-          const float* o = scales;  // (no offsets in place: Q8_0's are 0)
           if constexpr (kInPlace) {
             const uint8_t* block = group + k * U::kBytes;
             _tile_loadd(0, block + 2, row_bytes);
@@ -324,7 +335,6 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
           } else {
             _tile_loadd(0, panel.q.data() + k * kTile * 32 + 16 * h, 32);
             s = panel.s.data() + (2 * k + h) * kTile;
-            o = panel.o.data() + (2 * k + h) * kTile;
           }
           _tile_loadd(1, b, 64);
           _tile_loadd(2, b + kPlaneTile, 64);
@@ -334,10 +344,6 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
           _tile_dpbssd(4, 0, 2);
           _tile_stored(3, first, 64);
           _tile_stored(4, second, 64);
-          const float* offsets = x.offsets.data() + 2 * tk * kTile;
-          const __m512 dsum = kHalves == 2
-              ? _mm512_loadu_ps(offsets + h * kTile)
-              : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
           for (int64_t m = 0; m < kTile; ++m) {
             const __m512i sum = _mm512_add_epi32(
                 _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m),
@@ -345,7 +351,14 @@ void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t 
                 _mm512_load_si512(second + kTile * m));
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
                                      _mm512_mul_ps(dx, _mm512_set1_ps(s[m])), acc[m]);
-            if constexpr (!kInPlace) {
+          }
+          if constexpr (!kInPlace) {  // the offsets' part: o[m] d S (Q8_0 has none)
+            const float* o = panel.o.data() + (2 * k + h) * kTile;
+            const float* offsets = x.offsets.data() + 2 * tk * kTile;
+            const __m512 dsum = kHalves == 2
+                ? _mm512_loadu_ps(offsets + h * kTile)
+                : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
+            for (int64_t m = 0; m < kTile; ++m) {
               acc[m] = _mm512_fmadd_ps(dsum, _mm512_set1_ps(o[m]), acc[m]);
             }
           }
@@ -384,22 +397,9 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
   const Type type = static_cast<Type>(kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
               ": x must be float32 [n, in] with contiguous columns");
-  const int64_t out_features = blocks.dim() == 2 ? blocks.size(0) : 0;
-  pagedserve::blocks::with_format(type, [&](auto format) {
-    using F = decltype(format);
-    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
-                    blocks.stride(1) == 1 && blocks.stride(0) == blocks.size(1) &&
-                    x.size(1) % F::kWeights == 0 &&
-                    blocks.size(1) == x.size(1) / F::kWeights * F::kBytes &&
-                    out_features % kTile == 0,
-                op, ": blocks must be contiguous uint8 [out, in / ", F::kWeights, " * ",
-                F::kBytes, "] (in a multiple of ", F::kWeights, ", out of 16)");
-  });
-  TORCH_CHECK(!bias.has_value() ||
-                  (bias->dim() == 1 && bias->size(0) == out_features &&
-                   bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              op, ": bias must be float32 [out]");
+  check_blocks_and_bias(x, blocks, bias, type, op, 16);
 #if defined(PAGEDSERVE_AMX)
+  const int64_t out_features = blocks.size(0);
   TORCH_CHECK(amx_granted(), op, ": this host has no AMX int8 tiles granted "
               "(torch.ops.pagedserve.amx_int8_granted())");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
