@@ -2,8 +2,9 @@
 
 A few steps of the runner, made by hand on KV blocks that no request holds yet (the junk
 KV they write is overwritten by a request's own before it is ever read): decode steps of
-one row and of a batch at a short context and of a few rows at a long one, and a prefill
-chunk from a prompt's start and at a long context.
+one row and of a batch at a short context and of a few rows at a long one, a prefill
+chunk from a prompt's start and at a long context, and the batch with a short chunk
+beside it at each (what a chunk costs whatever its size).
 Each runs once untimed (first calls: allocations, kernel builds, graph replays set up),
 then `REPEATS` times timed; the model fitted to those times (scheduler/step_cost.py)
 becomes the scheduler's seed, so the slo policy plans the first requests with this
@@ -32,6 +33,7 @@ DECODE_CONTEXT = 64
 LONG_DECODES = 8  # rows at LONG_CONTEXT (or as long as the blocks allow): the per-key part
 PREFILL_TOKENS = 128
 LONG_CONTEXT = 1024  # a chunk's start: the per-key part apart from the per-token part
+SHORT_CHUNK = 32  # beside the batch: a chunk's own cost apart from its tokens'
 
 
 def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seqs: int,
@@ -49,7 +51,8 @@ def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seq
             start = time.perf_counter()
             runner.execute(plan)
             model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                          time.perf_counter() - start, work.decode_keys)
+                          time.perf_counter() - start, work.decode_keys,
+                          work.prefill_chunks, work.chunk_context)
     ids = sorted({r.request_id for _, plan in plans for r in plan.scheduled})
     runner.execute(SchedulerOutput(finished_ids=ids))  # the runner forgets them
     return model
@@ -77,11 +80,22 @@ def _plans(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int
         plans.append((work, SchedulerOutput([
             _chunk(f"calibration-decode-{context}-{i}", context, 1, block_size, i * per_row)
             for i in range(rows)])))
+    batch = min(max(DECODE_ROWS), most_rows)
+    chunk_blocks = num_blocks - batch * blocks_per_row
     for start in sorted({0, max(long_start, 0)}):
         work = StepWork()
         work.add_prefill(start, tokens)
         plans.append((work, SchedulerOutput(
             [_chunk(f"calibration-prefill-{start}", start, tokens, block_size, 0)])))
+        if chunk_blocks * block_size < start + SHORT_CHUNK:
+            continue
+        work = StepWork(num_decode_rows=batch, decode_keys=batch * (DECODE_CONTEXT + 1))
+        work.add_prefill(start, SHORT_CHUNK)
+        plans.append((work, SchedulerOutput([
+            *(_chunk(f"calibration-decode-{DECODE_CONTEXT}-{i}", DECODE_CONTEXT, 1,
+                     block_size, i * blocks_per_row) for i in range(batch)),
+            _chunk(f"calibration-chunk-{start}", start, SHORT_CHUNK, block_size,
+                   batch * blocks_per_row)])))
     return plans
 
 

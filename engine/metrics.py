@@ -155,8 +155,8 @@ SERIES = (
            "left no prefill room within their tightest TPOT target."),
     Series("step_cost", Gauge, "pagedserve_step_cost_seconds",
            "The fitted step-cost model: seconds per step, per decode row, per prefill "
-           "token, per key a prefill token attends to and per key a decode row attends "
-           "to.", ("part",)),
+           "token, per key a prefill token attends to, per key a decode row attends "
+           "to, per prompt chunk and per position of context before a chunk.", ("part",)),
     Series("lora_requests", Counter, "pagedserve_lora_requests",
            "Finished requests by the LoRA adapter they ran and finish reason.",
            ("lora_name", "finished_reason")),
@@ -423,7 +423,8 @@ class ServerMetrics:
     def set_step_cost(self, cost: tuple[float, ...], new_steps_over: int) -> None:
         """The fitted step-cost model, and the steps over their TPOT target since the
         last call."""
-        parts = ("fixed", "per_decode", "per_prefill", "per_prefill_key", "per_decode_key")
+        parts = ("fixed", "per_decode", "per_prefill", "per_prefill_key", "per_decode_key",
+                 "per_chunk", "per_chunk_context")
         for part, value in zip(parts, cost, strict=True):
             self._child("step_cost", part).set(value)
         if new_steps_over > 0:

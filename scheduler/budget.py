@@ -24,6 +24,8 @@ def prefill_cost(start: int, num_tokens: int, attention_cost_context: int) -> in
 
 def tokens_within(room: int, start: int, attention_cost_context: int) -> int:
     """The most tokens from position `start` whose prefill_cost fits in `room`."""
+    if room <= 0:
+        return 0
     k = attention_cost_context
     a = 1 + start / k  # cost(n) ~ a n + n^2 / (2 k): solve for n
     n = int(k * (math.sqrt(a * a + 2 * room / k) - a))
@@ -66,6 +68,10 @@ class StepBudget:
     decode_ids: set[str] = field(default_factory=set)
     prefill_room: int | None = None
     prefill_costs: dict[str, int] = field(default_factory=dict)
+    # what a prompt chunk costs against the room whatever its size, per chunk and per
+    # position of context before it (the slo policy's fit of the device; 0 otherwise)
+    chunk_units: float = 0.0
+    chunk_context_units: float = 0.0
     # speculative decoding: request id -> the draft tokens its decode verifies
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # draft-model speculation: request id -> the draft tokens to propose after the step
@@ -87,8 +93,9 @@ class StepBudget:
         if decode:
             self.decode_ids.add(request.request_id)
         elif self.prefill_room is not None:
-            cost = prefill_cost(request.num_computed_tokens, num_tokens,
-                                self.attention_cost_context)
+            start = request.num_computed_tokens
+            cost = prefill_cost(start, num_tokens, self.attention_cost_context)
+            cost += self.chunk_cost(start)
             self.prefill_costs[request.request_id] = cost
             self.prefill_room -= cost
 
@@ -108,15 +115,27 @@ class StepBudget:
         if self.prefill_room is not None:
             self.prefill_room += self.prefill_costs.pop(request.request_id, 0)
 
+    def chunk_cost(self, start: int) -> int:
+        """What a prompt chunk from position `start` costs against the room whatever its
+        size."""
+        return math.ceil(self.chunk_units + self.chunk_context_units * start)
+
     def has_prefill_room(self) -> bool:
-        return self.budget > 0 and (self.prefill_room is None or self.prefill_room > 0)
+        """Whether another prompt chunk may start: room left, beyond a chunk's own cost
+        once one chunk has the step's progress."""
+        if self.budget <= 0:
+            return False
+        if self.prefill_room is None:
+            return True
+        return self.prefill_room > (self.chunk_cost(0) if self.prefill_costs else 0)
 
     def prefill_tokens_left(self, start: int) -> int:
         """The most tokens a prefill from position `start` may compute in this step (at
         least 1 while there is room)."""
         if self.prefill_room is None:
             return self.budget
-        room = tokens_within(self.prefill_room, start, self.attention_cost_context)
+        room = tokens_within(self.prefill_room - self.chunk_cost(start), start,
+                             self.attention_cost_context)
         return min(self.budget, max(1, room))
 
     def admission_tokens(self, start: int, num_new: int) -> int:
@@ -127,7 +146,7 @@ class StepBudget:
             self.prefill_room is not None
             and num_new <= self.budget
             and prefill_cost(start, num_new, self.attention_cost_context)
-            <= self.prefill_room * self.whole_prompt_slack
+            + self.chunk_cost(start) <= self.prefill_room * self.whole_prompt_slack
         ):
             return num_new
         return min(num_new, self.prefill_tokens_left(start))

@@ -41,7 +41,7 @@ class SchedulerStats:
     # and the waiting requests refused once late (cumulative). NOTE: not compared: the
     # model changes with every step, and the engine core sends the stats only when they
     # change (`changed_stats`); the fit goes out with the next change instead.
-    step_cost: tuple[float, ...] = field(default=(0.0,) * 5, compare=False)
+    step_cost: tuple[float, ...] = field(default=(0.0,) * 7, compare=False)
     num_steps_over_tpot: int = 0
     num_rejected_late: int = 0
     # LoRA adapters of running requests, and of waiting ones (vllm:lora_requests_info)

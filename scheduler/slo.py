@@ -44,6 +44,15 @@ from scheduler.step_cost import Residuals, StepCost, StepCostModel, prompt_keys
 # default model on two CPU cores stray by 10-15% of a 100 ms target (planned to 90%, the
 # gap p99 of bench/slo.py --real was 100-112 ms; to 85%, 90-94 ms).
 PLAN_SHARE = 0.85
+# How a step's prefill work may grow past the last one whose decodes were on time, and
+# shrink after one that was not, staying below that for PREFILL_CEILING_STEPS steps: the
+# fit is linear and the device is not (beside 16 decodes of the default model, a chunk of
+# 48 tokens took 84 ms and one of 49 took 106: oneDNN runs 65 rows as 96), so the planner
+# feels its way up to the target as TCP does a link's capacity, and does not probe the
+# cliff it found again each step.
+PREFILL_GROWTH = 1.25
+PREFILL_SHRINK = 0.75
+PREFILL_CEILING_STEPS = 128
 # The quantile of the residuals a step is planned to: the inter-token p99 is the figure
 # a tpot target is held to, and the window's 2nd largest of 128 is about its 99th.
 PLAN_QUANTILE = 0.99
@@ -57,16 +66,20 @@ class StepWork:
     prefill_tokens: int = 0
     prefill_keys: int = 0  # the keys its prefill tokens attend to (step_cost.prompt_keys)
     decode_keys: int = 0  # the keys its decode rows attend to: their contexts
+    prefill_chunks: int = 0  # the prompts it computes positions of
+    chunk_context: int = 0  # the positions before each one's first in this step
 
     def add_prefill(self, start: int, num_tokens: int) -> None:
         """Prompt positions [start, start + num_tokens) computed in this step."""
         self.prefill_tokens += num_tokens
         self.prefill_keys += prompt_keys(start, num_tokens)
+        self.prefill_chunks += 1
+        self.chunk_context += start
 
     def seconds(self, cost: StepCost) -> float:
         """The step's predicted time under `cost`."""
         return cost.predict(self.num_decode_rows, self.prefill_tokens, self.prefill_keys,
-                            self.decode_keys)
+                            self.decode_keys, self.prefill_chunks, self.chunk_context)
 
 
 def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
@@ -101,6 +114,12 @@ class SloPlanner:
         # observed less predicted seconds of the steps planned, by whether they had prefill
         self.residuals = {False: Residuals(), True: Residuals()}
         self._planned: StepCost | None = None  # the fit this step was planned with
+        # the most prefill seconds (predicted) a step beside decodes may carry, from the
+        # last such step's (None: none seen yet), and below the last late one's, for
+        # PREFILL_CEILING_STEPS steps after it (the steps left)
+        self._prefill_allowed_s: float | None = None
+        self._prefill_ceiling_s = math.inf
+        self._ceiling_steps_left = 0
         # This step's decodes' tightest tpot_s, in all and of each better priority.
         self._tightest: float | None = None
         self._bounds: list[tuple[int, float]] = []  # (priority, tightest of those before)
@@ -122,9 +141,28 @@ class SloPlanner:
         if self._planned is not None:
             waited = seconds if gap_s is None else gap_s
             self.residuals[work.prefill_tokens > 0].add(waited - work.seconds(self._planned))
+            if work.prefill_tokens and self._tightest is not None:
+                self._feel_prefill(work, self._planned, waited <= self._tightest)
             self._planned = None
         self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                           seconds, work.decode_keys)
+                           seconds, work.decode_keys, work.prefill_chunks, work.chunk_context)
+
+    def _feel_prefill(self, work: StepWork, planned: StepCost, on_time: bool) -> None:
+        """A step beside decodes carried `work`: let the next one carry PREFILL_GROWTH
+        times its prefill if its decodes were on time (no more than the ceiling), else
+        PREFILL_SHRINK times it, the ceiling for the next PREFILL_CEILING_STEPS."""
+        decodes = StepWork(work.num_decode_rows, decode_keys=work.decode_keys)
+        prefill_s = work.seconds(planned) - decodes.seconds(planned)
+        if not on_time:
+            self._prefill_allowed_s = self._prefill_ceiling_s = PREFILL_SHRINK * prefill_s
+            self._ceiling_steps_left = PREFILL_CEILING_STEPS
+            return
+        self._ceiling_steps_left -= 1
+        if self._ceiling_steps_left <= 0:
+            self._prefill_ceiling_s = math.inf
+        grown = min(PREFILL_GROWTH * prefill_s, self._prefill_ceiling_s)
+        if self._prefill_allowed_s is None or self._prefill_allowed_s < grown:
+            self._prefill_allowed_s = grown
 
     def margin(self, target: float, with_prefill: bool) -> float:
         """The seconds of `target` a step (`with_prefill` or not) is planned to leave for
@@ -169,7 +207,8 @@ class SloPlanner:
         step plus its `margin` within the tightest tpot_s among them, in place of `cap`
         (the fixed factor of the batch other policies use, kept when no decode has a
         target), counted at the fitted exchange between a token and its context
-        (`step.attention_cost_context`). When no size can, the step is counted over: if
+        (`step.attention_cost_context`), each chunk charged its own cost besides
+        (`step.chunk_units`). When no size can, the step is counted over: if
         the decodes alone are predicted over the target it takes `cap` (one token without
         one), so that prompts still progress at the rate other policies give them; if
         only the margin leaves no room, the smallest chunk (one token)."""
@@ -180,14 +219,22 @@ class SloPlanner:
         spare = self._tightest - self.margin(self._tightest, True) - decodes_s
         context, unit_s = cost.prefill_exchange()
         room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)
-        if room < 1:
+        allowed_s = self._prefill_allowed_s
+        if allowed_s is None:  # no step with prefill seen: no more than other policies
+            allowed_s = math.inf if cap is None else cap * unit_s
+        room = min(room, allowed_s / unit_s) if unit_s > 0 else room
+        # NOTE: a unit more a chunk: prefill_cost rounds each chunk's context part down
+        chunk_units = cost.per_chunk_s / unit_s + 1 if unit_s > 0 else 0.0
+        if room < 1 + chunk_units:
             self.num_steps_over_tpot += 1
             if decodes_s > self._tightest:
                 return 1 if cap is None else cap
         step.attention_cost_context = context
+        if unit_s > 0:
+            step.chunk_units, step.chunk_context_units = (
+                chunk_units, cost.per_chunk_context_s / unit_s)
         step.whole_prompt_slack = 1.0  # NOTE: the room is a target, not a rule of thumb
-        # NOTE: less one unit: prefill_cost rounds a chunk's context part down
-        return max(1, int(min(room, 1 << 40)) - 1)
+        return max(1, int(min(room, 1 << 40)))
 
     def draft_room(self, request: Request, work: StepWork) -> int:
         """The draft tokens `request`'s decode may add to a step with `work` while the

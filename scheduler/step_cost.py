@@ -1,9 +1,14 @@
 """The step-cost model: predicted seconds of one engine step from the work it carries.
 
 A step costs `fixed + per_decode x decode rows + per_prefill x prefill tokens +
-per_prefill_key x prefill keys + per_decode_key x decode keys`, where decode rows are the
-tokens of the step's decodes (their drafts included), a prefill token at context c reads
-c keys (`prompt_keys`), and so does a decode row: so the fit learns what a long prompt's
+per_prefill_key x prefill keys + per_decode_key x decode keys + per_chunk x prompt chunks
++ per_chunk_context x their contexts`, where decode rows are the tokens of the step's
+decodes (their drafts included), a prefill token at context c reads c keys
+(`prompt_keys`), and so does a decode row; a prompt chunk costs something of its own
+whatever its size (its attention call per layer, its context's KV read once for all its
+tokens, the rows it adds past a tile of the batch: 16 decodes of the default model took
+43 ms, with a one-token chunk 50 ms at context 0 and 56 ms at 1,024, where its token and
+keys alone would be 1 ms). So the fit learns what a long prompt's
 late chunks cost on this device, instead of a fixed exchange rate between a token and its
 context, and what the decodes cost as their contexts grow (reading their KV cache is most
 of a long decode's step on a CPU: 16 decodes of the default model took 55 ms at context
@@ -29,7 +34,8 @@ from dataclasses import astuple, dataclass
 # How much the seed weighs in the fit, in steps' worth of evidence per coefficient: a
 # tie-breaker for what the window's steps leave undetermined, not a brake on the data.
 PRIOR_STEPS = 0.05
-NUM_FEATURES = 5  # 1, decode rows, prefill tokens, prefill keys, decode keys
+# 1, decode rows, prefill tokens, prefill keys, decode keys, prompt chunks, chunk contexts
+NUM_FEATURES = 7
 
 
 def prompt_keys(start: int, num_tokens: int) -> int:
@@ -41,21 +47,31 @@ def prompt_keys(start: int, num_tokens: int) -> int:
 @dataclass(frozen=True)
 class StepCost:
     """Coefficients of the model, in seconds: per step, per decode row, per prefill token,
-    per key a prefill token attends to and per key a decode row attends to."""
+    per key a prefill token attends to, per key a decode row attends to, per prompt chunk
+    and per position of context before a chunk."""
 
     fixed_s: float
     per_decode_s: float
     per_prefill_s: float
     per_prefill_key_s: float = 0.0
     per_decode_key_s: float = 0.0
+    per_chunk_s: float = 0.0
+    per_chunk_context_s: float = 0.0
 
     def predict(self, num_decode_rows: int, prefill_tokens: int = 0,
-                prefill_keys: int = 0, decode_keys: int = 0) -> float:
+                prefill_keys: int = 0, decode_keys: int = 0, prefill_chunks: int = 0,
+                chunk_context: int = 0) -> float:
         """Predicted seconds of a step with that work."""
         return (self.fixed_s + self.per_decode_s * num_decode_rows
                 + self.per_prefill_s * prefill_tokens
                 + self.per_prefill_key_s * prefill_keys
-                + self.per_decode_key_s * decode_keys)
+                + self.per_decode_key_s * decode_keys
+                + self.per_chunk_s * prefill_chunks
+                + self.per_chunk_context_s * chunk_context)
+
+    def chunk_s(self, start: int) -> float:
+        """The seconds a prompt chunk from position `start` costs whatever its size."""
+        return self.per_chunk_s + self.per_chunk_context_s * start
 
     def prefill_exchange(self) -> tuple[int, float]:
         """The prefill work in the units of the step's budget (scheduler/budget.py
@@ -73,7 +89,8 @@ class StepCost:
         return {"fixed_s": self.fixed_s, "per_decode_s": self.per_decode_s,
                 "per_prefill_s": self.per_prefill_s,
                 "per_prefill_key_s": self.per_prefill_key_s,
-                "per_decode_key_s": self.per_decode_key_s}
+                "per_decode_key_s": self.per_decode_key_s, "per_chunk_s": self.per_chunk_s,
+                "per_chunk_context_s": self.per_chunk_context_s}
 
 
 # A seed for a model the engine knows nothing of: a small model on a CPU (tens of ms a
@@ -85,7 +102,8 @@ DEFAULT_SEED = StepCost(fixed_s=0.02, per_decode_s=0.001, per_prefill_s=0.0005,
 
 class StepCostModel:
     """`cost`: the fit of the steps observed so far (solved when read after new steps).
-    `observe(rows, tokens, keys, seconds, decode_keys)` adds a step run."""
+    `observe(rows, tokens, keys, seconds, decode_keys, chunks, chunk_context)` adds a step
+    run."""
 
     def __init__(self, seed: StepCost = DEFAULT_SEED, window: int = 256) -> None:
         if window < 1:
@@ -117,7 +135,7 @@ class StepCostModel:
     @property
     def steps(self) -> tuple[tuple[tuple[float, ...], float], ...]:
         """The window's steps: each one's features (1, decode rows, prefill tokens,
-        prefill keys, decode keys) and seconds."""
+        prefill keys, decode keys, prompt chunks, chunk contexts) and seconds."""
         return tuple(self._samples)
 
     def reseed(self, seed: StepCost,
@@ -134,13 +152,14 @@ class StepCostModel:
             self.cost = seed
 
     def observe(self, num_decode_rows: int, prefill_tokens: int, prefill_keys: int,
-                seconds: float, decode_keys: int = 0) -> None:
+                seconds: float, decode_keys: int = 0, prefill_chunks: int = 0,
+                chunk_context: int = 0) -> None:
         """Add the time of one step with that work (the oldest beyond the window goes); the
         fit follows when next read."""
         if seconds < 0 or not seconds < float("inf"):
             return
         x = (1.0, float(num_decode_rows), float(prefill_tokens), float(prefill_keys),
-             float(decode_keys))
+             float(decode_keys), float(prefill_chunks), float(chunk_context))
         self._accumulate(x, seconds, +1.0)
         self._samples.append((x, seconds))
         if len(self._samples) > self.window:

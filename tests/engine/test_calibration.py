@@ -21,7 +21,7 @@ from scheduler.step_cost import DEFAULT_SEED
 from tests.support.model_helpers import CONFIGS, make_model_folder
 
 COEFFICIENTS = ("fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
-                "per_decode_key_s")
+                "per_decode_key_s", "per_chunk_s", "per_chunk_context_s")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_the_simulated_runner_reports_its_known_cost(folder: str) -> None:
     spec = load_model_spec(ModelConfig(model=folder))
     runner = SimulatedRunner(spec, ModelConfig(num_kv_blocks=16), step_ms=7, host_ms=1)
     cost = calibrate(runner, DEFAULT_SEED, 8, 256).cost
-    assert astuple(cost) == pytest.approx((0.008, 0.0, 0.0, 0.0, 0.0))
+    assert astuple(cost) == pytest.approx((0.008, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
 
 
 def test_the_planner_sees_the_gap_between_back_to_back_steps(folder: str) -> None:

@@ -5,18 +5,19 @@ the step-cost model's fit. A fake clock and hand-made runner outputs throughout.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvcache.config import CacheConfig
-from scheduler import introspection
+from scheduler import introspection, slo
 from scheduler.budget import tokens_within
 from scheduler.config import SchedulerConfig, SpeculativeConfig
 from scheduler.placement import Placement
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.slo import PLAN_SHARE, StepWork
+from scheduler.slo import PLAN_SHARE, PREFILL_GROWTH, PREFILL_SHRINK, StepWork
 from scheduler.step_cost import StepCost, StepCostModel, prompt_keys
 from tests.support.scheduler_helpers import FakeClock, make_runner_output, scheduled_ids, step
 
@@ -26,11 +27,11 @@ SEED = StepCost(0.010, 0.001, 0.0001, 0.0001 / 2048)
 
 def slo_scheduler(clock: FakeClock, *, max_num_seqs: int = 16, budget: int = 4096,
                   num_blocks: int = 1024, speculative: SpeculativeConfig | None = None,
-                  threshold: int = 0) -> Scheduler:
+                  threshold: int = 0, seed: StepCost = SEED) -> Scheduler:
     return Scheduler(
         SchedulerConfig(policy="slo", max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=budget, max_model_len=4096,
-                        step_cost_seed=SEED, speculative=speculative,
+                        step_cost_seed=seed, speculative=speculative,
                         long_prefill_token_threshold=threshold),
         CacheConfig(num_blocks=num_blocks, block_size=16),
         clock=clock,
@@ -95,6 +96,32 @@ def test_cost_model_recovers_synthetic_coefficients() -> None:
     late = prompt_keys(3000, 64)
     assert fit.predict(16, 64, late) == pytest.approx(truth.predict(16, 64, late), rel=0.02)
     assert fit.predict(16, 64, late) > 1.3 * fit.predict(16, 64, 0)
+
+
+def test_cost_model_learns_what_a_chunk_costs_whatever_its_size() -> None:
+    # a chunk beside the decodes costs 6 ms of its own and 6 ms per 1,024 positions before
+    # it (its attention call, its context read once): the fit separates that from its
+    # tokens and keys, so a one-token chunk at context 1,024 is predicted as it runs, where
+    # a model without the terms puts the cost on every token and misses small chunks
+    truth = StepCost(0.008, 0.0017, 0.0008, 4.5e-7, 3e-6, per_chunk_s=0.006,
+                     per_chunk_context_s=0.006 / 1024)
+    model = StepCostModel(StepCost(0.02, 0.001, 0.0005, 0.0), window=256)
+    rng = random.Random(2)
+    for _ in range(400):
+        rows = rng.randint(8, 24)
+        work = StepWork(num_decode_rows=rows, decode_keys=rows * rng.randint(50, 500))
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            work.add_prefill(rng.randint(0, 2000), rng.randint(1, 64))
+        model.observe(rows, work.prefill_tokens, work.prefill_keys,
+                      work.seconds(truth) + rng.uniform(-0.0005, 0.0005), work.decode_keys,
+                      work.prefill_chunks, work.chunk_context)
+    fit = model.cost
+    assert fit.per_chunk_s == pytest.approx(truth.per_chunk_s, rel=0.1)
+    assert fit.per_chunk_context_s == pytest.approx(truth.per_chunk_context_s, rel=0.1)
+    small = StepWork(num_decode_rows=16, decode_keys=16 * 200)
+    small.add_prefill(1024, 1)
+    assert small.seconds(fit) == pytest.approx(small.seconds(truth), rel=0.02)
+    assert small.seconds(truth) - StepWork(16, decode_keys=16 * 200).seconds(truth) > 0.012
 
 
 def test_cost_model_keeps_the_seed_where_the_steps_say_nothing() -> None:
@@ -241,6 +268,33 @@ def test_a_long_prompts_late_chunks_stay_within_the_tpot_at_their_context() -> N
     assert scheduler.stats.num_steps_over_tpot == 0
 
 
+def test_each_chunk_is_charged_its_own_cost_before_its_tokens() -> None:
+    # a chunk costs 20 ms whatever its size: a long prompt's chunk is that much smaller
+    # than without it; a 300-token prompt goes in whole and a second prompt does not join
+    # the step for the 9 ms left (its own 20 ms would overrun it); every step is planned
+    # within the target
+    def first_step(per_chunk_s: float, prompts: tuple[int, ...]) -> tuple[StepWork, float]:
+        clock = FakeClock(0.0)
+        scheduler = slo_scheduler(clock, max_num_seqs=18)
+        _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+        scheduler.slo.model.cost = replace(SEED, per_chunk_s=per_chunk_s)
+        for i, num_prompt in enumerate(prompts):
+            scheduler.add_request(slo_request(f"p{i}", num_prompt, arrival=float(i)))
+        scheduler.schedule()
+        work = scheduler.last_step_work
+        predicted = work.seconds(scheduler.slo.cost)
+        assert predicted <= PLAN_SHARE * 0.1
+        return work, predicted
+
+    (plain, plain_s), (charged, charged_s) = first_step(0.0, (2000,)), first_step(0.020, (2000,))
+    for predicted in (plain_s, charged_s):  # the room used, chunk cost and all
+        assert predicted + 3 * SEED.per_prefill_s > PLAN_SHARE * 0.1
+    assert charged.prefill_tokens < plain.prefill_tokens - 150
+    assert first_step(0.0, (300, 2000))[0].prefill_chunks == 2
+    charged, _ = first_step(0.020, (300, 2000))
+    assert charged.prefill_chunks == 1 and charged.prefill_tokens == 300
+
+
 def test_worse_decodes_without_a_tpot_sit_out_a_feasible_prompts_steps() -> None:
     # background streams (priority 10, no target) give their rows to an interactive
     # prompt's prefill while its first token can still be on time; streams with a tpot
@@ -276,10 +330,10 @@ def test_a_step_whose_decodes_alone_exceed_the_target_says_so() -> None:
     # then the steps turned slow: 50 ms + 16 x 5 ms > 100 ms
     scheduler.slo.model.cost = StepCost(0.05, 0.005, 0.0001)
     over = scheduler.stats.num_steps_over_tpot
+    start = scheduler.requests["long"].num_computed_tokens
     scheduler.schedule()
     # no size keeps it: the prompt goes on at the policy-free cap, max(32, 2 x 17) of
     # prefill cost (at its context a token counts for more than one)
-    start = scheduler.requests["long"].num_computed_tokens
     assert scheduler.last_step_work.prefill_tokens == tokens_within(34, start, 2048)
     assert scheduler.stats.num_steps_over_tpot == over + 1
 
@@ -317,6 +371,21 @@ SPIKY_DECODES = [0.040 if i % 10 == 9 else -0.0044 for i in range(20)]
 SPIKY_PREFILLS = [0.040 if i % 4 == 0 else -0.040 / 3 for i in range(8)]
 
 
+def _calibration(truth: StepCost) -> StepCostModel:
+    """A calibration's steps (engine/calibration.py's kinds) timed as `truth` predicts."""
+    calibration = StepCostModel(truth)
+    for rows, context in ((1, 64), (32, 64), (8, 1024)):
+        calibration.observe(rows, 0, 0, truth.predict(rows, 0, 0, rows * context),
+                            rows * context)
+    for start in (0, 1024):
+        for rows, tokens in ((0, 128), (32, 32)):
+            work = StepWork(rows, decode_keys=rows * 65)
+            work.add_prefill(start, tokens)
+            calibration.observe(rows, tokens, work.prefill_keys, work.seconds(truth),
+                                work.decode_keys, work.prefill_chunks, work.chunk_context)
+    return calibration
+
+
 def _long_prompt_after(decodes: list[float], prefills: list[float]
                        ) -> tuple[Scheduler, list[tuple[StepWork, float]]]:
     """16 decodes with tpot 100 ms whose steps stray by `decodes`, then a 2,000-token
@@ -345,6 +414,32 @@ def test_jittery_steps_shrink_the_chunk_a_steady_history_leaves_alone() -> None:
     assert spiky.slo.margin(0.1, True) == pytest.approx(0.040)  # its own steps' by now
     assert steady.slo.margin(0.1, True) == pytest.approx((1 - PLAN_SHARE) * 0.1)
     assert spiky.stats.num_steps_over_tpot == steady.stats.num_steps_over_tpot == 0
+
+
+def test_the_prefill_beside_decodes_grows_while_on_time_and_shrinks_below_a_late_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the first chunk takes the cap other policies use (nothing seen yet), each step on
+    # time lets the next carry PREFILL_GROWTH times its prefill, one late step (its
+    # decodes' gap 20 ms over their 100 ms) PREFILL_SHRINK times it, and no more for
+    # PREFILL_CEILING_STEPS steps (3 here). A prefill token costs 1 ms, as on a CPU: the
+    # cap's chunk alone leaves 25 ms of the step unused
+    monkeypatch.setattr(slo, "PREFILL_CEILING_STEPS", 3)
+    clock = FakeClock(0.0)
+    truth = replace(SEED, per_prefill_s=0.001)
+    scheduler = slo_scheduler(clock, max_num_seqs=17, threshold=32, seed=truth)
+    scheduler.slo.calibrated(_calibration(truth), 0.0)
+    _sixteen_decodes(clock, scheduler, tpot_s=0.1)
+    scheduler.add_request(slo_request("long", 2000))
+    steps = _steps_timed(scheduler, clock, [0.0, 0.0])
+    late = 0.120 - steps[-1][1]
+    steps += _steps_timed(scheduler, clock, [late] + [0.0] * 5)
+    tokens = [work.prefill_tokens for work, _ in steps]  # early: a token costs ~the same
+    assert 30 < tokens[0] <= 34  # max(32, 2 x 17), its chunk cost and rounding aside
+    assert tokens[0] < tokens[1] <= PREFILL_GROWTH * tokens[0] + 1
+    assert tokens[3] <= PREFILL_SHRINK * tokens[2] + 1  # after the late step (index 2)
+    assert max(tokens[4:6]) <= tokens[3] + 1  # held below it
+    assert tokens[7] > tokens[6] + 3  # growing again
+    assert all(predicted <= PLAN_SHARE * 0.1 for _, predicted in steps)
 
 
 def test_one_stall_does_not_shrink_the_chunks_after_it() -> None:
@@ -460,7 +555,7 @@ def test_the_fitted_model_is_in_the_state_and_the_stats() -> None:
     state = scheduler.snapshot()["step_cost"]
     assert state["num_steps_observed"] == 1
     parts = ("fixed_s", "per_decode_s", "per_prefill_s", "per_prefill_key_s",
-             "per_decode_key_s")
+             "per_decode_key_s", "per_chunk_s", "per_chunk_context_s")
     assert set(state) == {*parts, "num_steps_observed", "seed", "calibration_s"}
     assert state["seed"] == SEED.as_dict() and state["calibration_s"] is None
     assert scheduler.stats.step_cost == tuple(state[part] for part in parts)
