@@ -256,17 +256,18 @@ bool amx_granted() {
 constexpr int64_t kTile = 16;  // weight rows, and rows of x, of one tile product
 constexpr int64_t kPlaneTile = 512;  // bytes of one plane of a sub-block as tile B
 
-// tmm0: A, 16 weight rows x a sub-block's 32 bytes (or a half's 16: K); tmm1, tmm2: B, x's
-// two planes of it for 16 rows of x (K / 4 rows of 16 x 4 bytes); tmm3, tmm4: C, their
-// int32 sums, 16 x 16.
+// Two groups of 16 weight rows a pass, their tile products side by side: tmm0, tmm5: A,
+// each group's 16 rows x a sub-block's 32 bytes (or a half's 16: K); tmm1, tmm2: B, x's two
+// planes of it for 16 rows of x (K / 4 rows of 16 x 4 bytes); tmm3, tmm4 and tmm6, tmm7:
+// C, each group's int32 sums per plane, 16 x 16.
 struct alignas(64) TileConfig {
   explicit TileConfig(int k) {
-    colsb[0] = static_cast<uint16_t>(k);
+    colsb[0] = colsb[5] = static_cast<uint16_t>(k);
     rows[1] = rows[2] = static_cast<uint8_t>(k / 4);
   }
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {32, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 8, 8, 16, 16};
+  uint16_t colsb[16] = {32, 64, 64, 64, 64, 32, 64, 64};
+  uint8_t rows[16] = {16, 8, 8, 16, 16, 16, 16, 16};
 };
 
 // x's planes as tiles B, per (tile of 16 rows of x, sub-block, plane): B[kk][4 n + j] =
@@ -341,80 +342,128 @@ void unpack_group(const uint8_t* w, int64_t row_bytes, int64_t subs, Panel& pane
   }
 }
 
+// Where one group's tile A of sub-block k (half h) is, and its 16 rows' scales and offsets
+// (none for Q8_0, whose bytes and scales are read in place, row_bytes apart).
+struct Part {
+  const void* a;
+  int64_t stride;
+  const float *s, *o;
+};
+
+template <class U>
+Part part_of(const uint8_t* group, int64_t row_bytes, const Panel& panel, int64_t k, int h,
+             float* scales) {
+  if constexpr (std::is_same_v<U, vnni::Q8_0>) {
+    const uint8_t* block = group + k * U::kBytes;
+    for (int64_t m = 0; m < kTile; ++m) scales[m] = vnni::half_of(block + m * row_bytes);
+    return {block + 2, row_bytes, scales, nullptr};
+  } else {
+    const int64_t half = (2 * k + h) * kTile;
+    return {panel.q.data() + k * kTile * 32 + 16 * h, 32, panel.s.data() + half,
+            panel.o.data() + half};
+  }
+}
+
+// acc[m] += (254 C0 + C1)[m] s[m] d, then (with offsets) += o[m] d S.
+inline void combine(const int32_t* first, const int32_t* second, __m512 dx, const Part& part,
+                    const __m512* dsum, __m512* acc) {
+  for (int64_t m = 0; m < kTile; ++m) {
+    const __m512i sum = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m), _mm512_set1_epi32(254)),
+        _mm512_load_si512(second + kTile * m));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                             _mm512_mul_ps(dx, _mm512_set1_ps(part.s[m])), acc[m]);
+  }
+  if (dsum == nullptr) return;
+  for (int64_t m = 0; m < kTile; ++m) {
+    acc[m] = _mm512_fmadd_ps(*dsum, _mm512_set1_ps(part.o[m]), acc[m]);
+  }
+}
+
+// 16 weight rows from `group` (their panel, for unpacked types) against x's row tile t:
+// acc[m] = y[t's rows][m] less bias. Per sub-block (or half, for U::kHalves) and plane one
+// tile product, issued before the previous one's sums are combined, so that the matrix
+// unit and the vector units work at once; meanwhile the next group's bytes (`next`,
+// `next_bytes`; null: none) are fetched a slice a sub-block.
+template <class U>
+void tile_pass(const uint8_t* group, int64_t row_bytes, const Panel& panel, const PackedX& x,
+               int64_t subs, int64_t t, const uint8_t* next, int64_t next_bytes,
+               __m512 (&acc)[kTile]) {
+  constexpr int kHalves = U::kHalves ? 2 : 1;
+  constexpr bool kOffsets = !std::is_same_v<U, vnni::Q8_0>;
+  alignas(64) int32_t sums[2][kTile * kTile];
+  float scales[2][kTile];
+  Part parts[2];
+  const int64_t steps = subs * kHalves, slice = (next_bytes / subs + 64) & ~int64_t{63};
+  // step j: sub-block j / kHalves, half j % kHalves, into slot j % 2's scales
+  const auto issue = [&](int64_t j) {
+    const int64_t k = j / kHalves, h = j % kHalves;
+    parts[j % 2] = part_of<U>(group, row_bytes, panel, k, h, scales[j % 2]);
+    const int8_t* b = x.tiles.data() + 2 * (t * subs + k) * kPlaneTile + 256 * h;
+    _tile_loadd(0, parts[j % 2].a, parts[j % 2].stride);
+    _tile_loadd(1, b, 64);
+    _tile_loadd(2, b + kPlaneTile, 64);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbssd(3, 0, 1);
+    _tile_dpbssd(4, 0, 2);
+  };
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  issue(0);
+  for (int64_t j = 0; j < steps; ++j) {
+    const int64_t k = j / kHalves, h = j % kHalves, tk = t * subs + k;
+    _tile_stored(3, sums[0], 64);
+    _tile_stored(4, sums[1], 64);
+    const Part part = parts[j % 2];
+    if (j + 1 < steps) issue(j + 1);
+    for (int64_t i = k * slice; next != nullptr && h == 0 && i < std::min((k + 1) * slice,
+                                                                          next_bytes);
+         i += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    }
+    const __m512 dx = _mm512_loadu_ps(x.d.data() + tk * kTile);
+    // the offsets' part o[m] d S (Q8_0 has none)
+    const float* offsets = x.offsets.data() + 2 * tk * kTile;
+    const __m512 dsum = kHalves == 2 ? _mm512_loadu_ps(offsets + h * kTile)
+        : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
+    combine(sums[0], sums[1], dx, part, kOffsets ? &dsum : nullptr, acc);
+  }
+}
+
+// y's rows of tile t (of `rows`), columns [16 g, 16 g + 16), from acc[m] (lane n: x's row
+// 16 t + n), plus bias.
+void put_tile(const __m512* acc, int64_t t, int64_t rows, const float* bias, float* y,
+              int64_t out_features, int64_t g) {
+  alignas(64) float out[kTile * kTile];
+  for (int64_t m = 0; m < kTile; ++m) _mm512_store_ps(out + kTile * m, acc[m]);
+  for (int64_t n = 0; n < kTile && t * kTile + n < rows; ++n) {
+    float* yr = y + (t * kTile + n) * out_features + g * kTile;
+    for (int64_t m = 0; m < kTile; ++m) {
+      yr[m] = out[kTile * m + n] + (bias != nullptr ? bias[g * kTile + m] : 0.f);
+    }
+  }
+}
+
 // Weight rows [16 g0, 16 g1) (blocks of U, row_bytes apart) against every tile of x: y's
-// columns there, plus bias. Per sub-block (or half, for U::kHalves) and plane one tile
-// product; then acc[m] += (254 C0 + C1)[m] s[m] d + o[m] d S. Q8_0's bytes are read in
-// place (tile A straight from the blocks, row_bytes apart), the others' unpacked first.
+// columns there, plus bias; two groups a pass (the last alone where odd). Q8_0's bytes are
+// read in place (tile A straight from the blocks), the others' unpacked first.
 template <class U>
 void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
                  int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
                  int64_t g1) {
   constexpr bool kInPlace = std::is_same_v<U, vnni::Q8_0>;
-  constexpr int kHalves = U::kHalves ? 2 : 1;
-  const TileConfig config(32 / kHalves);
+  const TileConfig config(U::kHalves ? 16 : 32);
   _tile_loadconfig(&config);
-  alignas(64) int32_t first[kTile * kTile], second[kTile * kTile];
-  alignas(64) float out[kTile * kTile];
-  Panel panel(kInPlace ? 0 : subs);  // (Q8_0's bytes and scales are read in place)
-  float scales[kTile];
-  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  Panel panel(kInPlace ? 0 : subs);
+  __m512 acc[kTile];
+  const int64_t row_tiles = (rows + kTile - 1) / kTile, group_bytes = kTile * row_bytes;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = w + g * kTile * row_bytes;
+    const uint8_t* group = w + g * group_bytes;
     if constexpr (!kInPlace) unpack_group<U>(group, row_bytes, subs, panel);
     for (int64_t t = 0; t < row_tiles; ++t) {
-      __m512 acc[kTile];
-      for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t k = 0; k < subs; ++k) {
-        const int64_t tk = t * subs + k;
-        const __m512 dx = _mm512_loadu_ps(x.d.data() + tk * kTile);
-        for (int h = 0; h < kHalves; ++h) {
-          const int8_t* b = x.tiles.data() + 2 * tk * kPlaneTile + 256 * h;
-          const float* s = scales;
-          if constexpr (kInPlace) {
-            const uint8_t* block = group + k * U::kBytes;
-            _tile_loadd(0, block + 2, row_bytes);
-            for (int64_t m = 0; m < kTile; ++m) {
-              scales[m] = vnni::half_of(block + m * row_bytes);
-            }
-          } else {
-            _tile_loadd(0, panel.q.data() + k * kTile * 32 + 16 * h, 32);
-            s = panel.s.data() + (2 * k + h) * kTile;
-          }
-          _tile_loadd(1, b, 64);
-          _tile_loadd(2, b + kPlaneTile, 64);
-          _tile_zero(3);
-          _tile_zero(4);
-          _tile_dpbssd(3, 0, 1);
-          _tile_dpbssd(4, 0, 2);
-          _tile_stored(3, first, 64);
-          _tile_stored(4, second, 64);
-          for (int64_t m = 0; m < kTile; ++m) {
-            const __m512i sum = _mm512_add_epi32(
-                _mm512_mullo_epi32(_mm512_load_si512(first + kTile * m),
-                                   _mm512_set1_epi32(254)),
-                _mm512_load_si512(second + kTile * m));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                                     _mm512_mul_ps(dx, _mm512_set1_ps(s[m])), acc[m]);
-          }
-          if constexpr (!kInPlace) {  // the offsets' part: o[m] d S (Q8_0 has none)
-            const float* o = panel.o.data() + (2 * k + h) * kTile;
-            const float* offsets = x.offsets.data() + 2 * tk * kTile;
-            const __m512 dsum = kHalves == 2
-                ? _mm512_loadu_ps(offsets + h * kTile)
-                : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
-            for (int64_t m = 0; m < kTile; ++m) {
-              acc[m] = _mm512_fmadd_ps(dsum, _mm512_set1_ps(o[m]), acc[m]);
-            }
-          }
-        }
-      }
-      for (int64_t m = 0; m < kTile; ++m) _mm512_store_ps(out + kTile * m, acc[m]);
-      for (int64_t n = 0; n < kTile && t * kTile + n < rows; ++n) {
-        float* yr = y + (t * kTile + n) * out_features + g * kTile;
-        for (int64_t m = 0; m < kTile; ++m) {
-          yr[m] = out[kTile * m + n] + (bias != nullptr ? bias[g * kTile + m] : 0.f);
-        }
-      }
+      const uint8_t* next = t == 0 && g + 1 < g1 ? group + group_bytes : nullptr;
+      tile_pass<U>(group, row_bytes, panel, x, subs, t, next, group_bytes, acc);
+      put_tile(acc, t, rows, bias, y, out_features, g);
     }
   }
   _tile_release();
