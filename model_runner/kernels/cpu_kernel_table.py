@@ -169,19 +169,19 @@ class MatrixUnitPath:
     out_multiple: int = 16
 
 
-# NOTE: AMX's int8 tiles (csrc/cpu_matvec_file_blocks_int8.cpp), x in the int8 paths' two
-# planes, 16 weight rows unpacked to bytes once for every 16 rows of x (Q8_0's bytes read
-# in place). Measured against the paths they replace (docs/benchmarks.md, issue 45): Gemma
-# 3's tied 262k-row Q8_0 LM head at 16 rows 12 ms against the panels' 34, at 8 rows 12
-# against the exact matvec's 17 (from 4 rows on); Q5_0 and the 256-weight K-quants past
-# the small-batch paths' 8 rows (Q5_0 [4096, 640] at 16 rows 0.30 against 0.47 ms, 64
-# rows 0.65 against 1.30); not Q6_K, whose scale per 16 halves each tile product (slower
-# than its panels at every size).
+# NOTE: AMX's int8 tiles (csrc/file_blocks_amx_tiles.h), x in the int8 paths' two planes,
+# 16 weight rows unpacked to bytes once for every 16 rows of x (Q8_0's bytes read in
+# place), each sub-block's tile products issued before the previous one's sums are
+# combined. Measured against the paths they replace (docs/benchmarks.md, issue 45): Gemma
+# 3's tied 262k-row Q8_0 LM head at 16 rows ~8 ms against the panels' 34, at 8 rows
+# against the exact matvec's 17 (from 4 rows on); the other types past the small-batch
+# paths' 8 rows, Q6_K too (its scale per 16 halves each tile product, yet [640, 2048] at
+# 16 rows 0.25 ms against its float panels' 0.36).
 MATRIX_UNIT_PATHS = {
     "q8_0_file": MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted", min_rows=4),
     **{kind: MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted",
                             min_rows=MATVEC_MAX_ROWS + 1)
-       for kind in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k")},
+       for kind in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")},
 }
 
 

@@ -195,6 +195,19 @@ def test_a_q8_0_weight_takes_amx_tiles_from_four_rows_and_refuses_bad_shapes() -
         torch.ops.pagedserve.file_blocks_amx_gemm(x, raw, 7, None)
 
 
+@pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+def test_a_q6_k_weight_takes_amx_tiles_past_the_matvecs_rows() -> None:
+    # Q6_K's scale per 16 halves each tile product, yet the tiles beat its float panels
+    from model_runner.kernels.block_quant import Q6KBlocks
+    from model_runner.kernels.cpu_linear import FileBlocksLinear
+
+    raw = torch.from_numpy(random_blocks("q6_k_matvec", 32, 256, seed=6))
+    linear = FileBlocksLinear(Q6KBlocks(raw, 256), None, "auto")
+    assert linear.max_rows == MATVEC_MAX_ROWS and linear.matrix_unit is not None
+    x = torch.randn(MATVEC_MAX_ROWS + 1, 256)
+    assert torch.equal(linear(x), torch.ops.pagedserve.file_blocks_amx_gemm(x, raw, 2, None))
+
+
 NO_AMX_RUN = """
 import torch
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
