@@ -150,22 +150,35 @@ void tile_pass(const uint8_t* group, int64_t row_bytes, const Panel& panel, cons
     const int64_t k = j / kHalves, h = j % kHalves;
     parts[j % 2] = part_of<U>(group, row_bytes, panel, k, h, scales[j % 2]);
     const int8_t* b = x.tiles.data() + 2 * (t * subs + k) * kPlaneTile + 256 * h;
-    _tile_loadd(0, parts[j % 2].a, parts[j % 2].stride);
     _tile_loadd(1, b, 64);
     _tile_loadd(2, b + kPlaneTile, 64);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbssd(3, 0, 1);
-    _tile_dpbssd(4, 0, 2);
+    if (j % 2 == 0) {
+      _tile_loadd(0, parts[0].a, parts[0].stride);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_dpbssd(3, 0, 1);
+      _tile_dpbssd(4, 0, 2);
+    } else {
+      _tile_loadd(5, parts[1].a, parts[1].stride);
+      _tile_zero(6);
+      _tile_zero(7);
+      _tile_dpbssd(6, 5, 1);
+      _tile_dpbssd(7, 5, 2);
+    }
   };
   for (auto& v : acc) v = _mm512_setzero_ps();
   issue(0);
   for (int64_t j = 0; j < steps; ++j) {
     const int64_t k = j / kHalves, h = j % kHalves, tk = t * subs + k;
-    _tile_stored(3, sums[0], 64);
-    _tile_stored(4, sums[1], 64);
     const Part part = parts[j % 2];
     if (j + 1 < steps) issue(j + 1);
+    if (j % 2 == 0) {
+      _tile_stored(3, sums[0], 64);
+      _tile_stored(4, sums[1], 64);
+    } else {
+      _tile_stored(6, sums[0], 64);
+      _tile_stored(7, sums[1], 64);
+    }
     for (int64_t i = k * slice; next != nullptr && h == 0 && i < std::min((k + 1) * slice,
                                                                           next_bytes);
          i += 64) {
