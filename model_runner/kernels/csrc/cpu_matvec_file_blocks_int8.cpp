@@ -59,6 +59,7 @@ using pagedserve::blocks::Type;
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrain = 16;  // output rows a thread takes at least
+constexpr int64_t kQuantizeGrain = 4;  // rows of x a thread quantizes at least (AMX batches)
 
 constexpr float kPlaneStep = 254.f;  // the second plane's unit: 1/254 of the first's
 
@@ -146,11 +147,13 @@ void quantize_row(const float* x, int64_t stride, int64_t r, Activations& a) {
   }
 }
 
-Activations quantize(const float* x, int64_t stride, int64_t rows, int64_t width) {
+// x's rows in planes, `grain` rows at least a thread.
+Activations quantize(const float* x, int64_t stride, int64_t rows, int64_t width,
+                     int64_t grain) {
   const int64_t subs = width / 32;
   Activations a{std::vector<int8_t>(2 * rows * width), std::vector<float>(rows * subs),
                 std::vector<float>(2 * rows * subs), rows, width, subs};
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) quantize_row(x, stride, r, a);
   });
   return a;
@@ -216,7 +219,8 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& blocks,
   const int64_t out_features = blocks.size(0);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
-  const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1));
+  const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1),
+                                  kGrain);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
@@ -271,7 +275,8 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
               "(torch.ops.pagedserve.amx_int8_granted())");
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
-  const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1));
+  const Activations a = quantize(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1),
+                                  kQuantizeGrain);
   const PackedX packed = pack_x(a, (x.size(0) + kTile - 1) / kTile);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
