@@ -17,10 +17,15 @@
 // |sum(w (x - x~))| <= d / 2 * sum|w|.
 //
 // Larger batches (file_blocks_amx_gemm, any rows) take AMX's int8 tiles where the host has
-// them and the kernel grants them (amx_int8_granted): 16 weight rows unpacked once into
-// bytes (the row kernels' unpacking), then per sub-block (a half, for Q6_K's scale per 16)
-// one tile product per plane of x for every 16 rows of x, the int32 sums scaled in float32
-// as above; the same arithmetic as the matvecs' two planes.
+// them and the kernel grants them (amx_int8_granted; file_blocks_amx_tiles.h): 16 weight
+// rows unpacked once into bytes (the row kernels' unpacking; Q8_0's read in place), then
+// per sub-block (a half, for Q6_K's scale per 16) one tile product per plane of x for
+// every 16 rows of x, the int32 sums scaled in float32 as above; the same arithmetic as
+// the matvecs' two planes. At 16 rows the time is the tiles' round trip, not their
+// products: each sub-block's 16 x 16 sums stored and combined in float32 (its scales are
+// its own), so sub-block k+1's products are issued, into the other of two sets of tiles,
+// before k's are combined; then the weights' reading (Q8_0's tile loads, the others'
+// unpacking) and x's quantizing, vectorized and split over the threads.
 //
 // Chosen at run time: on an AVX-512 VNNI host (avx512vnni and avx512vl) each 32 byte
 // products are one vpdpbusd, on other AVX2 hosts maddubs then madd (AVX2's int16 pair sums,

@@ -6,10 +6,10 @@
 constexpr int64_t kTile = 16;  // weight rows, and rows of x, of one tile product
 constexpr int64_t kPlaneTile = 512;  // bytes of one plane of a sub-block as tile B
 
-// Two groups of 16 weight rows a pass, their tile products side by side: tmm0, tmm5: A,
-// each group's 16 rows x a sub-block's 32 bytes (or a half's 16: K); tmm1, tmm2: B, x's two
-// planes of it for 16 rows of x (K / 4 rows of 16 x 4 bytes); tmm3, tmm4 and tmm6, tmm7:
-// C, each group's int32 sums per plane, 16 x 16.
+// Two sets of tiles, sub-blocks taking them in turn: tmm0 (tmm5): A, 16 weight rows x a
+// sub-block's 32 bytes (or a half's 16: K); tmm1, tmm2: B, both sets', x's two planes of it
+// for 16 rows of x (K / 4 rows of 16 x 4 bytes); tmm3, tmm4 (tmm6, tmm7): C, the int32
+// sums per plane, 16 x 16.
 struct alignas(64) TileConfig {
   explicit TileConfig(int k) {
     colsb[0] = colsb[5] = static_cast<uint16_t>(k);
@@ -132,9 +132,10 @@ inline void combine(const int32_t* first, const int32_t* second, __m512 dx, cons
 
 // 16 weight rows from `group` (their panel, for unpacked types) against x's row tile t:
 // acc[m] = y[t's rows][m] less bias. Per sub-block (or half, for U::kHalves) and plane one
-// tile product, issued before the previous one's sums are combined, so that the matrix
-// unit and the vector units work at once; meanwhile the next group's bytes (`next`,
-// `next_bytes`; null: none) are fetched a slice a sub-block.
+// tile product, issued into the other set of tiles before the previous one's sums are
+// stored and combined, so that the matrix unit and the vector units work at once;
+// meanwhile the next group's bytes (`next`, `next_bytes`; null: none) are fetched a
+// slice a sub-block.
 template <class U>
 void tile_pass(const uint8_t* group, int64_t row_bytes, const Panel& panel, const PackedX& x,
                int64_t subs, int64_t t, const uint8_t* next, int64_t next_bytes,
