@@ -115,7 +115,8 @@ void quantize_row(const float* x, int64_t stride, int64_t r, Activations& a) {
     const float d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.f;
     const __m256 inverse = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
     // the residual in double: v - d q0 exactly, then in the second plane's units
-    const __m256d to_second = _mm256_set1_pd(d > 0.f ? kPlaneStep / static_cast<double>(d) : 0.);
+    const __m256d to_second =
+        _mm256_set1_pd(d > 0.f ? kPlaneStep / static_cast<double>(d) : 0.);
     const __m256d dd = _mm256_set1_pd(d);
     __m256i first[4], second[4];
     for (int i = 0; i < 4; ++i) {

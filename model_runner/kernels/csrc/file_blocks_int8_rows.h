@@ -192,7 +192,9 @@ inline void row_dots(const uint8_t* row, int64_t blocks, const Activations& a, f
       acc[r] = _mm256_fmadd_ps(products, scale, acc[r]);
       if constexpr (!U::kSigned) {
         const float* sums = a.sums.data() + 2 * (r * a.subs + k);
-        offset[r] += dx * (w.o0 * sums[0] + w.o1 * sums[1]);
+        // multiply-adds spelled out: the compiler's own contraction of this line varied
+        // with its inlining, so the AVX2 and the VNNI kernels' numbers could part
+        offset[r] = std::fma(dx, std::fma(w.o0, sums[0], w.o1 * sums[1]), offset[r]);
       }
     }
   };
