@@ -60,15 +60,18 @@ PackedX pack_x(const Activations& a, int64_t row_tiles) {
 namespace amx {
 
 // 16 weight rows as a panel: each sub-block's bytes q (vnni's unpacking: w = s q + o per
-// half) as tile A [sub-block][16 rows][32], its scales and offsets [sub-block][half][16].
+// half), less kZero's byte, as tile A [sub-block][16 rows][32], its scales and offsets
+// [sub-block][half][16].
 struct Panel {
   std::vector<int8_t> q;
   std::vector<float> s, o;
   explicit Panel(int64_t subs)
       : q(subs * kTile * 32), s(subs * 2 * kTile), o(subs * 2 * kTile) {}
 
+  template <int kZeroByte>
   void put(const vnni::Sub& sub, int64_t m, int64_t k) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + (k * kTile + m) * 32), sub.q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + (k * kTile + m) * 32),
+                        _mm256_sub_epi8(sub.q, _mm256_set1_epi8(kZeroByte)));
     s[2 * k * kTile + m] = sub.s0;
     s[(2 * k + 1) * kTile + m] = sub.s1;
     o[2 * k * kTile + m] = sub.o0;
@@ -76,17 +79,33 @@ struct Panel {
   }
 };
 
+// The byte a type's weights are offset by where the offset is a whole number of its scale
+// (o = -zero s: Q4_0 8, Q5_0 16, Q6_K 32): the tiles take q - zero as signed bytes and
+// need no offsets' part. 0: none such (Q5_1's, Q4_K's, Q5_K's offsets are their own).
+template <class U>
+constexpr int kZero = 0;
+template <>
+constexpr int kZero<vnni::Q4_0> = 8;
+template <>
+constexpr int kZero<vnni::Q5_0> = 16;
+template <>
+constexpr int kZero<vnni::Q6_K> = 32;
+
 template <class U>
 void unpack_group(const uint8_t* w, int64_t row_bytes, int64_t subs, Panel& panel) {
   for (int64_t m = 0; m < kTile; ++m) {
     const uint8_t* row = w + m * row_bytes;
     if constexpr (U::kSubs == 1) {
-      for (int64_t k = 0; k < subs; ++k) panel.put(U::unpack(row + k * U::kBytes), m, k);
+      for (int64_t k = 0; k < subs; ++k) {
+        panel.put<kZero<U>>(U::unpack(row + k * U::kBytes), m, k);
+      }
     } else {
       vnni::Sub unpacked[U::kSubs];
       for (int64_t b = 0; b < subs / U::kSubs; ++b) {
         U::unpack_all(row + b * U::kBytes, unpacked);
-        for (int64_t j = 0; j < U::kSubs; ++j) panel.put(unpacked[j], m, b * U::kSubs + j);
+        for (int64_t j = 0; j < U::kSubs; ++j) {
+          panel.put<kZero<U>>(unpacked[j], m, b * U::kSubs + j);
+        }
       }
     }
   }
@@ -146,7 +165,7 @@ void tile_pass(const uint8_t* group, int64_t row_bytes, const Panel& panel, cons
                int64_t subs, int64_t t, const uint8_t* next, int64_t next_bytes,
                __m512 (&acc)[kTile]) {
   constexpr int kHalves = U::kHalves ? 2 : 1;
-  constexpr bool kOffsets = !std::is_same_v<U, vnni::Q8_0>;
+  constexpr bool kOffsets = !std::is_same_v<U, vnni::Q8_0> && kZero<U> == 0;
   alignas(64) int32_t sums[2][kTile * kTile];
   float scales[2][kTile];
   Part parts[2];
@@ -191,7 +210,7 @@ void tile_pass(const uint8_t* group, int64_t row_bytes, const Panel& panel, cons
       _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     }
     const __m512 dx = _mm512_loadu_ps(x.d.data() + tk * kTile);
-    // the offsets' part o[m] d S (Q8_0 has none)
+    // the offsets' part o[m] d S (Q8_0 and the kZero types have none)
     const float* offsets = x.offsets.data() + 2 * tk * kTile;
     const __m512 dsum = kHalves == 2 ? _mm512_loadu_ps(offsets + h * kTile)
         : _mm512_add_ps(_mm512_loadu_ps(offsets), _mm512_loadu_ps(offsets + kTile));
