@@ -171,12 +171,13 @@ class MatrixUnitPath:
 
 # NOTE: AMX's int8 tiles (csrc/file_blocks_amx_tiles.h), x in the int8 paths' two planes,
 # 16 weight rows unpacked to bytes once for every 16 rows of x (Q8_0's bytes read in
-# place), each sub-block's tile products issued before the previous one's sums are
-# combined. Measured against the paths they replace (docs/benchmarks.md, issue 45): Gemma
-# 3's tied 262k-row Q8_0 LM head at 16 rows ~8 ms against the panels' 34, at 8 rows
-# against the exact matvec's 17 (from 4 rows on); the other types past the small-batch
-# paths' 8 rows, Q6_K too (its scale per 16 halves each tile product, yet [640, 2048] at
-# 16 rows 0.25 ms against its float panels' 0.36).
+# place), each sub-block's tile products issued into a second set of tiles before the
+# previous one's sums are combined. Measured against the paths they replace, 2 threads
+# (docs/benchmarks.md, issue 45): Gemma 3's tied 262k-row Q8_0 LM head at 4 rows 6.5 ms
+# against the exact matvec's 9.5, 8 rows 6.8 / 17, 16 rows 7.5 / 34 (panels); the other
+# types past the small-batch paths' 8 rows, Q6_K too (its scale per 16 halves each tile
+# product, yet [640, 2048] at 16 rows 0.22 ms against its float panels' 0.31, 44 rows 0.45
+# against 0.78).
 MATRIX_UNIT_PATHS = {
     "q8_0_file": MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted", min_rows=4),
     **{kind: MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted",
