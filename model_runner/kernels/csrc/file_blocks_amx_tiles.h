@@ -67,16 +67,6 @@ struct Panel {
   std::vector<float> s, o;
   explicit Panel(int64_t subs)
       : q(subs * kTile * 32), s(subs * 2 * kTile), o(subs * 2 * kTile) {}
-
-  template <int kZeroByte>
-  void put(const vnni::Sub& sub, int64_t m, int64_t k) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + (k * kTile + m) * 32),
-                        _mm256_sub_epi8(sub.q, _mm256_set1_epi8(kZeroByte)));
-    s[2 * k * kTile + m] = sub.s0;
-    s[(2 * k + 1) * kTile + m] = sub.s1;
-    o[2 * k * kTile + m] = sub.o0;
-    o[(2 * k + 1) * kTile + m] = sub.o1;
-  }
 };
 
 // The byte a type's weights are offset by where the offset is a whole number of its scale
@@ -91,21 +81,31 @@ constexpr int kZero<vnni::Q5_0> = 16;
 template <>
 constexpr int kZero<vnni::Q6_K> = 32;
 
+// 16 weight rows (`w`, row_bytes apart) into the panel: what the tiles read of it alone
+// (a second half's scale and offset where the type has its own, offsets but for kZero's).
 template <class U>
 void unpack_group(const uint8_t* w, int64_t row_bytes, int64_t subs, Panel& panel) {
+  int8_t* q = panel.q.data();
+  float *s = panel.s.data(), *o = panel.o.data();  // (held here: not reloaded per store)
+  const auto put = [&](const vnni::Sub& sub, int64_t m, int64_t k) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (k * kTile + m) * 32),
+                        _mm256_sub_epi8(sub.q, _mm256_set1_epi8(kZero<U>)));
+    s[2 * k * kTile + m] = sub.s0;
+    if constexpr (U::kHalves) s[(2 * k + 1) * kTile + m] = sub.s1;
+    if constexpr (kZero<U> == 0) {
+      o[2 * k * kTile + m] = sub.o0;
+      if constexpr (U::kHalves) o[(2 * k + 1) * kTile + m] = sub.o1;
+    }
+  };
   for (int64_t m = 0; m < kTile; ++m) {
     const uint8_t* row = w + m * row_bytes;
     if constexpr (U::kSubs == 1) {
-      for (int64_t k = 0; k < subs; ++k) {
-        panel.put<kZero<U>>(U::unpack(row + k * U::kBytes), m, k);
-      }
+      for (int64_t k = 0; k < subs; ++k) put(U::unpack(row + k * U::kBytes), m, k);
     } else {
       vnni::Sub unpacked[U::kSubs];
       for (int64_t b = 0; b < subs / U::kSubs; ++b) {
         U::unpack_all(row + b * U::kBytes, unpacked);
-        for (int64_t j = 0; j < U::kSubs; ++j) {
-          panel.put<kZero<U>>(unpacked[j], m, b * U::kSubs + j);
-        }
+        for (int64_t j = 0; j < U::kSubs; ++j) put(unpacked[j], m, b * U::kSubs + j);
       }
     }
   }
