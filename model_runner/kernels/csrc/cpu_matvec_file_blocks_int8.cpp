@@ -33,6 +33,7 @@
 
 #include "block_formats.h"
 #include "cpu_ops.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +56,7 @@
 
 namespace {
 
+using pagedserve::prefetch_ahead;
 using pagedserve::blocks::Type;
 
 constexpr int64_t kMaxRows = 8;
