@@ -11,6 +11,7 @@
 
 #include "cpu_ops.h"
 #include "vec8.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -68,6 +69,7 @@ void matvec_rows(const float* x, int64_t x_stride, int64_t num_rows, const W* w,
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kMaxRows];
     for (int64_t o = begin; o < end; ++o) {
+      pagedserve::prefetch_ahead(w + o * width, width * static_cast<int64_t>(sizeof(W)));
       dot_any(w + o * width, x, x_stride, num_rows, width, dots);
       const float b = bias == nullptr ? 0.f : bias[o];
       for (int64_t r = 0; r < num_rows; ++r) y[r * out_features + o] = dots[r] + b;

@@ -18,6 +18,7 @@
 
 #include "cpu_ops.h"
 #include "vec8.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -104,6 +105,11 @@ struct Q41 {
     const int64_t at = o * blocks + k;
     return q4_1_block(qs + at * 16, d[at], m[at]);
   }
+  void prefetch(int64_t o) const {
+    pagedserve::prefetch_ahead(qs + o * blocks * 16, blocks * 16);
+    pagedserve::prefetch_ahead(d + o * blocks, blocks * 4);
+    pagedserve::prefetch_ahead(m + o * blocks, blocks * 4);
+  }
 };
 
 struct Q80 {
@@ -113,6 +119,10 @@ struct Q80 {
   BlockWeights block(int64_t o, int64_t k) const {
     const int64_t at = o * blocks + k;
     return q8_0_block(qs + at * kBlock, d[at]);
+  }
+  void prefetch(int64_t o) const {
+    pagedserve::prefetch_ahead(qs + o * blocks * kBlock, blocks * kBlock);
+    pagedserve::prefetch_ahead(d + o * blocks, blocks * 4);
   }
 };
 
@@ -140,6 +150,7 @@ void matvec_rows(const Q& q, const float* x, int64_t x_stride, int64_t num_rows,
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
     float dots[kMaxRows];
     for (int64_t o = begin; o < end; ++o) {
+      q.prefetch(o);
       switch (num_rows) {
         case 1: dot_rows<1>(q, o, x, x_stride, dots); break;
         case 2: dot_rows<2>(q, o, x, x_stride, dots); break;

@@ -27,6 +27,7 @@
 
 #include "cpu_ops.h"
 #include "vec8.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -175,6 +176,12 @@ struct Q41Groups {
   const at::Half* m;
   int64_t blocks;
 
+  void prefetch(int64_t g) const {
+    pagedserve::prefetch_ahead(qs + g * blocks * 128, blocks * 128);
+    pagedserve::prefetch_ahead(d + g * blocks * 8, blocks * 16);
+    pagedserve::prefetch_ahead(m + g * blocks * 8, blocks * 16);
+  }
+
   // rows [first, first + R) of x (in P planes) against group g: out[r * stride + j] for
   // its rows j. Three planes' integer sums S0..S2 make (S0 * 254 + S1) + S2 / 254, exact
   // but for the last step's rounding: int32 holds S0 * 254 + S1 (at most 60960 * 255).
@@ -271,6 +278,11 @@ struct Q80Groups {
   const at::Half* d;
   int64_t blocks;
 
+  void prefetch(int64_t g) const {
+    pagedserve::prefetch_ahead(qs + g * blocks * 256, blocks * 256);
+    pagedserve::prefetch_ahead(d + g * blocks * 8, blocks * 16);
+  }
+
   template <int R, int P>
   void dot(int64_t g, const QuantizedRows& x, int64_t first, float* out, int64_t stride) const {
     static_assert(P == 1, "Q8_0 takes int8 activations only");
@@ -354,7 +366,10 @@ at::Tensor grouped_products(const Q& q, int64_t groups, const at::Tensor& x,
       : split_rows(x.data_ptr<float>(), x.stride(0), rows, x.size(1));
   float* out = y.data_ptr<float>();
   at::parallel_for(0, groups, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) group_rows<P>(q, g, xq, rows, out, out_features);
+    for (int64_t g = begin; g < end; ++g) {
+      q.prefetch(g);
+      group_rows<P>(q, g, xq, rows, out, out_features);
+    }
   });
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -20,6 +20,7 @@
 #include "block_formats.h"
 #include "cpu_ops.h"
 #include "vec8.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -41,6 +42,7 @@ using pagedserve::blocks::Type;
 constexpr int64_t kRun = 256;  // weights made at a time (a K-quant's super-block)
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kGrain = 16;  // output rows a thread takes at least
+
 
 #if defined(__AVX2__) && defined(__GNUC__)
 // AVX-512 code is compiled here only, in functions marked for it, and chosen at run time.
@@ -122,6 +124,7 @@ void matvec_rows(const uint8_t* blocks, int64_t row_bytes, const float* x, int64
     float dots[kMaxRows];
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = blocks + o * row_bytes;
+      pagedserve::prefetch_ahead(row, row_bytes);
       switch (num_rows) {
         case 1: row_dots<F, 1>(row, per_row, x, x_stride, dots); break;
         case 2: row_dots<F, 2>(row, per_row, x, x_stride, dots); break;

@@ -38,6 +38,7 @@
 
 #include "block_formats.h"
 #include "cpu_ops.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -60,6 +61,7 @@
 
 namespace {
 
+using pagedserve::prefetch_ahead;
 using pagedserve::blocks::Type;
 
 constexpr int64_t kMaxRows = 8;

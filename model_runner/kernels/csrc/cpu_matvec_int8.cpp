@@ -15,6 +15,7 @@
 #include <ATen/ops/empty.h>
 
 #include "cpu_ops.h"
+#include "weight_stream.h"
 
 #include <algorithm>
 #include <cmath>
@@ -141,6 +142,7 @@ void matvec_rows(const int16_t* x, const int8_t* w, const Dequantization& dq, fl
   at::parallel_for(0, out_features, kGrain, [&](int64_t begin, int64_t end) {
     int32_t sums[R];
     for (int64_t o = begin; o < end; ++o) {
+      pagedserve::prefetch_ahead(w + o * width, width);
       dot_rows<R>(w + o * width, x, width, sums);
       // fbgemm's ReQuantizeForFloat, then Int8Linear's row scale and bias
       const float multiplier = dq.input_scale * dq.weight_scales[o];

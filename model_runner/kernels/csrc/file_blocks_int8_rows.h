@@ -2,7 +2,7 @@
 // namespace `avx2` (AVX2's byte products: maddubs, then madd) and inside namespace `vnni`
 // under `#pragma GCC target` for AVX-512 VNNI (one vpdpbusd), with PAGEDSERVE_INT8_VNNI
 // saying which. No includes here: the includer's (immintrin.h, block_formats.h' Type and
-// scale_min, Activations).
+// scale_min, Activations, weight_stream.h's prefetch_ahead).
 //
 // Each 32 weights of a row (a sub-block: a legacy block, or a K-quant's eighth) are made as
 // 32 bytes q and per half of 16 a scale s and an offset o, w = s * q + o, q unsigned
@@ -225,6 +225,7 @@ void rows_of(const uint8_t* blocks, int64_t row_bytes, const Activations& a, con
   float dots[8];
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = blocks + o * row_bytes;
+    prefetch_ahead(row, row_bytes);
     switch (a.rows) {
       case 1: row_dots<U, 1>(row, blocks_per_row, a, dots); break;
       case 2: row_dots<U, 2>(row, blocks_per_row, a, dots); break;
