@@ -176,8 +176,8 @@ class MatrixUnitPath:
 # (docs/benchmarks.md, issue 45): Gemma 3's tied 262k-row Q8_0 LM head at 4 rows 6.5 ms
 # against the exact matvec's 9.5, 8 rows 6.8 / 17, 16 rows 7.5 / 34 (panels); the other
 # types past the small-batch paths' 8 rows, Q6_K too (its scale per 16 halves each tile
-# product, yet [640, 2048] at 16 rows 0.22 ms against its float panels' 0.31, 44 rows 0.45
-# against 0.78).
+# product, yet [640, 2048] at 16 rows 0.22 ms against its float panels' 0.31, 44 rows 0.40
+# against 0.55-0.76).
 MATRIX_UNIT_PATHS = {
     "q8_0_file": MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted", min_rows=4),
     **{kind: MatrixUnitPath("file_blocks_amx_gemm", "amx_int8_granted",
