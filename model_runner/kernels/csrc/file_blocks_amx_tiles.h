@@ -233,8 +233,9 @@ void put_tile(const __m512* acc, int64_t t, int64_t rows, const float* bias, flo
 }
 
 // Weight rows [16 g0, 16 g1) (blocks of U, row_bytes apart) against every tile of x: y's
-// columns there, plus bias; two groups a pass (the last alone where odd). Q8_0's bytes are
-// read in place (tile A straight from the blocks), the others' unpacked first.
+// columns there, plus bias; a group of 16 at a time, the next one's bytes fetched
+// meanwhile. Q8_0's bytes are read in place (tile A straight from the blocks), the
+// others' unpacked once per group for every tile of x.
 template <class U>
 void gemm_groups(const uint8_t* w, int64_t row_bytes, const PackedX& x, int64_t subs,
                  int64_t rows, const float* bias, float* y, int64_t out_features, int64_t g0,
