@@ -10,6 +10,7 @@ serve machines of different kinds.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sysconfig
@@ -20,6 +21,7 @@ import torch
 # every kernel file, and cpu_bindings.cpp, which registers all their ops (cpu_ops.h declares
 # what it registers)
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # NOTE: -fopenmp compiles at::parallel_for's OpenMP loop (without it the kernels run on one
 # thread); the GOMP symbols resolve to the libgomp torch has already loaded, so the
 # extension does not link a second OpenMP runtime.
@@ -46,9 +48,19 @@ def load_cpu_kernels() -> None:
     load(
         name=f"pagedserve_cpu_{capability.lower()}",
         sources=[str(source) for source in SOURCES],
-        extra_cflags=_COMMON_FLAGS + _CAPABILITY_FLAGS.get(capability, []),
+        extra_cflags=[*_COMMON_FLAGS, *_CAPABILITY_FLAGS.get(capability, []), _headers_flag()],
         is_python_module=False,
     )
+
+
+def _headers_flag() -> str:
+    """A define naming the headers' contents: torch reuses a build while its sources and
+    flags are unchanged, and hashes only the sources, so an edit to a header alone would
+    load the old build."""
+    digest = hashlib.sha1()
+    for header in HEADERS:
+        digest.update(header.read_bytes())
+    return f"-DPAGEDSERVE_HEADERS={digest.hexdigest()[:16]}"
 
 
 def _put_ninja_on_path() -> None:
