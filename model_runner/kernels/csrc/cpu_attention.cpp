@@ -35,6 +35,20 @@ inline float dot(const Vec8* q, const T* k, int R) {
   return sum8((part[0] + part[1]) + (part[2] + part[3]));
 }
 
+// dot(q, k0, R) and dot(q, k1, R), the same sums, each of q's registers read once for both
+// (a head of 256 spills q from the registers: a key apiece read it twice as often).
+template <typename T>
+inline void dot2(const Vec8* q, const T* k0, const T* k1, int R, float* out) {
+  Vec8 a[4] = {}, b[4] = {};
+  for (int r = 0; r < R; ++r) {
+    const Vec8 qr = q[r];
+    a[r % 4] += qr * load8(k0 + r * 8);
+    b[r % 4] += qr * load8(k1 + r * 8);
+  }
+  out[0] = sum8((a[0] + a[1]) + (a[2] + a[3]));
+  out[1] = sum8((b[0] + b[1]) + (b[2] + b[3]));
+}
+
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int32_t kSplitContext = 256;  // keys from which one sequence's heads are split
 
@@ -101,9 +115,12 @@ void attend_rows(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
           Vec8 q[MAX_R];
           for (int r = 0; r < R; ++r) q[r] = load8(q_in + at * D + r * 8) * scale;
           float block_max = max[at];
-          for (int64_t i = lo; i < n; ++i) {
-            const T* k = keys + i * token_stride;
-            scores[i] = dot(q, k, R);
+          int64_t i = lo;
+          for (; i + 2 <= n; i += 2) {
+            dot2(q, keys + i * token_stride, keys + (i + 1) * token_stride, R, scores + i);
+          }
+          if (i < n) scores[i] = dot(q, keys + i * token_stride, R);
+          for (i = lo; i < n; ++i) {
             if (softcap > 0.f) scores[i] = softcap * std::tanh(scores[i] / softcap);
             block_max = std::max(block_max, scores[i]);
           }
@@ -117,10 +134,26 @@ void attend_rows(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
             p = exp8(p - block_max);
             std::memcpy(scores + i, &p, sizeof(p));
           }
-          for (int64_t i = lo; i < n; ++i) {
-            block_sum += scores[i];
-            const T* v = values + i * token_stride;
-            for (int r = 0; r < R; ++r) out_row[r] += scores[i] * load8(v + r * 8);
+          for (int64_t i = lo; i < n; ++i) block_sum += scores[i];
+          // the values four keys at a time: each output register read and written once
+          // for the four, its sums in the keys' order as one at a time
+          int64_t i4 = lo;
+          for (; i4 + 4 <= n; i4 += 4) {
+            const T* v = values + i4 * token_stride;
+            const float s0 = scores[i4], s1 = scores[i4 + 1], s2 = scores[i4 + 2],
+                        s3 = scores[i4 + 3];
+            for (int r = 0; r < R; ++r) {
+              Vec8 o = out_row[r];
+              o += s0 * load8(v + r * 8);
+              o += s1 * load8(v + token_stride + r * 8);
+              o += s2 * load8(v + 2 * token_stride + r * 8);
+              o += s3 * load8(v + 3 * token_stride + r * 8);
+              out_row[r] = o;
+            }
+          }
+          for (; i4 < n; ++i4) {
+            const T* v = values + i4 * token_stride;
+            for (int r = 0; r < R; ++r) out_row[r] += scores[i4] * load8(v + r * 8);
           }
           for (int r = 0; r < R; ++r) acc[at * R + r] = out_row[r];
           sum[at] = sum[at] * shrink + block_sum;
