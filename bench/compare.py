@@ -120,6 +120,7 @@ def _server_result(system: str, summary: dict[str, Any]) -> dict[str, Any]:
         "output_tps": summary["output_token_throughput"],
         "duration_s": summary["duration_s"],
         "failed": summary["num_failed"],
+        "errors": summary["errors"],  # the first few distinct ones
         "ttft_p50_ms": _ms(summary["all"]["ttft_s"]["p50"]),
         "itl_p50_ms": _ms(summary["all"]["itl_s"]["p50"]),
         "tpot_p50_ms": _ms(summary["all"]["tpot_s"]["p50"]),
@@ -192,7 +193,8 @@ def format_table(workload: Workload, results: list[dict[str, Any]]) -> str:
         if "high_ttft_idle_ms" in r:
             lines.append(f"\nhigh-priority TTFT on an idle server: {r['high_ttft_idle_ms']:.0f} ms")
         if r["failed"]:
-            lines.append(f"\n{r['system']}: {r['failed']} requests FAILED")
+            lines.append(f"\n{r['system']}: {r['failed']} requests FAILED: "
+                         + "; ".join(r.get("errors", [])))
     return "\n".join(lines)
 
 
