@@ -45,7 +45,7 @@ from scheduler.step_cost import Residuals, StepCost, StepCostModel, prompt_keys
 # gap p99 of bench/slo.py --real was 100-112 ms; to 85%, 90-94 ms).
 PLAN_SHARE = 0.85
 # How a step's prefill work may grow past the last one whose decodes were on time, and
-# shrink after one that was not, staying below that for PREFILL_CEILING_STEPS steps: the
+# shrink after one that was not, staying below that for PREFILL_CEILING_STEPS such steps: the
 # fit is linear and the device is not (beside 16 decodes of the default model, a chunk of
 # 48 tokens took 84 ms and one of 49 took 106: oneDNN runs 65 rows as 96), so the planner
 # feels its way up to the target as TCP does a link's capacity, and does not probe the
@@ -116,7 +116,7 @@ class SloPlanner:
         self._planned: StepCost | None = None  # the fit this step was planned with
         # the most prefill seconds (predicted) a step beside decodes may carry, from the
         # last such step's (None: none seen yet), and below the last late one's, for
-        # PREFILL_CEILING_STEPS steps after it (the steps left)
+        # PREFILL_CEILING_STEPS steps with prefill after it (the steps left)
         self._prefill_allowed_s: float | None = None
         self._prefill_ceiling_s = math.inf
         self._ceiling_steps_left = 0
@@ -150,7 +150,7 @@ class SloPlanner:
     def _feel_prefill(self, work: StepWork, planned: StepCost, on_time: bool) -> None:
         """A step beside decodes carried `work`: let the next one carry PREFILL_GROWTH
         times its prefill if its decodes were on time (no more than the ceiling), else
-        PREFILL_SHRINK times it, the ceiling for the next PREFILL_CEILING_STEPS."""
+        PREFILL_SHRINK times it, the ceiling for the next PREFILL_CEILING_STEPS on time."""
         decodes = StepWork(work.num_decode_rows, decode_keys=work.decode_keys)
         prefill_s = work.seconds(planned) - decodes.seconds(planned)
         if not on_time:
