@@ -76,10 +76,7 @@ def _plans(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int
     plans = []
     for rows, context in sorted(decodes):
         work = StepWork(num_decode_rows=rows, decode_keys=rows * (context + 1))
-        per_row = context // block_size + 1
-        plans.append((work, SchedulerOutput([
-            _chunk(f"calibration-decode-{context}-{i}", context, 1, block_size, i * per_row)
-            for i in range(rows)])))
+        plans.append((work, SchedulerOutput(_decodes(rows, context, block_size))))
     batch = min(max(DECODE_ROWS), most_rows)
     chunk_blocks = num_blocks - batch * blocks_per_row
     for start in sorted({0, max(long_start, 0)}):
@@ -92,11 +89,17 @@ def _plans(runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int
         work = StepWork(num_decode_rows=batch, decode_keys=batch * (DECODE_CONTEXT + 1))
         work.add_prefill(start, SHORT_CHUNK)
         plans.append((work, SchedulerOutput([
-            *(_chunk(f"calibration-decode-{DECODE_CONTEXT}-{i}", DECODE_CONTEXT, 1,
-                     block_size, i * blocks_per_row) for i in range(batch)),
+            *_decodes(batch, DECODE_CONTEXT, block_size),
             _chunk(f"calibration-chunk-{start}", start, SHORT_CHUNK, block_size,
                    batch * blocks_per_row)])))
     return plans
+
+
+def _decodes(rows: int, context: int, block_size: int) -> list[ScheduledRequest]:
+    """`rows` made-up decodes at `context`, each on its own consecutive blocks from 0."""
+    per_row = context // block_size + 1
+    return [_chunk(f"calibration-decode-{context}-{i}", context, 1, block_size, i * per_row)
+            for i in range(rows)]
 
 
 def _chunk(request_id: str, start: int, num_tokens: int, block_size: int,

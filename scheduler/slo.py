@@ -140,19 +140,21 @@ class SloPlanner:
         residual, the gap (its time when unknown) less what it was planned to take."""
         if self._planned is not None:
             waited = seconds if gap_s is None else gap_s
-            self.residuals[work.prefill_tokens > 0].add(waited - work.seconds(self._planned))
+            planned_s = work.seconds(self._planned)
+            self.residuals[work.prefill_tokens > 0].add(waited - planned_s)
             if work.prefill_tokens and self._tightest is not None:
-                self._feel_prefill(work, self._planned, waited <= self._tightest)
+                decodes = StepWork(work.num_decode_rows, decode_keys=work.decode_keys)
+                self._feel_prefill(planned_s - decodes.seconds(self._planned),
+                                   waited <= self._tightest)
             self._planned = None
         self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
                            seconds, work.decode_keys, work.prefill_chunks, work.chunk_context)
 
-    def _feel_prefill(self, work: StepWork, planned: StepCost, on_time: bool) -> None:
-        """A step beside decodes carried `work`: let the next one carry PREFILL_GROWTH
-        times its prefill if its decodes were on time (no more than the ceiling), else
-        PREFILL_SHRINK times it, the ceiling for the next PREFILL_CEILING_STEPS on time."""
-        decodes = StepWork(work.num_decode_rows, decode_keys=work.decode_keys)
-        prefill_s = work.seconds(planned) - decodes.seconds(planned)
+    def _feel_prefill(self, prefill_s: float, on_time: bool) -> None:
+        """A step beside decodes carried `prefill_s` of prefill (as planned): let the next
+        one carry PREFILL_GROWTH times that if its decodes were on time (no more than the
+        ceiling), else PREFILL_SHRINK times it, the ceiling for the next
+        PREFILL_CEILING_STEPS on time."""
         if not on_time:
             self._prefill_allowed_s = self._prefill_ceiling_s = PREFILL_SHRINK * prefill_s
             self._ceiling_steps_left = PREFILL_CEILING_STEPS
@@ -218,13 +220,15 @@ class SloPlanner:
         decodes_s = decodes.seconds(cost)
         spare = self._tightest - self.margin(self._tightest, True) - decodes_s
         context, unit_s = cost.prefill_exchange()
-        room = spare / unit_s if unit_s > 0 else (math.inf if spare >= 0 else -1.0)
-        allowed_s = self._prefill_allowed_s
-        if allowed_s is None:  # no step with prefill seen: no more than other policies
-            allowed_s = math.inf if cap is None else cap * unit_s
-        room = min(room, allowed_s / unit_s) if unit_s > 0 else room
-        # NOTE: a unit more a chunk: prefill_cost rounds each chunk's context part down
-        chunk_units = cost.per_chunk_s / unit_s + 1 if unit_s > 0 else 0.0
+        if unit_s > 0:
+            allowed_s = self._prefill_allowed_s
+            if allowed_s is None:  # no step with prefill seen: no more than other policies
+                allowed_s = math.inf if cap is None else cap * unit_s
+            room = min(spare, allowed_s) / unit_s
+            # NOTE: a unit more a chunk: prefill_cost rounds each chunk's context part down
+            chunk_units = cost.per_chunk_s / unit_s + 1
+        else:
+            room, chunk_units = (math.inf if spare >= 0 else -1.0), 0.0
         if room < 1 + chunk_units:
             self.num_steps_over_tpot += 1
             if decodes_s > self._tightest:

@@ -27,26 +27,19 @@ using pagedserve::load8;
 using pagedserve::sum8;
 using pagedserve::Vec8;
 
-// q . k over R registers, summed as a tree: a chain of R dependent FMAs would stall.
-template <typename T>
-inline float dot(const Vec8* q, const T* k, int R) {
-  Vec8 part[4] = {};
-  for (int r = 0; r < R; ++r) part[r % 4] += q[r] * load8(k + r * 8);
-  return sum8((part[0] + part[1]) + (part[2] + part[3]));
-}
-
-// dot(q, k0, R) and dot(q, k1, R), the same sums, each of q's registers read once for both
-// (a head of 256 spills q from the registers: a key apiece read it twice as often).
-template <typename T>
-inline void dot2(const Vec8* q, const T* k0, const T* k1, int R, float* out) {
-  Vec8 a[4] = {}, b[4] = {};
+// q . k for K keys `stride` apart, over R registers, each summed as a tree (a chain of R
+// dependent FMAs would stall); each of q's registers read once for the K (a head of 256
+// spills q from the registers: a key apiece read it K times as often).
+template <int K, typename T>
+inline void dots(const Vec8* q, const T* k, int64_t stride, int R, float* out) {
+  Vec8 part[K][4] = {};
   for (int r = 0; r < R; ++r) {
     const Vec8 qr = q[r];
-    a[r % 4] += qr * load8(k0 + r * 8);
-    b[r % 4] += qr * load8(k1 + r * 8);
+    for (int j = 0; j < K; ++j) part[j][r % 4] += qr * load8(k + j * stride + r * 8);
   }
-  out[0] = sum8((a[0] + a[1]) + (a[2] + a[3]));
-  out[1] = sum8((b[0] + b[1]) + (b[2] + b[3]));
+  for (int j = 0; j < K; ++j) {
+    out[j] = sum8((part[j][0] + part[j][1]) + (part[j][2] + part[j][3]));
+  }
 }
 
 constexpr int MAX_HEAD_DIM = 256;
@@ -117,9 +110,9 @@ void attend_rows(int head_dim, const Q* q_in, const T* k_all, const T* v_all,
           float block_max = max[at];
           int64_t i = lo;
           for (; i + 2 <= n; i += 2) {
-            dot2(q, keys + i * token_stride, keys + (i + 1) * token_stride, R, scores + i);
+            dots<2>(q, keys + i * token_stride, token_stride, R, scores + i);
           }
-          if (i < n) scores[i] = dot(q, keys + i * token_stride, R);
+          if (i < n) dots<1>(q, keys + i * token_stride, token_stride, R, scores + i);
           for (i = lo; i < n; ++i) {
             if (softcap > 0.f) scores[i] = softcap * std::tanh(scores[i] / softcap);
             block_max = std::max(block_max, scores[i]);
