@@ -148,7 +148,8 @@ GEMMS = {
     "float16": "fbgemm float16 weights (quantized.linear_dynamic_fp16)",
     "bfloat16": "oneDNN bfloat16 weights and activations, float32 sums (AMX tiles where the "
                 "host has them)",
-    "int8": "fbgemm W8A8 (quantized.linear_dynamic)",
+    "int8": "fbgemm W8A8 (quantized.linear_dynamic); AMX's int8 tiles where granted "
+            "(int8_amx_gemm, INT8_ROWS_MATRIX_UNIT)",
 }
 # a file's blocks' larger batches, whatever the weight dtype: panels of its rows
 # dequantized into a thread's buffer (csrc/cpu_matvec_file_blocks.cpp): no second copy
@@ -167,6 +168,7 @@ class MatrixUnitPath:
     granted: str
     min_rows: int
     out_multiple: int = 16
+    in_multiple: int = 1
 
 
 # NOTE: AMX's int8 tiles (csrc/file_blocks_amx_tiles.h), x in the int8 paths' two planes,
@@ -184,6 +186,26 @@ MATRIX_UNIT_PATHS = {
                             min_rows=MATVEC_MAX_ROWS + 1)
        for kind in ("q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")},
 }
+
+
+# NOTE: int8 rows (Int8Linear: rotated, a grid per weight row) past their small-batch path
+# on AMX's int8 tiles (csrc/cpu_int8_amx.cpp): each row of x on its own 8-bit grid, the
+# byte products summed in int32 over the whole row, one scaling; fbgemm elsewhere. On the
+# default model's shapes, 2 threads (docs/benchmarks.md, issue 45): a layer's four
+# projections at 16 rows 0.15 ms against fbgemm's 0.26 (with the rotation), 512 rows 3.7
+# against 5.8; the 16-request decode step 25 -> 16 ms.
+INT8_ROWS_MATRIX_UNIT = MatrixUnitPath("int8_amx_gemm", "amx_int8_granted", min_rows=1,
+                                       in_multiple=64)
+
+
+def int8_rows_matrix_unit(out_features: int, in_features: int) -> MatrixUnitPath | None:
+    """INT8_ROWS_MATRIX_UNIT where it takes an [out, in] weight and the host grants it."""
+    path = INT8_ROWS_MATRIX_UNIT
+    if out_features % path.out_multiple or in_features % path.in_multiple:
+        return None
+    import torch
+
+    return path if getattr(torch.ops.pagedserve, path.granted)() else None
 
 
 def matrix_unit_path(weight_dtype: str, blocks: str | None, out_features: int

@@ -18,9 +18,10 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   (Sapphire Rapids and later) oneDNN runs it on AMX's bfloat16 tiles: prefill and batches
   past the small-batch rows 2-7x float32's speed and ~2x int8's. Elsewhere oneDNN's
   AVX-512 (BF16) or emulated kernels give the same numbers more slowly.
-- "int8": W8A8 (Int8Linear). Products in int8, summed in int32: on AVX2 fbgemm's int8
-  GEMM runs ~1.8x the float32 FLOP rate, and from a batch of ~16 tokens the CPU waits for
-  FLOPs, not weight bytes. A quantized model: greedy output drifts from float32
+- "int8": W8A8 (int8_linear.Int8Linear). Products in int8, summed in int32: on AMX's int8
+  tiles where the host grants them, elsewhere fbgemm's int8 GEMM (~1.8x the float32 FLOP
+  rate on AVX2); from a batch of ~16 tokens the CPU waits for FLOPs, not weight bytes. A
+  quantized model: greedy output drifts from float32
   (measured in docs/benchmarks.md).
 
 A small batch (up to eight rows, four for int8's rows) runs instead on the C++ matvec of
@@ -42,29 +43,29 @@ one type on its own blocks, outputs side by side (SplitLinear).
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from model_runner.kernels.block_quant import (
-    BlockForm,
     GGUFBlocks,
-    block_form,
     block_runs,
-    find_blocks,
 )
 from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
     PATHS,
-    KernelPath,
     KernelTable,
     matrix_unit_path,
     small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
+from model_runner.kernels.int8_linear import Int8Linear
+from model_runner.kernels.small_batch import (
+    DecodeForm,
+    SmallBatchPath,
+    SplitDecodeForm,
+)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, weight_dtype: str) -> bool:
@@ -94,34 +95,6 @@ def matvec_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | No
     if not cpu_kernels_available() or not PATHS["matvec"].fits(*weight.shape):
         return None
     return weight.detach().to(dtype).contiguous()
-
-
-@dataclass(frozen=True)
-class DecodeForm:
-    """A projection's small-batch copy as the C++ decode stack holds it
-    (csrc/cpu_decode_stack.cpp): its path (cpu_kernel_table.PATHS: the stack's kind), its
-    tensors in that path's order, its bias, and (int8 rows) its input's rotation block."""
-
-    path: KernelPath
-    tensors: tuple[torch.Tensor, ...]
-    bias: torch.Tensor | None
-    rotation_block: int = 0
-
-    @property
-    def parts(self) -> tuple[DecodeForm, ...]:
-        """The forms the stack runs for it, outputs side by side: itself."""
-        return (self,)
-
-
-@dataclass(frozen=True)
-class SplitDecodeForm:
-    """A projection the stack runs as its parts (SplitLinear's), one kernel call each, their
-    outputs side by side."""
-
-    parts: tuple[DecodeForm, ...]
-
-
-ProjectionForm = DecodeForm | SplitDecodeForm
 
 
 # y = x @ weight.T + bias for x [N, in], on a packed copy of the weight; `decode_form()`
@@ -156,31 +129,6 @@ def pack_linear(
     if weight_dtype == "int8":
         return Int8Linear(weight, bias, table)
     return OneDNNLinear(weight, bias, table, kept)
-
-
-class SmallBatchPath:
-    """What every packed projection holds for its small batches: its path
-    (cpu_kernel_table.small_batch_path, None where the kernels are not built or none fits)
-    and the most rows it runs there under the model's table (`use_table`), the weight's
-    exact GGUF blocks in the path's form (`blocks`) or its row-major copy (`rows_weight`)."""
-
-    path: KernelPath | None
-    max_rows: int
-    blocks: BlockForm | None
-    rows_weight: torch.Tensor | None
-
-    def _choose_path(self, weight: torch.Tensor, weight_dtype: str, table: KernelTable) -> None:
-        kernels = cpu_kernels_available()
-        found = find_blocks(weight) if kernels else None
-        kind = None if found is None else found.kind
-        self.path = small_batch_path(weight_dtype, kind, *weight.shape) if kernels else None
-        self.blocks = None if found is None or self.path is None else block_form(found, self.path)
-        self.rows_weight = None
-        self.use_table(table)
-
-    def use_table(self, table: KernelTable) -> None:
-        """Run small batches up to the rows `table` gives this projection's path."""
-        self.max_rows = table.rows(self.path)
 
 
 class FloatMatvecCopy(SmallBatchPath):
@@ -376,101 +324,6 @@ class SplitLinear:
         if any(form is None for form in forms):
             return None
         return SplitDecodeForm(tuple(form for form in forms if form is not None))
-
-
-class Int8Linear(SmallBatchPath):
-    """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
-
-    A few activation channels of these models run 100-1000x wider than the rest, and
-    one 8-bit grid cannot hold both. So each input row is first turned by a block-diagonal
-    Hadamard rotation H (orthogonal, blocks of up to 64 channels; QuaRot's idea), which
-    spreads an outsize channel over its whole block, and the weight's columns are turned
-    the same way once at load: x W^T = (x H)(W H)^T. Each rotated row is then scaled to a
-    largest magnitude of 1, so fbgemm's one grid per call serves every token alike; the
-    weight gets a grid per output row. Products sum exactly in int32.
-
-    A weight with exact GGUF blocks (the default model's, block_quant.py) already is small
-    integers with a scale per block of 32: in small batches it is read as such (its output
-    rows in groups of eight: q4_1_int8_matvec, q8_0_int8_matvec), 5 or 8.5 bits a weight
-    instead of 8, times each row quantized to int8 per block (llama.cpp's arithmetic: no
-    rotation needed, an outsize channel widens one block's grid only;
-    csrc/cpu_matvec_blocks_int8.cpp). Larger batches keep fbgemm as above.
-    """
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
-    ) -> None:
-        weight = weight.detach().float()
-        in_features = weight.shape[1]
-        self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
-        self.rotation = hadamard(self.block)
-        self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
-        rotated = self._rotate(weight)
-        scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
-            # GEMM still takes its weights as one.
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
-        self.bias = None if bias is None else bias.detach()
-        # small batches: the weight's exact GGUF blocks times int8 activations where it has
-        # them (block_quant.py), else the int8 matvec's copy: fbgemm's int8 values and
-        # float32 scales, row-major
-        self._choose_path(weight, "int8", table)
-        if self.path is not None and self.path.name == "int8_matvec":
-            self.rows_weight = quantized.int_repr()
-        self.weight_scales = quantized.q_per_channel_scales().float()
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
-        rows = x.shape[0]
-        return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        small = x.shape[0] <= self.max_rows
-        if small and self.blocks is not None:
-            return self.blocks(x, self.bias)
-        x, row_amax = self.rotate_and_scale(x)
-        if small and self.rows_weight is not None:
-            return torch.ops.pagedserve.int8_matvec(
-                x, row_amax, self.rows_weight, self.weight_scales, self.bias
-            )
-        # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
-        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        y.mul_(row_amax)
-        return y if self.bias is None else y.add_(self.bias)
-
-    def decode_form(self) -> DecodeForm | None:
-        if self.path is None:
-            return None
-        if self.blocks is not None:
-            return DecodeForm(self.path, self.blocks.tensors, self.bias)
-        if not self.fused:  # the stack rotates in C++ only
-            return None
-        return DecodeForm(self.path, (self.rows_weight, self.weight_scales), self.bias,
-                          self.block)
-
-    def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]
-        (returned too): one pass in C++ (cpu_layers.cpp) where the kernels are built."""
-        if self.fused:
-            return torch.ops.pagedserve.hadamard_rows(x, self.block)
-        x = self._rotate(x)
-        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
-        return x.div_(row_amax), row_amax
-
-
-MAX_ROTATION_BLOCK = 64
-
-
-def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal n x n Hadamard matrix (Sylvester's construction; n a power of two)."""
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < n:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
-    return matrix / n**0.5
 
 
 # NOTE: oneDNN keeps a primitive (and its scratch memory) per input shape; a server sees

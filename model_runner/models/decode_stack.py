@@ -36,7 +36,7 @@ from torch import nn
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, PATHS, KernelPath, KernelTable
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
-from model_runner.kernels.cpu_linear import ProjectionForm
+from model_runner.kernels.small_batch import ProjectionForm
 from model_runner.kv_cache import KVCaches
 
 # the C++ stack's projection kinds: each path's place in the table and its tensor count

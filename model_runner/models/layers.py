@@ -30,7 +30,8 @@ from model_runner.attention_metadata import AttentionMetadata
 from model_runner.distributed.tensor_parallel import TensorParallel
 from model_runner.kernels.block_quant import GGUFBlocks
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable
-from model_runner.kernels.cpu_linear import PackedLinear, ProjectionForm, pack_linear
+from model_runner.kernels.cpu_linear import PackedLinear, pack_linear
+from model_runner.kernels.small_batch import ProjectionForm
 from model_runner.models.decode_stack import StackAttention, StackMLP, StackNorm, form_of
 from model_runner.models.rope import apply_rope
 

@@ -20,7 +20,8 @@ from model_runner.kernels.block_quant import (
     Q80FileBlocks,
 )
 from model_runner.kernels.cpu_kernel_table import GEMM_ONLY, MATVEC_MAX_ROWS
-from model_runner.kernels.cpu_linear import Float16Linear, Int8Linear, can_pack
+from model_runner.kernels.cpu_linear import Float16Linear, can_pack
+from model_runner.kernels.int8_linear import Int8Linear
 from model_runner.loader import LoadedModel, load_model
 from model_runner.models.layers import Linear
 from model_runner.runner import ModelRunner

@@ -29,12 +29,8 @@ from model_runner.kernels.block_quant import (
 )
 from model_runner.kernels.cpu_kernel_table import MATVEC_MAX_ROWS, small_batch_path
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import (
-    Float16Linear,
-    Int8Linear,
-    OneDNNLinear,
-    can_pack,
-)
+from model_runner.kernels.cpu_linear import Float16Linear, OneDNNLinear, can_pack
+from model_runner.kernels.int8_linear import Int8Linear
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 

@@ -25,14 +25,8 @@ from model_runner.kernels.cpu_kernel_table import (
     small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
-from model_runner.kernels.cpu_linear import (
-    Int8Linear,
-    can_pack,
-    hadamard,
-    matvec_weight,
-    pack_linear,
-    padded_rows,
-)
+from model_runner.kernels.cpu_linear import can_pack, matvec_weight, pack_linear, padded_rows
+from model_runner.kernels.int8_linear import Int8Linear, hadamard
 from model_runner.loader import load_model
 from model_runner.models.layers import Linear
 from tests.support.model_helpers import (
@@ -346,10 +340,20 @@ def test_the_kernel_table_gives_every_weight_dtype_and_form_a_path() -> None:
 # --- the small-batch int8 matvec (csrc/cpu_matvec_int8.cpp) -------------------------------
 
 
+def _fbgemm_weight(packed: Int8Linear) -> torch.ScriptObject:
+    """fbgemm's packed copy of Int8Linear's int8 rows (built here: on an AMX host the
+    batches take the tiles and no fbgemm copy is kept)."""
+    out_features = packed.rows_weight.shape[0]
+    quantized = torch._make_per_channel_quantized_tensor(
+        packed.rows_weight, packed.weight_scales.double(),
+        torch.zeros(out_features, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(quantized, None)
+
+
 def _fbgemm(packed: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What Int8Linear computes on fbgemm's GEMM, at any row count."""
     scaled, row_amax = packed.rotate_and_scale(x)
-    y = torch.ops.quantized.linear_dynamic(scaled, packed.packed, True) * row_amax
+    y = torch.ops.quantized.linear_dynamic(scaled, _fbgemm_weight(packed), True) * row_amax
     return y if packed.bias is None else y + packed.bias
 
 
@@ -395,17 +399,17 @@ def test_int8_matvec_grids_match_fbgemms_at_the_edges(case: str) -> None:
     got = torch.ops.pagedserve.int8_matvec(
         x, row_scales, packed.rows_weight, packed.weight_scales, packed.bias
     )
-    expected = torch.ops.quantized.linear_dynamic(x, packed.packed, True) * row_scales
+    expected = torch.ops.quantized.linear_dynamic(x, _fbgemm_weight(packed), True) * row_scales
     assert torch.equal(got, expected + packed.bias)
 
 
 @needs_fbgemm
 @torch.inference_mode()
-def test_int8_batches_above_the_matvecs_rows_keep_fbgemm() -> None:
+def test_int8_batches_above_the_matvecs_rows_take_the_gemm() -> None:
     torch.manual_seed(2)
     packed = pack_linear(torch.randn(96, 64) * 0.05, None, "int8")
     x = torch.randn(INT8_MATVEC_MAX_ROWS + 1, 64)
-    expected = _fbgemm(packed, x)
+    expected = packed.gemm(x)
     packed.rows_weight = torch.zeros_like(packed.rows_weight)  # the matvec now gives zeros
     assert not packed(x[:INT8_MATVEC_MAX_ROWS]).any()
     assert torch.equal(packed(x), expected)

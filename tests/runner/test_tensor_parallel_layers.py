@@ -29,7 +29,7 @@ from model_runner.distributed.tensor_parallel import (
     init_tensor_parallel,
     open_store,
 )
-from model_runner.kernels.cpu_linear import Int8Linear
+from model_runner.kernels.int8_linear import Int8Linear
 from model_runner.kv_cache import allocate_kv_cache
 from model_runner.loader import _iter_safetensors
 from model_runner.models.llama import LlamaForCausalLM

@@ -195,11 +195,30 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   });
 }
 
-// Each row turned by the block-diagonal orthonormal Hadamard matrix (blocks of `block`,
-// a power of two; Sylvester's order, as cpu_linear.hadamard builds it) with an in-place
-// fast Walsh-Hadamard transform, then divided by its largest magnitude: the int8 linear's
-// input (cpu_linear.Int8Linear). Returns the scaled rows and each row's largest magnitude
-// [n, 1] (at least 1e-12, so a zero row stays zero).
+// One row of `width` values turned by the block-diagonal orthonormal Hadamard matrix
+// (blocks of `block`, a power of two; Sylvester's order, as cpu_linear.hadamard builds it)
+// with an in-place fast Walsh-Hadamard transform, then divided by its largest magnitude,
+// into `out`. Returns that magnitude (at least 1e-12, so a zero row stays zero).
+float hadamard_row(const float* in, float* out, int64_t width, int64_t block) {
+  const float norm = 1.f / std::sqrt(static_cast<float>(block));
+  std::memcpy(out, in, width * sizeof(float));
+  for (int64_t start = 0; start < width; start += block) walsh_hadamard_(out + start, block);
+  Vec8 peak{};
+  for (int64_t i = 0; i < width; i += 8) {
+    const Vec8 a = load8(out + i);
+    const Vec8 mag = a < 0 ? -a : a;
+    peak = mag > peak ? mag : peak;
+  }
+  float row_max = 0.f;
+  for (int j = 0; j < 8; ++j) row_max = std::max(row_max, peak[j]);
+  row_max = std::max(row_max * norm, 1e-12f);
+  const float scale = norm / row_max;
+  for (int64_t i = 0; i < width; i += 8) store8(out + i, load8(out + i) * scale);
+  return row_max;
+}
+
+// Each row of x as hadamard_row turns it: the int8 linear's input (cpu_linear.Int8Linear).
+// Returns the scaled rows and each row's largest magnitude [n, 1].
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block) {
   check_rows(x, "hadamard_rows");
   TORCH_CHECK(block >= 8 && block <= 1024 && (block & (block - 1)) == 0 &&
@@ -211,24 +230,9 @@ std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t bl
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   float* row_maxes = amax.data_ptr<float>();
-  const float norm = 1.f / std::sqrt(static_cast<float>(block));
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* row = o + r * width;
-      std::memcpy(row, in + r * stride, width * sizeof(float));
-      for (int64_t start = 0; start < width; start += block) walsh_hadamard_(row + start, block);
-      Vec8 peak{};
-      for (int64_t i = 0; i < width; i += 8) {
-        const Vec8 a = load8(row + i);
-        const Vec8 mag = a < 0 ? -a : a;
-        peak = mag > peak ? mag : peak;
-      }
-      float row_max = 0.f;
-      for (int j = 0; j < 8; ++j) row_max = std::max(row_max, peak[j]);
-      row_max = std::max(row_max * norm, 1e-12f);
-      row_maxes[r] = row_max;
-      const float scale = norm / row_max;
-      for (int64_t i = 0; i < width; i += 8) store8(row + i, load8(row + i) * scale);
+      row_maxes[r] = hadamard_row(in + r * stride, o + r * width, width, block);
     }
   });
   return {out, amax};

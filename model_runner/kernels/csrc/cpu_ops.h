@@ -35,6 +35,9 @@ void qk_norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> hadamard_rows(const at::Tensor& x, int64_t block);
+// one row of hadamard_rows: `width` values of `in` turned and scaled into `out`; returns the
+// row's largest magnitude (the width a multiple of 8 and of block)
+float hadamard_row(const float* in, float* out, int64_t width, int64_t block);
 
 // cpu_matvec.cpp, cpu_matvec_int8.cpp, cpu_matvec_blocks.cpp, cpu_matvec_blocks_int8.cpp
 // (and cpu_matvec_file_blocks.cpp below)
@@ -100,6 +103,11 @@ std::string file_blocks_int8_isa();
 at::Tensor file_blocks_amx_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                                 const std::optional<at::Tensor>& bias);
 bool amx_int8_granted();
+
+// cpu_int8_amx.cpp: the int8 projection's larger batches on AMX's int8 tiles
+at::Tensor int8_amx_pack(const at::Tensor& weight);
+at::Tensor int8_amx_gemm(const at::Tensor& x, int64_t block, const at::Tensor& weight,
+                         const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias);
 
 // cpu_decode_stack.cpp: a decode step's decoder layers in one call. Built with the small-batch
 // paths' names and weight-tensor counts in model_runner/kernels/cpu_kernel_table.py's order,

@@ -1,0 +1,128 @@
+"""W8A8 projections on the CPU (`--weight-dtype int8`): int8 weight rows turned by a
+Hadamard rotation, times int8 activations, on AMX's int8 tiles or fbgemm's GEMM, their small
+batches on the kernel table's path."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable, int8_rows_matrix_unit
+from model_runner.kernels.cpu_kernels import cpu_kernels_available
+from model_runner.kernels.small_batch import DecodeForm, SmallBatchPath
+
+
+class Int8Linear(SmallBatchPath):
+    """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
+
+    A few activation channels of these models run 100-1000x wider than the rest, and
+    one 8-bit grid cannot hold both. So each input row is first turned by a block-diagonal
+    Hadamard rotation H (orthogonal, blocks of up to 64 channels; QuaRot's idea), which
+    spreads an outsize channel over its whole block, and the weight's columns are turned
+    the same way once at load: x W^T = (x H)(W H)^T. Each rotated row is then scaled to a
+    largest magnitude of 1, so fbgemm's one grid per call serves every token alike; the
+    weight gets a grid per output row. Products sum exactly in int32.
+
+    A weight with exact GGUF blocks (the default model's, block_quant.py) already is small
+    integers with a scale per block of 32: in small batches it is read as such (its output
+    rows in groups of eight: q4_1_int8_matvec, q8_0_int8_matvec), 5 or 8.5 bits a weight
+    instead of 8, times each row quantized to int8 per block (llama.cpp's arithmetic: no
+    rotation needed, an outsize channel widens one block's grid only;
+    csrc/cpu_matvec_blocks_int8.cpp). Larger batches take the rotated int8 rows: on AMX's
+    int8 tiles where the host grants them (cpu_kernel_table.INT8_ROWS_MATRIX_UNIT: each
+    rotated row of x on its own 8-bit grid, csrc/cpu_int8_amx.cpp), else on fbgemm's GEMM
+    as above.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
+    ) -> None:
+        weight = weight.detach().float()
+        in_features = weight.shape[1]
+        self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
+        self.rotation = hadamard(self.block)
+        self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
+        rotated = self._rotate(weight)
+        scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
+            # GEMM still takes its weights as one.
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
+        # larger batches: AMX's int8 tiles where the host grants them (their own layout of
+        # the int8 values), else fbgemm's packed copy
+        matrix_unit = int8_rows_matrix_unit(*weight.shape) if self.fused else None
+        self.tiles = (None if matrix_unit is None
+                      else torch.ops.pagedserve.int8_amx_pack(quantized.int_repr()))
+        self.packed = (torch.ops.quantized.linear_prepack(quantized, None)
+                       if self.tiles is None else None)
+        self.bias = None if bias is None else bias.detach()
+        # small batches: the weight's exact GGUF blocks times int8 activations where it has
+        # them (block_quant.py), else the int8 matvec's copy: fbgemm's int8 values and
+        # float32 scales, row-major
+        self._choose_path(weight, "int8", table)
+        if self.path is not None and self.path.name == "int8_matvec":
+            self.rows_weight = quantized.int_repr()
+        self.weight_scales = quantized.q_per_channel_scales().float()
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
+        rows = x.shape[0]
+        return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        small = x.shape[0] <= self.max_rows
+        if small and self.blocks is not None:
+            return self.blocks(x, self.bias)
+        if small and self.rows_weight is not None:
+            x, row_amax = self.rotate_and_scale(x)
+            return torch.ops.pagedserve.int8_matvec(
+                x, row_amax, self.rows_weight, self.weight_scales, self.bias
+            )
+        return self.gemm(x)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] (any N) on the batches' GEMM: AMX's tiles (rotated and quantized per
+        row in C++), or fbgemm's on the rotated rows scaled to 1."""
+        if self.tiles is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return torch.ops.pagedserve.int8_amx_gemm(x, self.block, self.tiles,
+                                                      self.weight_scales, self.bias)
+        x, row_amax = self.rotate_and_scale(x)
+        # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        y.mul_(row_amax)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def decode_form(self) -> DecodeForm | None:
+        if self.path is None:
+            return None
+        if self.blocks is not None:
+            return DecodeForm(self.path, self.blocks.tensors, self.bias)
+        if not self.fused:  # the stack rotates in C++ only
+            return None
+        return DecodeForm(self.path, (self.rows_weight, self.weight_scales), self.bias,
+                          self.block)
+
+    def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]
+        (returned too): one pass in C++ (cpu_layers.cpp) where the kernels are built."""
+        if self.fused:
+            return torch.ops.pagedserve.hadamard_rows(x, self.block)
+        x = self._rotate(x)
+        row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        return x.div_(row_amax), row_amax
+
+
+MAX_ROTATION_BLOCK = 64
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix (Sylvester's construction; n a power of two)."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < n:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / n**0.5
