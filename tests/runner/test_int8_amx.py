@@ -5,6 +5,7 @@ scaled by the row's and the weight row's scales. The test repeats that in float6
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +102,29 @@ def test_int8_rows_the_tiles_cannot_take_keep_fbgemm() -> None:
     x = torch.randn(12, 40)
     exact = F.linear(x, weight, packed.bias)
     assert ((packed(x) - exact).norm() / exact.norm()) < 0.02
+
+
+def _butterflies(x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """hadamard_rows in float32, one butterfly round at a time in Sylvester's order."""
+    v = x.numpy().astype(np.float32).reshape(x.shape[0], -1, block).copy()
+    h = 1
+    while h < block:
+        pairs = v.reshape(*v.shape[:2], block // (2 * h), 2, h)
+        a, b = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = a + b, a - b
+        h *= 2
+    v = v.reshape(x.shape[0], -1)
+    norm = np.float32(1) / np.sqrt(np.float32(block))
+    row_max = np.maximum(np.abs(v).max(axis=1) * norm, np.float32(1e-12))
+    return v * (norm / row_max)[:, None], row_max
+
+
+@pytest.mark.parametrize(("block", "width"), [(8, 40), (16, 48), (64, 576), (64, 1536)])
+def test_the_rotation_in_cpp_is_the_butterflies_to_the_bit(block: int, width: int) -> None:
+    # vectorized, the rounds within eight values are shuffles: a + b and a - b all the same
+    torch.manual_seed(width)
+    x = torch.randn(5, width) * 3
+    got, row_max = ops.hadamard_rows(x, block)
+    expected, expected_max = _butterflies(x, block)
+    assert np.array_equal(got.numpy(), expected)
+    assert np.array_equal(row_max.numpy()[:, 0], expected_max)

@@ -20,6 +20,7 @@
 namespace {
 
 using pagedserve::exp8;
+using pagedserve::Int32x8;
 using pagedserve::load8;
 using pagedserve::sum8;
 using pagedserve::Vec8;
@@ -32,15 +33,29 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.size(1) % 8 == 0, name, ": width must be a multiple of 8");
 }
 
-// v (n values, n a power of two) times Sylvester's unnormalised n x n Hadamard matrix, in
-// place: log2(n) rounds of butterflies.
+// v (n values, n a power of two from 8) times Sylvester's unnormalised n x n Hadamard
+// matrix, in place: log2(n) rounds of butterflies (v[j], v[j + h]) -> (a + b, a - b). The
+// rounds within eight values turn each vector with a shuffle (lane i takes lane i ^ h and
+// adds its own value, negated where bit h of i is set: a + b and a - b, to the bit as one
+// at a time); the wider ones pair whole vectors.
 inline void walsh_hadamard_(float* v, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2) {
+  const Int32x8 swap1 = {1, 0, 3, 2, 5, 4, 7, 6}, swap2 = {2, 3, 0, 1, 6, 7, 4, 5},
+                swap4 = {4, 5, 6, 7, 0, 1, 2, 3};
+  const Vec8 sign1 = {1, -1, 1, -1, 1, -1, 1, -1}, sign2 = {1, 1, -1, -1, 1, 1, -1, -1},
+             sign4 = {1, 1, 1, 1, -1, -1, -1, -1};
+  for (int64_t i = 0; i < n; i += 8) {
+    Vec8 a = load8(v + i);
+    a = __builtin_shuffle(a, swap1) + a * sign1;
+    a = __builtin_shuffle(a, swap2) + a * sign2;
+    a = __builtin_shuffle(a, swap4) + a * sign4;
+    store8(v + i, a);
+  }
+  for (int64_t h = 8; h < n; h *= 2) {
     for (int64_t i = 0; i < n; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
+      for (int64_t j = i; j < i + h; j += 8) {
+        const Vec8 a = load8(v + j), b = load8(v + j + h);
+        store8(v + j, a + b);
+        store8(v + j + h, a - b);
       }
     }
   }
