@@ -35,6 +35,8 @@ from dataclasses import dataclass
 # to INT8_MATVEC_MAX_ROWS rows (csrc/cpu_matvec_int8.cpp).
 MATVEC_MAX_ROWS = 8
 INT8_MATVEC_MAX_ROWS = 4
+# the most decode rows the C++ decode stack runs where every projection has a batch path
+STACK_BATCH_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q5_1_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
     KernelPath("q8_0_file_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32,
                needs_avx2=True),
+    # not a small-batch path: int8 rows' batches on AMX's int8 tiles (INT8_ROWS_MATRIX_UNIT,
+    # below), which the decode stack runs past a projection's small-batch rows
+    KernelPath("int8_amx_gemm", ("tiles", "weight_scales"), STACK_BATCH_MAX_ROWS),
 )}
 
 # A file's blocks are read as they are whatever the weight dtype: the file's bits are the

@@ -8,7 +8,12 @@ import warnings
 
 import torch
 
-from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, KernelTable, int8_rows_matrix_unit
+from model_runner.kernels.cpu_kernel_table import (
+    DEFAULT_TABLE,
+    PATHS,
+    KernelTable,
+    int8_rows_matrix_unit,
+)
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.small_batch import DecodeForm, SmallBatchPath
 
@@ -98,14 +103,14 @@ class Int8Linear(SmallBatchPath):
         return y if self.bias is None else y.add_(self.bias)
 
     def decode_form(self) -> DecodeForm | None:
-        if self.path is None:
-            return None
+        if self.path is None or (self.blocks is None and not self.fused):
+            return None  # (the stack rotates in C++ only)
+        batch = None if self.tiles is None else DecodeForm(
+            PATHS["int8_amx_gemm"], (self.tiles, self.weight_scales), self.bias, self.block)
         if self.blocks is not None:
-            return DecodeForm(self.path, self.blocks.tensors, self.bias)
-        if not self.fused:  # the stack rotates in C++ only
-            return None
+            return DecodeForm(self.path, self.blocks.tensors, self.bias, batch=batch)
         return DecodeForm(self.path, (self.rows_weight, self.weight_scales), self.bias,
-                          self.block)
+                          self.block, batch)
 
     def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]

@@ -17,12 +17,15 @@ from model_runner.kernels.cpu_kernels import cpu_kernels_available
 class DecodeForm:
     """A projection's small-batch copy as the C++ decode stack holds it
     (csrc/cpu_decode_stack.cpp): its path (cpu_kernel_table.PATHS: the stack's kind), its
-    tensors in that path's order, its bias, and (int8 rows) its input's rotation block."""
+    tensors in that path's order, its bias, (int8 rows) its input's rotation block, and
+    the same weight's form for the batches past its path's rows (`batch`; None: the stack
+    runs no more rows than the path's)."""
 
     path: KernelPath
     tensors: tuple[torch.Tensor, ...]
     bias: torch.Tensor | None
     rotation_block: int = 0
+    batch: DecodeForm | None = None
 
     @property
     def parts(self) -> tuple[DecodeForm, ...]:

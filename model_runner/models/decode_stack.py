@@ -1,4 +1,5 @@
-"""A decoder's layers in one C++ call for decode steps of a few rows.
+"""A decoder's layers in one C++ call for decode steps: of a few rows, or of up to
+STACK_BATCH_MAX_ROWS where every projection has a batch form.
 
 At batch 1 a step of the default model does ~10 ms of arithmetic, and its Python layers
 add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks.md, the batch-1 decode
@@ -15,7 +16,8 @@ Gemma's sandwich norms on the blocks' outputs or without, each block's output sc
 attention with full RoPE from the layer's own table or none, per-head q/k norms or none,
 any scale, window, soft cap and sinks; a SwiGLU or gelu-tanh gated MLP; every projection
 on a small-batch path of cpu_kernel_table.py, or on several, one for each run of its rows:
-a GGUF's fused projection of mixed block types), or a reason why not, and so do its norms,
+a GGUF's fused projection of mixed block types; past the path's rows on its batch form
+where it has one: int8 rows' AMX tiles), or a reason why not, and so do its norms,
 attention and MLP. A step with LoRA adapters' rows runs here too: the model hands the
 stack the step's runs of rows by adapter and their A and B matrices
 (model_runner/lora_layers.py), whose deltas follow each base projection as in Python
@@ -36,7 +38,7 @@ from torch import nn
 from model_runner.attention_metadata import AttentionMetadata
 from model_runner.kernels.cpu_kernel_table import DEFAULT_TABLE, PATHS, KernelPath, KernelTable
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
-from model_runner.kernels.small_batch import ProjectionForm
+from model_runner.kernels.small_batch import DecodeForm, ProjectionForm
 from model_runner.kv_cache import KVCaches
 
 # the C++ stack's projection kinds: each path's place in the table and its tensor count
@@ -138,7 +140,8 @@ class DecodeStack:
         self._split: tuple[KVCaches, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def use_table(self, table: KernelTable) -> None:
-        """Run decode steps of up to the rows `table` gives every projection's path."""
+        """Run decode steps of up to the rows `table` gives every projection's path (its
+        batch form's, where it has one)."""
         self.max_rows = min(table.rows(path) for path in self.paths)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
@@ -212,11 +215,22 @@ def build_decode_stack(
             [len(p.parts) for p in projections],
             [KIND_OF[p.path.name] for p in parts],
             [p.rotation_block for p in parts],
-            [tensor for p in parts for tensor in p.tensors],
+            [n for p in parts for n in _batch_of(p)],
+            [tensor for p in parts
+             for tensor in (*p.tensors, *(() if p.batch is None else p.batch.tensors))],
             [empty if p.bias is None else p.bias for p in parts],
         )
-        paths.update(p.path for p in parts)
+        # what bounds each part's rows: its batch form's path, or its own
+        paths.update(p.path if p.batch is None else p.batch.path for p in parts)
     return DecodeStack(native, paths, table, ropes)
+
+
+def _batch_of(part: DecodeForm) -> tuple[int, int, int]:
+    """A part's batch form as the native stack takes it: its kind (-1: none), its rotation
+    block and the fewest rows it runs (past its part's path's)."""
+    if part.batch is None:
+        return (-1, 0, 0)
+    return (KIND_OF[part.batch.path.name], part.batch.rotation_block, part.path.max_rows + 1)
 
 
 def _norms(form: StackLayer) -> tuple[StackNorm | None, ...]:

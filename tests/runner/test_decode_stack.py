@@ -150,13 +150,14 @@ def test_the_stack_gives_the_python_layers_hidden_states_bit_for_bit(
 
 def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) -> None:
     make_model_folder(tmp_path, CONFIGS["smollm2"]())
-    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1, weight_dtype="int8"))
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1,
+                                    weight_dtype="float16"))
     model = loaded.model
     stack = model.decode_stack
-    assert stack.max_rows == 4  # the int8 matvec's
+    assert stack.max_rows == 8  # the matvec's
     counting = CountingStack(stack)
-    # five decodes are past int8's four rows: every step runs the Python layers
-    assert len(hidden_states(loaded, counting, [4, 4, 4, 4, 4], max_tokens=3)) == 3
+    # nine decodes are past the matvec's eight rows: every step runs the Python layers
+    assert len(hidden_states(loaded, counting, [4] * 9, max_tokens=3)) == 3
     assert counting.calls == 0
     # a staggered start: the first request's decodes share steps with the second's prefill
     counting = CountingStack(stack)
@@ -169,6 +170,37 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     assert counting.calls == 0
     engine.run(seqs)
     assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
+
+
+AMX_HOST = {"amx_tile", "amx_int8"} <= set(
+    next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+          if line.startswith("flags")), []))
+
+
+@pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+@pytest.mark.parametrize(("config_name", "grid"), [("smollm2", True), ("qwen2", False)])
+def test_int8_batches_past_the_small_rows_run_in_the_stack_on_amx_tiles(
+    tmp_path: Path, config_name: str, grid: bool
+) -> None:
+    # Q4_1 blocks times int8 activations, and rotated int8 rows with biases: each a batch
+    # form on AMX's int8 tiles, which the stack runs past its small-batch rows, as Python does
+    if grid:
+        on_q4_1_grid(tmp_path, config_name)
+    else:
+        make_model_folder(tmp_path, ALL_CONFIGS[config_name](), norm_noise=0.3)
+    loaded = load_model(ModelConfig(model=str(tmp_path), num_kv_blocks=1, weight_dtype="int8"))
+    stack = loaded.model.decode_stack
+    forms = [p.packed.decode_form() for p in loaded.model.layers[0].modules()
+             if isinstance(p, Linear)]
+    assert forms and all(form.batch.path.name == "int8_amx_gemm" for form in forms)
+    assert stack.max_rows == PATHS["int8_amx_gemm"].max_rows
+    counting = CountingStack(stack)
+    lengths = [3 + i for i in range(12)]  # twelve decodes: past every small-batch path
+    with_stack = hidden_states(loaded, counting, lengths, max_tokens=4)
+    without = hidden_states(loaded, None, lengths, max_tokens=4)
+    assert counting.calls == 3
+    for a, b in zip(with_stack, without, strict=True):
+        assert torch.equal(a, b)
 
 
 # partial rotary (phi3), post-norms and q/k norms over the whole projection (olmo2),

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,6 +51,7 @@ enum class Kind : int64_t {
   // [blocks]: the same blocks times int8 activations (cpu_matvec_file_blocks_int8.cpp)
   q4_k_int8_matvec, q5_k_int8_matvec, q6_k_int8_matvec, q4_0_int8_matvec, q5_0_int8_matvec,
   q5_1_int8_matvec, q8_0_file_int8_matvec,
+  int8_amx_gemm,  // [tiles, weight_scales]: rotated int8 rows' batches (cpu_int8_amx.cpp)
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
@@ -57,19 +59,24 @@ constexpr const char* kKindNames[] = {
     "q4_k_matvec", "q5_k_matvec", "q6_k_matvec", "q4_0_matvec", "q5_0_matvec",
     "q5_1_matvec", "q8_0_file_matvec", "q4_k_int8_matvec", "q5_k_int8_matvec",
     "q6_k_int8_matvec", "q4_0_int8_matvec", "q5_0_int8_matvec", "q5_1_int8_matvec",
-    "q8_0_file_int8_matvec",
+    "q8_0_file_int8_matvec", "int8_amx_gemm",
 };
-constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::q8_0_file_int8_matvec) + 1;
+constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                 2};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::int8_amx_gemm) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Part {
   Kind kind = Kind::matvec;
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
-  int64_t rotation_block = 0;  // int8_matvec: the Hadamard block of its input
+  int64_t rotation_block = 0;  // int8_matvec, int8_amx_gemm: the Hadamard block of its input
+  // the same weight's form for batches of batch_from rows or more (none: every batch here)
+  std::shared_ptr<const Part> batch;
+  int64_t batch_from = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (batch != nullptr && x.size(0) >= batch_from) return (*batch)(x);
     switch (kind) {
       case Kind::matvec: {
         PROFILED("matvec");
@@ -132,6 +139,10 @@ struct Part {
       case Kind::q5_1_int8_matvec: { PROFILED("q5_1_int8_matvec"); return q5_1_int8_matvec(x, weights[0], bias); }
       case Kind::q8_0_file_int8_matvec: { PROFILED("q8_0_file_int8_matvec"); return q8_0_file_int8_matvec(x, weights[0], bias); }
       // clang-format on
+      case Kind::int8_amx_gemm: {
+        PROFILED("int8_amx_gemm");
+        return int8_amx_gemm(x, rotation_block, weights[0], weights[1], bias);
+      }
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
           PROFILED("hadamard_rows");
@@ -314,12 +325,14 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             std::vector<int64_t> shape, double scale, double softcap,
                             double residual_multiplier, at::Tensor sinks,
                             std::vector<int64_t> parts, std::vector<int64_t> kinds,
-                            std::vector<int64_t> rotation_blocks, std::vector<at::Tensor> weights,
-                            std::vector<at::Tensor> biases) {
+                            std::vector<int64_t> rotation_blocks, std::vector<int64_t> batches,
+                            std::vector<at::Tensor> weights, std::vector<at::Tensor> biases) {
   TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && parts.size() == 4,
               "DecodeStack.add_layer: six norms, four projections and a shape of six");
-  TORCH_CHECK(rotation_blocks.size() == kinds.size() && biases.size() == kinds.size(),
-              "DecodeStack.add_layer: a kind, a rotation block and a bias for each part");
+  TORCH_CHECK(rotation_blocks.size() == kinds.size() && biases.size() == kinds.size() &&
+                  batches.size() == 3 * kinds.size(),
+              "DecodeStack.add_layer: a kind, a rotation block, a batch form and a bias for "
+              "each part");
   TORCH_CHECK(shape[4] >= -1 && (shape[5] == 0 || shape[5] == 1),
               "DecodeStack.add_layer: a RoPE table's index (-1: none) and an activation of 0 or 1");
   const auto optional = [](const at::Tensor& t) {
@@ -345,6 +358,20 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
       p.weights.assign(weights.begin() + next, weights.begin() + next + count);
       next += count;
       if (biases[part].numel() > 0) p.bias = biases[part];
+      const int64_t* batch = batches.data() + 3 * part;  // kind (-1: none), block, from
+      if (batch[0] >= 0) {
+        TORCH_CHECK(batch[0] < kNumKinds && batch[2] >= 1, "unknown batch kind ", batch[0]);
+        auto alternative = std::make_shared<Part>();
+        alternative->kind = static_cast<Kind>(batch[0]);
+        alternative->rotation_block = batch[1];
+        const size_t batch_count = kTensorsOf[batch[0]];
+        TORCH_CHECK(next + batch_count <= weights.size(), "too few projection weights");
+        alternative->weights.assign(weights.begin() + next, weights.begin() + next + batch_count);
+        next += batch_count;
+        alternative->bias = p.bias;
+        p.batch = std::move(alternative);
+        p.batch_from = batch[2];
+      }
     }
   }
   TORCH_CHECK(part == kinds.size(), "DecodeStack.add_layer: more kinds than parts");
