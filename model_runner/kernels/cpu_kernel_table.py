@@ -101,9 +101,10 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q5_1_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
     KernelPath("q8_0_file_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32,
                needs_avx2=True),
-    # not a small-batch path: int8 rows' batches on AMX's int8 tiles (INT8_ROWS_MATRIX_UNIT,
-    # below), which the decode stack runs past a projection's small-batch rows
+    # not small-batch paths: the matrix-unit paths below (INT8_ROWS_MATRIX_UNIT,
+    # MATRIX_UNIT_PATHS), which the decode stack runs past a projection's small-batch rows
     KernelPath("int8_amx_gemm", ("tiles", "weight_scales"), STACK_BATCH_MAX_ROWS),
+    KernelPath("file_blocks_amx_gemm", ("blocks",), STACK_BATCH_MAX_ROWS),
 )}
 
 # A file's blocks are read as they are whatever the weight dtype: the file's bits are the

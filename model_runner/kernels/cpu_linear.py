@@ -292,7 +292,10 @@ class FileBlocksLinear(SmallBatchPath):
     def decode_form(self) -> DecodeForm | None:
         if self.path is None or self.blocks is None:
             return None
-        return DecodeForm(self.path, self.blocks.tensors, self.bias)
+        batch = None if self.matrix_unit is None else DecodeForm(
+            PATHS["file_blocks_amx_gemm"], (self.form.blocks,), self.bias, self.form.code)
+        return DecodeForm(self.path, self.blocks.tensors, self.bias, 0, batch,
+                          self.matrix_unit_min_rows)
 
 
 class SplitLinear:

@@ -107,10 +107,11 @@ class Int8Linear(SmallBatchPath):
             return None  # (the stack rotates in C++ only)
         batch = None if self.tiles is None else DecodeForm(
             PATHS["int8_amx_gemm"], (self.tiles, self.weight_scales), self.bias, self.block)
+        batch_from = self.path.max_rows + 1
         if self.blocks is not None:
-            return DecodeForm(self.path, self.blocks.tensors, self.bias, batch=batch)
+            return DecodeForm(self.path, self.blocks.tensors, self.bias, 0, batch, batch_from)
         return DecodeForm(self.path, (self.rows_weight, self.weight_scales), self.bias,
-                          self.block, batch)
+                          self.block, batch, batch_from)
 
     def rotate_and_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of x [N, in] rotated, then divided by their largest magnitude [N, 1]

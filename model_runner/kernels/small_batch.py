@@ -17,15 +17,17 @@ from model_runner.kernels.cpu_kernels import cpu_kernels_available
 class DecodeForm:
     """A projection's small-batch copy as the C++ decode stack holds it
     (csrc/cpu_decode_stack.cpp): its path (cpu_kernel_table.PATHS: the stack's kind), its
-    tensors in that path's order, its bias, (int8 rows) its input's rotation block, and
-    the same weight's form for the batches past its path's rows (`batch`; None: the stack
-    runs no more rows than the path's)."""
+    tensors in that path's order, its bias, its op's integer after the tensors (`argument`:
+    int8 rows' rotation block, a GGUF's blocks' type code), and the same weight's form for
+    batches of `batch_from` rows or more (`batch`; None: the stack runs no more rows than
+    the path's)."""
 
     path: KernelPath
     tensors: tuple[torch.Tensor, ...]
     bias: torch.Tensor | None
-    rotation_block: int = 0
+    argument: int = 0
     batch: DecodeForm | None = None
+    batch_from: int = 0
 
     @property
     def parts(self) -> tuple[DecodeForm, ...]:

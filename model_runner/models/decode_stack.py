@@ -17,9 +17,9 @@ attention with full RoPE from the layer's own table or none, per-head q/k norms 
 any scale, window, soft cap and sinks; a SwiGLU or gelu-tanh gated MLP; every projection
 on a small-batch path of cpu_kernel_table.py, or on several, one for each run of its rows:
 a GGUF's fused projection of mixed block types; past the path's rows on its batch form
-where it has one: int8 rows' AMX tiles), or a reason why not, and so do its norms,
-attention and MLP. A step with LoRA adapters' rows runs here too: the model hands the
-stack the step's runs of rows by adapter and their A and B matrices
+where it has one: AMX's int8 tiles, of int8 rows or of a GGUF's blocks), or a reason why
+not, and so do its norms, attention and MLP. A step with LoRA adapters' rows runs here
+too: the model hands the stack the step's runs of rows by adapter and their A and B matrices
 (model_runner/lora_layers.py), whose deltas follow each base projection as in Python
 (the same kernel, `lora_add_`). A family
 whose subclass changes the arithmetic (a forward of its own) declares its own form
@@ -214,7 +214,7 @@ def build_decode_stack(
             empty if attn.sinks is None else attn.sinks,
             [len(p.parts) for p in projections],
             [KIND_OF[p.path.name] for p in parts],
-            [p.rotation_block for p in parts],
+            [p.argument for p in parts],
             [n for p in parts for n in _batch_of(p)],
             [tensor for p in parts
              for tensor in (*p.tensors, *(() if p.batch is None else p.batch.tensors))],
@@ -226,11 +226,11 @@ def build_decode_stack(
 
 
 def _batch_of(part: DecodeForm) -> tuple[int, int, int]:
-    """A part's batch form as the native stack takes it: its kind (-1: none), its rotation
-    block and the fewest rows it runs (past its part's path's)."""
+    """A part's batch form as the native stack takes it: its kind (-1: none), its argument
+    and the fewest rows it runs."""
     if part.batch is None:
         return (-1, 0, 0)
-    return (KIND_OF[part.batch.path.name], part.batch.rotation_block, part.path.max_rows + 1)
+    return (KIND_OF[part.batch.path.name], part.batch.argument, part.batch_from)
 
 
 def _norms(form: StackLayer) -> tuple[StackNorm | None, ...]:

@@ -20,6 +20,7 @@ from gguf.quants import dequantize, quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_runner.gguf_file import NAMES_FILE, end_of_generation, gguf_weights, hf_names
+from model_runner.kernels.cpu_kernel_table import PATHS
 from model_runner.kernels.cpu_linear import FileBlocksLinear, SplitLinear
 from model_runner.loader import LoadedModel
 from model_runner.model_source import resolve_model_folder
@@ -251,10 +252,7 @@ def test_fused_projections_of_mixed_types_run_on_each_parts_blocks(tmp_path: Pat
     loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "m", "mixed.gguf",
                          torch.device("cpu"), torch.float32)
     assert model.decode_stack is not None
-    with_stack = hidden_states(loaded, model.decode_stack, [5, 9, 3], max_tokens=4, vocab=VOCAB)
-    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
-    for a, b in zip(with_stack, without, strict=True):
-        assert torch.equal(a, b)
+    assert_the_stack_gives_the_python_layers(loaded)
 
 
 def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
@@ -283,12 +281,22 @@ def test_a_k_quant_model_runs_on_its_blocks(tmp_path: Path) -> None:
     assert isinstance(model.packed_lm_head, FileBlocksLinear)
     loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "k", str(path),
                          torch.device("cpu"), torch.float32)
-    stack = model.decode_stack
-    assert stack is not None
-    with_stack = hidden_states(loaded, stack, [5, 9, 3], max_tokens=4, vocab=VOCAB)
-    without = hidden_states(loaded, None, [5, 9, 3], max_tokens=4, vocab=VOCAB)
-    for a, b in zip(with_stack, without, strict=True):
-        assert torch.equal(a, b)
+    assert model.decode_stack is not None
+    assert_the_stack_gives_the_python_layers(loaded)
+
+
+def assert_the_stack_gives_the_python_layers(loaded: LoadedModel) -> None:
+    """The decode stack's hidden states are the Python layers' to the bit: three decodes,
+    then twelve (past the small-batch rows: on a host with AMX's int8 tiles, every
+    projection's batch form, which the stack then runs)."""
+    stack = loaded.model.decode_stack
+    if torch.ops.pagedserve.amx_int8_granted():
+        assert stack.max_rows == PATHS["file_blocks_amx_gemm"].max_rows
+    for lengths in ([5, 9, 3], [3 + i for i in range(12)]):
+        with_stack = hidden_states(loaded, stack, lengths, max_tokens=4, vocab=VOCAB)
+        without = hidden_states(loaded, None, lengths, max_tokens=4, vocab=VOCAB)
+        for a, b in zip(with_stack, without, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_the_embedding_table_stays_in_its_blocks(tmp_path: Path) -> None:

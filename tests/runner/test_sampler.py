@@ -241,3 +241,22 @@ def test_greedy_is_argmax_with_ties_to_the_first_on_every_path():
     assert ids.tolist() == [7] * 3 + [0] + [7] * 12
     small = torch.randint(0, 3, (64, 1000)).float()  # many ties
     assert torch.equal(greedy(small), small.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 100, 49152])
+def test_greedy_on_the_cpu_is_argmax_with_ties_infinities_and_nans(vocab: int) -> None:
+    # the C++ kernel (csrc/cpu_sampling.cpp): the first of equal maxima, a NaN the largest
+    from model_runner.kernels.cpu_kernels import cpu_kernels_available
+    from model_runner.sampler import greedy
+
+    if not cpu_kernels_available():
+        pytest.skip("needs the C++ CPU kernels")
+    torch.manual_seed(vocab)
+    cases = [torch.randn(5, vocab), torch.randint(0, 3, (5, vocab)).float(),
+             torch.full((5, vocab), float("-inf")), torch.randn(5, 2 * vocab)[:, ::2]]
+    with_nan = torch.randn(5, vocab)
+    with_nan[1, vocab // 2] = with_nan[1, -1] = float("nan")
+    with_inf = torch.randn(5, vocab)
+    with_inf[:, -1] = float("inf")
+    for logits in [*cases, with_nan, with_inf]:
+        assert torch.equal(greedy(logits), logits.argmax(dim=-1))

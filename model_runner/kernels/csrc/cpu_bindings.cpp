@@ -62,6 +62,8 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def("file_blocks_amx_gemm(Tensor x, Tensor blocks, int kind, Tensor? bias) -> Tensor",
         &pagedserve::file_blocks_amx_gemm);
   m.def("amx_int8_granted", &pagedserve::amx_int8_granted);
+  // cpu_sampling.cpp
+  m.def("greedy_ids(Tensor logits) -> Tensor", &pagedserve::greedy_ids);
   // cpu_int8_amx.cpp: the int8 rows' larger batches on AMX's int8 tiles
   m.def("int8_amx_pack(Tensor weight) -> Tensor", &pagedserve::int8_amx_pack);
   m.def("int8_amx_gemm(Tensor x, int block, Tensor weight, Tensor weight_scales, Tensor? bias) "

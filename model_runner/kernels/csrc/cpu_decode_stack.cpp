@@ -51,7 +51,9 @@ enum class Kind : int64_t {
   // [blocks]: the same blocks times int8 activations (cpu_matvec_file_blocks_int8.cpp)
   q4_k_int8_matvec, q5_k_int8_matvec, q6_k_int8_matvec, q4_0_int8_matvec, q5_0_int8_matvec,
   q5_1_int8_matvec, q8_0_file_int8_matvec,
-  int8_amx_gemm,  // [tiles, weight_scales]: rotated int8 rows' batches (cpu_int8_amx.cpp)
+  // batch forms: a projection's larger batches past its small-batch kind's rows
+  int8_amx_gemm,  // [tiles, weight_scales]: rotated int8 rows on AMX (cpu_int8_amx.cpp)
+  file_blocks_amx_gemm,  // [blocks]: a GGUF's blocks on AMX (cpu_matvec_file_blocks_int8.cpp)
 };
 constexpr const char* kKindNames[] = {
     "matvec", "q4_1_matvec", "q8_0_matvec", "int8_matvec",
@@ -59,18 +61,20 @@ constexpr const char* kKindNames[] = {
     "q4_k_matvec", "q5_k_matvec", "q6_k_matvec", "q4_0_matvec", "q5_0_matvec",
     "q5_1_matvec", "q8_0_file_matvec", "q4_k_int8_matvec", "q5_k_int8_matvec",
     "q6_k_int8_matvec", "q4_0_int8_matvec", "q5_0_int8_matvec", "q5_1_int8_matvec",
-    "q8_0_file_int8_matvec", "int8_amx_gemm",
+    "q8_0_file_int8_matvec", "int8_amx_gemm", "file_blocks_amx_gemm",
 };
 constexpr size_t kTensorsOf[] = {1, 3, 2, 2, 3, 2, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                 2};
-constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::int8_amx_gemm) + 1;
+                                 2, 1};
+constexpr int64_t kNumKinds = static_cast<int64_t>(Kind::file_blocks_amx_gemm) + 1;
 static_assert(std::size(kKindNames) == kNumKinds && std::size(kTensorsOf) == kNumKinds);
 
 struct Part {
   Kind kind = Kind::matvec;
   std::vector<at::Tensor> weights;
   std::optional<at::Tensor> bias;
-  int64_t rotation_block = 0;  // int8_matvec, int8_amx_gemm: the Hadamard block of its input
+  // the op's integer after its tensors: int8_matvec's and int8_amx_gemm's Hadamard block of
+  // its input, file_blocks_amx_gemm's type of the blocks
+  int64_t argument = 0;
   // the same weight's form for batches of batch_from rows or more (none: every batch here)
   std::shared_ptr<const Part> batch;
   int64_t batch_from = 0;
@@ -141,12 +145,16 @@ struct Part {
       // clang-format on
       case Kind::int8_amx_gemm: {
         PROFILED("int8_amx_gemm");
-        return int8_amx_gemm(x, rotation_block, weights[0], weights[1], bias);
+        return int8_amx_gemm(x, argument, weights[0], weights[1], bias);
+      }
+      case Kind::file_blocks_amx_gemm: {
+        PROFILED("file_blocks_amx_gemm");
+        return file_blocks_amx_gemm(x, weights[0], argument, bias);
       }
       default: {  // Kind::int8_matvec
         const auto [rotated, row_amax] = [&] {
           PROFILED("hadamard_rows");
-          return hadamard_rows(x, rotation_block);
+          return hadamard_rows(x, argument);
         }();
         PROFILED("int8_matvec");
         return int8_matvec(rotated, row_amax, weights[0], weights[1], bias);
@@ -325,14 +333,13 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                             std::vector<int64_t> shape, double scale, double softcap,
                             double residual_multiplier, at::Tensor sinks,
                             std::vector<int64_t> parts, std::vector<int64_t> kinds,
-                            std::vector<int64_t> rotation_blocks, std::vector<int64_t> batches,
+                            std::vector<int64_t> arguments, std::vector<int64_t> batches,
                             std::vector<at::Tensor> weights, std::vector<at::Tensor> biases) {
   TORCH_CHECK(norms.size() == 6 && shape.size() == 6 && parts.size() == 4,
               "DecodeStack.add_layer: six norms, four projections and a shape of six");
-  TORCH_CHECK(rotation_blocks.size() == kinds.size() && biases.size() == kinds.size() &&
+  TORCH_CHECK(arguments.size() == kinds.size() && biases.size() == kinds.size() &&
                   batches.size() == 3 * kinds.size(),
-              "DecodeStack.add_layer: a kind, a rotation block, a batch form and a bias for "
-              "each part");
+              "DecodeStack.add_layer: a kind, an argument, a batch form and a bias for each part");
   TORCH_CHECK(shape[4] >= -1 && (shape[5] == 0 || shape[5] == 1),
               "DecodeStack.add_layer: a RoPE table's index (-1: none) and an activation of 0 or 1");
   const auto optional = [](const at::Tensor& t) {
@@ -352,18 +359,18 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
                   kinds[part]);
       Part& p = projections[i].parts.emplace_back();
       p.kind = static_cast<Kind>(kinds[part]);
-      p.rotation_block = rotation_blocks[part];
+      p.argument = arguments[part];
       const size_t count = kTensorsOf[kinds[part]];
       TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
       p.weights.assign(weights.begin() + next, weights.begin() + next + count);
       next += count;
       if (biases[part].numel() > 0) p.bias = biases[part];
-      const int64_t* batch = batches.data() + 3 * part;  // kind (-1: none), block, from
+      const int64_t* batch = batches.data() + 3 * part;  // kind (-1: none), argument, from
       if (batch[0] >= 0) {
         TORCH_CHECK(batch[0] < kNumKinds && batch[2] >= 1, "unknown batch kind ", batch[0]);
         auto alternative = std::make_shared<Part>();
         alternative->kind = static_cast<Kind>(batch[0]);
-        alternative->rotation_block = batch[1];
+        alternative->argument = batch[1];
         const size_t batch_count = kTensorsOf[batch[0]];
         TORCH_CHECK(next + batch_count <= weights.size(), "too few projection weights");
         alternative->weights.assign(weights.begin() + next, weights.begin() + next + batch_count);

@@ -104,6 +104,9 @@ at::Tensor file_blocks_amx_gemm(const at::Tensor& x, const at::Tensor& blocks, i
                                 const std::optional<at::Tensor>& bias);
 bool amx_int8_granted();
 
+// cpu_sampling.cpp: each row's first index of its largest value (torch.argmax's)
+at::Tensor greedy_ids(const at::Tensor& logits);
+
 // cpu_int8_amx.cpp: the int8 projection's larger batches on AMX's int8 tiles
 at::Tensor int8_amx_pack(const at::Tensor& weight);
 at::Tensor int8_amx_gemm(const at::Tensor& x, int64_t block, const at::Tensor& weight,
@@ -125,14 +128,15 @@ struct DecodeStack : torch::CustomClassHolder {
   // it before it joins the residual (1: none); parts: how many parts each of qkv, o,
   // gate_up, down is run as (one kernel call each, their outputs side by side: a GGUF's
   // fused projection of mixed block types), and for each part in that order its kind and
-  // rotation block, its batch form (batches: three numbers a part, its kind or -1 for none,
-  // its rotation block and the fewest rows it runs), its tensors (weights: one after the
+  // argument (its op's integer: int8 rows' rotation block, a GGUF's blocks' type), its
+  // batch form (batches: three numbers a part, its kind or -1 for none, its argument and
+  // the fewest rows it runs), its tensors (weights: one after the
   // other, the batch form's after its part's) and its bias (biases: an empty tensor for
   // none; a batch form shares its part's); sinks: empty for none.
   void add_layer(std::vector<at::Tensor> norms, double eps, std::vector<int64_t> shape,
                  double scale, double softcap, double residual_multiplier, at::Tensor sinks,
                  std::vector<int64_t> parts, std::vector<int64_t> kinds,
-                 std::vector<int64_t> rotation_blocks, std::vector<int64_t> batches,
+                 std::vector<int64_t> arguments, std::vector<int64_t> batches,
                  std::vector<at::Tensor> weights, std::vector<at::Tensor> biases);
 
   // The hidden states x [n, hidden] of n decode rows (row i: sequence i, one new token
