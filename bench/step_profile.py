@@ -1,11 +1,12 @@
-"""Where one batch-1 decode step of a model goes, component by component.
+"""Where one decode step of a model goes, component by component.
 
 `python -m bench.step_profile [--model PATH] [--weight-dtype auto|float16|int8] [--kv-cache-dtype
-auto|float16] [--steps 48] [--threads N] [--paired-matvec | --paired-decode-stack |
---bandwidth]`
+auto|float16] [--requests 1] [--steps 48] [--threads N] [--paired-matvec |
+--paired-decode-stack | --bandwidth]`
 
 The model is the default one, or --model's (a GGUF file or a checkpoint folder).
-One greedy request (32 prompt tokens, `ignore_eos`) through the engine core's own step
+One greedy request (32 prompt tokens, `ignore_eos`), or --requests of them decoding
+together (a step of that many rows), through the engine core's own step
 (`EngineCore.step`: scheduler, runner, update) in this process, then what carries its
 token to the client: the step message encoded, sent over a pyzmq `ipc://` pair and
 decoded, and the token detokenized. Each component is timed by wrapping the function
@@ -96,7 +97,7 @@ class Timers:
 def build_core(args: argparse.Namespace) -> tuple[EngineCore, ModelRunner, Any]:
     config = ModelConfig(
         model=args.model, dtype="float32", weight_dtype=args.weight_dtype,
-        kv_cache_dtype=args.kv_cache_dtype, device="cpu", num_kv_blocks=64,
+        kv_cache_dtype=args.kv_cache_dtype, device="cpu", num_kv_blocks=64 * args.requests,
     )
     loaded = load_model(config)
     runner = ModelRunner(loaded, config)
@@ -178,7 +179,7 @@ def paired(core: EngineCore, num_pairs: int, switch: Callable[[bool], None],
     ratio = statistics.median(b / a for a, b in zip(on, off, strict=True))
     print(f"| step | {names[0]} ms | {names[1]} ms | {names[1]} / {names[0]} (median of pairs) |"
           "\n|---|---|---|---|")
-    print(f"| batch-1 decode | {statistics.median(on) * 1000:.2f} | "
+    print(f"| batch-{len(core.scheduler.running)} decode | {statistics.median(on) * 1000:.2f} | "
           f"{statistics.median(off) * 1000:.2f} | {ratio:.2f} |")
 
 
@@ -228,6 +229,8 @@ def main() -> None:
                         help="a GGUF file or checkpoint folder instead of the default model")
     parser.add_argument("--weight-dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--requests", type=int, default=1,
+                        help="requests decoding together: the step's rows")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--paired-matvec", action="store_true",
@@ -246,8 +249,9 @@ def main() -> None:
     prompt = list(range(1000, 1000 + PROMPT_LEN))
     params = SamplingParams(temperature=0.0, max_tokens=2 * (args.steps + WARMUP_STEPS) + 4,
                             ignore_eos=True)
-    core.apply(AddRequests([NewRequest(request_id="r", prompt_token_ids=prompt,
-                                       sampling_params=params)]))
+    core.apply(AddRequests([
+        NewRequest(request_id=f"r{i}", prompt_token_ids=[t + i for t in prompt],
+                   sampling_params=params) for i in range(args.requests)]))
     if args.paired_matvec or args.paired_decode_stack:
         for _ in range(WARMUP_STEPS + 1):
             core.step()
@@ -292,7 +296,8 @@ def print_tables(args: argparse.Namespace, step_times: dict[str, float],
     carried = sum(ms for label, ms in step_times.items()
                   if label.startswith(("message", "API")))
     total = step_ms + carried
-    print(f"weight dtype {args.weight_dtype}, KV cache {args.kv_cache_dtype}, "
+    print(f"{args.requests} requests, weight dtype {args.weight_dtype}, "
+          f"KV cache {args.kv_cache_dtype}, "
           f"{torch.get_num_threads()} threads, {args.steps} steps (medians)\n")
     print("| component | ms per step | share |\n|---|---|---|")
     for label, ms in step_times.items():
