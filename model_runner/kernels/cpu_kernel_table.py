@@ -108,7 +108,9 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
 )}
 
 # A file's blocks are read as they are whatever the weight dtype: the file's bits are the
-# model (a dtype is for weights that arrive as floats). Each type -> its exact path.
+# model (a dtype is for weights that arrive as floats); but under int8, on a host that grants
+# AMX's int8 tiles, batches past the small-batch rows take the weight's rotated int8 rows
+# (cpu_linear.FileBlocksLinear, INT8_ROWS_MATRIX_UNIT). Each type -> its exact path.
 FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_matvec",
                     "q4_0": "q4_0_matvec", "q5_0": "q5_0_matvec", "q5_1": "q5_1_matvec",
                     "q8_0_file": "q8_0_file_matvec"}

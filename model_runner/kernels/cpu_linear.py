@@ -60,7 +60,7 @@ from model_runner.kernels.cpu_kernel_table import (
     small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
-from model_runner.kernels.int8_linear import Int8Linear
+from model_runner.kernels.int8_linear import Int8Linear, int8_tiles
 from model_runner.kernels.small_batch import (
     DecodeForm,
     SmallBatchPath,
@@ -248,7 +248,11 @@ class FileBlocksLinear(SmallBatchPath):
     weight dequantized to bfloat16 for the call (no copy kept), oneDNN's bfloat16 matmul
     (AMX tiles where the host has them), float32 sums. Where the kernel table has a
     matrix-unit path for the blocks (cpu_kernel_table.matrix_unit_path: AMX's int8
-    tiles), batches from its rows on take it."""
+    tiles), batches from its rows on take it. Under `--weight-dtype int8` on a host that
+    grants AMX's int8 tiles, batches past the small-batch rows take the weight as rotated
+    int8 rows instead (int8_linear.Int8Tiles, W8A8, a copy beside the blocks as the default
+    model's int8 keeps): one scale a row, where the blocks' tiles combine every 32 weights'
+    sums on their own scale; Q8_0's blocks, bytes already, stay on theirs."""
 
     def __init__(
         self, blocks: GGUFBlocks, bias: torch.Tensor | None, weight_dtype: str,
@@ -262,8 +266,10 @@ class FileBlocksLinear(SmallBatchPath):
         self.op = None if self.path is None else getattr(torch.ops.pagedserve, self.path.name)
         self.rows_weight = None
         self.bfloat16_batches = weight_dtype == "bfloat16"
+        self.int8_tiles = (int8_tiles(blocks.dequantized())
+                           if weight_dtype == "int8" and blocks.kind != "q8_0_file" else None)
         matrix_unit = (matrix_unit_path(weight_dtype, blocks.kind, blocks.shape[0])
-                       if cpu_kernels_available() else None)
+                       if cpu_kernels_available() and self.int8_tiles is None else None)
         self.matrix_unit = (None if matrix_unit is None
                             else getattr(torch.ops.pagedserve, matrix_unit.name))
         self.matrix_unit_min_rows = 0 if matrix_unit is None else matrix_unit.min_rows
@@ -281,6 +287,8 @@ class FileBlocksLinear(SmallBatchPath):
             x = x.contiguous()
         if x.shape[0] <= self.max_rows and self.op is not None:
             return self.op(x, *self.form.tensors, self.bias)
+        if self.int8_tiles is not None:
+            return self.int8_tiles(x, self.bias)
         if self.matrix_unit is not None and x.shape[0] >= self.matrix_unit_min_rows:
             return self.matrix_unit(x, self.form.blocks, self.form.code, self.bias)
         if self.bfloat16_batches and x.shape[0] >= BF16_GEMM_MIN_ROWS:
@@ -292,6 +300,9 @@ class FileBlocksLinear(SmallBatchPath):
     def decode_form(self) -> DecodeForm | None:
         if self.path is None or self.blocks is None:
             return None
+        if self.int8_tiles is not None:
+            return DecodeForm(self.path, self.blocks.tensors, self.bias, 0,
+                              self.int8_tiles.decode_form(self.bias), self.path.max_rows + 1)
         batch = None if self.matrix_unit is None else DecodeForm(
             PATHS["file_blocks_amx_gemm"], (self.form.blocks,), self.bias, self.form.code)
         return DecodeForm(self.path, self.blocks.tensors, self.bias, 0, batch,

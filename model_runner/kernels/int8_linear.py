@@ -44,23 +44,13 @@ class Int8Linear(SmallBatchPath):
         self, weight: torch.Tensor, bias: torch.Tensor | None, table: KernelTable = DEFAULT_TABLE
     ) -> None:
         weight = weight.detach().float()
-        in_features = weight.shape[1]
-        self.block = min(in_features & -in_features, MAX_ROTATION_BLOCK)  # a power of two
+        self.block = rotation_block(weight.shape[1])
         self.rotation = hadamard(self.block)
         self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
-        rotated = self._rotate(weight)
-        scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
-            # GEMM still takes its weights as one.
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
+        quantized = quantized_rows(rotate(weight, self.rotation))
         # larger batches: AMX's int8 tiles where the host grants them (their own layout of
         # the int8 values), else fbgemm's packed copy
-        matrix_unit = int8_rows_matrix_unit(*weight.shape) if self.fused else None
-        self.tiles = (None if matrix_unit is None
-                      else torch.ops.pagedserve.int8_amx_pack(quantized.int_repr()))
+        self.tiles = Int8Tiles.where_granted(quantized, self.block) if self.fused else None
         self.packed = (torch.ops.quantized.linear_prepack(quantized, None)
                        if self.tiles is None else None)
         self.bias = None if bias is None else bias.detach()
@@ -71,11 +61,6 @@ class Int8Linear(SmallBatchPath):
         if self.path is not None and self.path.name == "int8_matvec":
             self.rows_weight = quantized.int_repr()
         self.weight_scales = quantized.q_per_channel_scales().float()
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] times the block-diagonal rotation: a new [N, in] tensor."""
-        rows = x.shape[0]
-        return torch.matmul(x.reshape(rows, -1, self.block), self.rotation).view(rows, -1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         small = x.shape[0] <= self.max_rows
@@ -92,10 +77,7 @@ class Int8Linear(SmallBatchPath):
         """x [N, in] (any N) on the batches' GEMM: AMX's tiles (rotated and quantized per
         row in C++), or fbgemm's on the rotated rows scaled to 1."""
         if self.tiles is not None:
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            return torch.ops.pagedserve.int8_amx_gemm(x, self.block, self.tiles,
-                                                      self.weight_scales, self.bias)
+            return self.tiles(x, self.bias)
         x, row_amax = self.rotate_and_scale(x)
         # reduce_range: 7-bit activations, so AVX2's pairwise 16-bit sums cannot saturate
         y = torch.ops.quantized.linear_dynamic(x, self.packed, True)
@@ -105,8 +87,7 @@ class Int8Linear(SmallBatchPath):
     def decode_form(self) -> DecodeForm | None:
         if self.path is None or (self.blocks is None and not self.fused):
             return None  # (the stack rotates in C++ only)
-        batch = None if self.tiles is None else DecodeForm(
-            PATHS["int8_amx_gemm"], (self.tiles, self.weight_scales), self.bias, self.block)
+        batch = None if self.tiles is None else self.tiles.decode_form(self.bias)
         batch_from = self.path.max_rows + 1
         if self.blocks is not None:
             return DecodeForm(self.path, self.blocks.tensors, self.bias, 0, batch, batch_from)
@@ -118,9 +99,73 @@ class Int8Linear(SmallBatchPath):
         (returned too): one pass in C++ (cpu_layers.cpp) where the kernels are built."""
         if self.fused:
             return torch.ops.pagedserve.hadamard_rows(x, self.block)
-        x = self._rotate(x)
+        x = rotate(x, self.rotation)
         row_amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
         return x.div_(row_amax), row_amax
+
+
+class Int8Tiles:
+    """A weight's rotated int8 rows as AMX's int8 tiles read them (int8_amx_pack), with
+    their scales: batches of x on the host's matrix unit (int8_amx_gemm: each row of x
+    rotated and rounded to int8 on its own grid in C++; cpu_kernel_table.
+    INT8_ROWS_MATRIX_UNIT)."""
+
+    def __init__(self, quantized: torch.Tensor, block: int) -> None:
+        self.tiles = torch.ops.pagedserve.int8_amx_pack(quantized.int_repr())
+        self.weight_scales = quantized.q_per_channel_scales().float()
+        self.block = block
+
+    @classmethod
+    def where_granted(cls, quantized: torch.Tensor, block: int) -> Int8Tiles | None:
+        """The tiles of `quantized` (rotated with `block`), or None where the host grants no
+        tiles or they cannot take its shape."""
+        if int8_rows_matrix_unit(*quantized.shape) is None:
+            return None
+        return cls(quantized, block)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return torch.ops.pagedserve.int8_amx_gemm(x, self.block, self.tiles,
+                                                  self.weight_scales, bias)
+
+    def decode_form(self, bias: torch.Tensor | None) -> DecodeForm:
+        """The tiles as the C++ decode stack runs them (a batch form)."""
+        return DecodeForm(PATHS["int8_amx_gemm"], (self.tiles, self.weight_scales), bias,
+                          self.block)
+
+
+def int8_tiles(weight: torch.Tensor) -> Int8Tiles | None:
+    """A float32 [out, in] weight as rotated int8 rows on AMX's tiles, or None where the
+    kernels, the host or the shape do not take them."""
+    block = rotation_block(weight.shape[1])
+    if block < 8 or not cpu_kernels_available():
+        return None
+    quantized = quantized_rows(rotate(weight.detach().float(), hadamard(block)))
+    return Int8Tiles.where_granted(quantized, block)
+
+
+def rotation_block(in_features: int) -> int:
+    """The Hadamard block that turns rows of `in_features`: the largest power of two that
+    divides it, up to MAX_ROTATION_BLOCK."""
+    return min(in_features & -in_features, MAX_ROTATION_BLOCK)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [N, in] times the block-diagonal `rotation` (its one block): a new [N, in] tensor."""
+    rows, block = x.shape[0], rotation.shape[0]
+    return torch.matmul(x.reshape(rows, -1, block), rotation).view(rows, -1)
+
+
+def quantized_rows(rotated: torch.Tensor) -> torch.Tensor:
+    """Rotated weight rows on an int8 grid each (a torch qint8 tensor, per channel)."""
+    scales = (rotated.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # [out]
+    zero_points = torch.zeros(rotated.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # NOTE: torch marks its quantized tensor types deprecated; fbgemm's packed int8
+        # GEMM still takes its weights as one.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(rotated, scales, zero_points, 0, torch.qint8)
 
 
 MAX_ROTATION_BLOCK = 64

@@ -175,7 +175,8 @@ def test_block_matrices_come_as_their_files_blocks(tiny_gguf: Path, caplog) -> N
                                 "float32 at load")
 
 
-def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConfig]:
+def packed_model(path: Path, weight_dtype: str = "auto"
+                 ) -> tuple[torch.nn.Module, torch.nn.Module, AutoConfig]:
     """Ours of the GGUF at `path`, packed on the CPU kernels from its blocks, and HF's."""
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     hf_config = AutoConfig.from_pretrained(path.parent, **kwargs)
@@ -186,7 +187,7 @@ def packed_model(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, AutoConf
     model.load_weights(gguf_weights(path, hf_config, hf_names(hf_config, "llama"),
                                     keep_blocks=True))
     model.init_rope(128)
-    model.eval().pack_weights("auto")
+    model.eval().pack_weights(weight_dtype)
     return model, hf, hf_config
 
 
@@ -297,6 +298,31 @@ def assert_the_stack_gives_the_python_layers(loaded: LoadedModel) -> None:
         without = hidden_states(loaded, None, lengths, max_tokens=4, vocab=VOCAB)
         for a, b in zip(with_stack, without, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.ops.pagedserve.amx_int8_granted(),
+                    reason="the host grants no AMX int8 tiles")
+def test_under_int8_a_k_quant_models_batches_take_int8_rows_on_amx_tiles(tmp_path: Path) -> None:
+    """W8A8 on the host's matrix unit past the small-batch rows (a weight's rotated int8
+    rows beside its blocks), the blocks' own path below them, the decode stack on both."""
+    path = write_gguf(tmp_path / "k-quant-llama.gguf", K_QUANT_TENSORS)
+    model, hf, hf_config = packed_model(path, "int8")
+    layer, hf_layer = model.layers[0], hf.model.layers[0]
+    ours, weight = layer.mlp.gate_up_proj.packed, torch.cat(
+        [hf_layer.mlp.gate_proj.weight, hf_layer.mlp.up_proj.weight]).double()
+    assert isinstance(ours, FileBlocksLinear) and ours.int8_tiles is not None
+    assert ours.decode_form().batch.path.name == "int8_amx_gemm"
+    torch.manual_seed(0)
+    x = torch.randn(21, weight.shape[1])
+    assert torch.equal(ours(x[:8]), torch.ops.pagedserve.q5_k_int8_matvec(x[:8], ours.form.blocks,
+                                                                          None))
+    expected = x.double() @ weight.T
+    got = ours(x)
+    assert torch.equal(got, ours.int8_tiles(x, None))
+    assert ((got.double() - expected).norm() / expected.norm()) < 0.02  # int8 rows' W8A8
+    loaded = LoadedModel(model, hf_config, None, frozenset(), 128, "k", str(path),
+                         torch.device("cpu"), torch.float32)
+    assert_the_stack_gives_the_python_layers(loaded)
 
 
 def test_the_embedding_table_stays_in_its_blocks(tmp_path: Path) -> None:

@@ -85,11 +85,12 @@ def test_int8_amx_gemm_refuses_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="int8 tiles"):
         ops.int8_amx_gemm(x, 64, packed.rows_weight, packed.weight_scales, None)
     with pytest.raises(RuntimeError, match="int8 tiles"):
-        ops.int8_amx_gemm(torch.randn(3, 128), 64, packed.tiles, packed.weight_scales, None)
+        ops.int8_amx_gemm(torch.randn(3, 128), 64, packed.tiles.tiles, packed.weight_scales,
+                          None)
     with pytest.raises(RuntimeError, match="power of two"):
-        ops.int8_amx_gemm(x, 48, packed.tiles, packed.weight_scales, None)
+        ops.int8_amx_gemm(x, 48, packed.tiles.tiles, packed.weight_scales, None)
     with pytest.raises(RuntimeError, match="weight_scales"):
-        ops.int8_amx_gemm(x, 64, packed.tiles, packed.weight_scales[:16], None)
+        ops.int8_amx_gemm(x, 64, packed.tiles.tiles, packed.weight_scales[:16], None)
     with pytest.raises(RuntimeError, match="out a multiple of 16"):
         ops.int8_amx_pack(torch.zeros(24, 64, dtype=torch.int8))
 
