@@ -48,10 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from model_runner.kernels.block_quant import (
-    GGUFBlocks,
-    block_runs,
-)
+from model_runner.kernels.block_quant import GGUFBlocks, block_runs
 from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
     PATHS,
@@ -60,12 +57,8 @@ from model_runner.kernels.cpu_kernel_table import (
     small_batch_path,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
-from model_runner.kernels.int8_linear import Int8Linear, int8_tiles
-from model_runner.kernels.small_batch import (
-    DecodeForm,
-    SmallBatchPath,
-    SplitDecodeForm,
-)
+from model_runner.kernels.int8_linear import Int8Linear, int8_tiles, takes_int8_tiles
+from model_runner.kernels.small_batch import DecodeForm, SmallBatchPath, SplitDecodeForm
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, weight_dtype: str) -> bool:
@@ -267,7 +260,8 @@ class FileBlocksLinear(SmallBatchPath):
         self.rows_weight = None
         self.bfloat16_batches = weight_dtype == "bfloat16"
         self.int8_tiles = (int8_tiles(blocks.dequantized())
-                           if weight_dtype == "int8" and blocks.kind != "q8_0_file" else None)
+                           if weight_dtype == "int8" and blocks.kind != "q8_0_file"
+                           and takes_int8_tiles(*blocks.shape) else None)
         matrix_unit = (matrix_unit_path(weight_dtype, blocks.kind, blocks.shape[0])
                        if cpu_kernels_available() and self.int8_tiles is None else None)
         self.matrix_unit = (None if matrix_unit is None

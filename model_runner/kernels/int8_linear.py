@@ -135,14 +135,18 @@ class Int8Tiles:
                           self.block)
 
 
-def int8_tiles(weight: torch.Tensor) -> Int8Tiles | None:
-    """A float32 [out, in] weight as rotated int8 rows on AMX's tiles, or None where the
-    kernels, the host or the shape do not take them."""
+def takes_int8_tiles(out_features: int, in_features: int) -> bool:
+    """Whether the kernels, the host and the shape take an [out, in] weight's rotated int8
+    rows on AMX's tiles (`int8_tiles`)."""
+    return (rotation_block(in_features) >= 8 and cpu_kernels_available()
+            and int8_rows_matrix_unit(out_features, in_features) is not None)
+
+
+def int8_tiles(weight: torch.Tensor) -> Int8Tiles:
+    """A float32 [out, in] weight as rotated int8 rows on AMX's tiles (`takes_int8_tiles`
+    says where)."""
     block = rotation_block(weight.shape[1])
-    if block < 8 or not cpu_kernels_available():
-        return None
-    quantized = quantized_rows(rotate(weight.detach().float(), hadamard(block)))
-    return Int8Tiles.where_granted(quantized, block)
+    return Int8Tiles(quantized_rows(rotate(weight.detach().float(), hadamard(block))), block)
 
 
 def rotation_block(in_features: int) -> int:

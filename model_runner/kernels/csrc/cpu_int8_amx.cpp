@@ -21,7 +21,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include "cpu_ops.h"
 
@@ -121,10 +120,13 @@ void gemm_groups(const int8_t* qx, const float* x_scales, int64_t rows, int64_t 
   const int64_t group_bytes = depth * kTileBytes;
   for (int64_t g = g0; g < g1; g += 2) {
     const bool pair = g + 1 < g1;
-    const int8_t* next = tiles + (g + 2) * group_bytes;
-    const int64_t ahead = std::min<int64_t>(2, g1 - g - 2) * group_bytes;
-    for (int64_t i = 0; i < ahead; i += 64) _mm_prefetch(reinterpret_cast<const char*>(next + i),
-                                                         _MM_HINT_T0);
+    if (g + 2 < g1) {
+      const int8_t* next = tiles + (g + 2) * group_bytes;
+      const int64_t ahead = std::min<int64_t>(2, g1 - g - 2) * group_bytes;
+      for (int64_t i = 0; i < ahead; i += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+      }
+    }
     for (int64_t t = 0; t < row_tiles; t += 2) {
       const bool two = t + 1 < row_tiles;
       if (two && pair) {
@@ -182,7 +184,8 @@ at::Tensor int8_amx_gemm(const at::Tensor& x, int64_t block, const at::Tensor& w
   TORCH_CHECK(amx_int8_granted(), op, ": this host has no AMX int8 tiles granted "
               "(torch.ops.pagedserve.amx_int8_granted())");
   const int64_t padded = (rows + kTile - 1) / kTile * kTile;
-  at::Tensor qx = at::zeros({padded, in_features}, x.options().dtype(at::kChar));
+  at::Tensor qx = at::empty({padded, in_features}, x.options().dtype(at::kChar));
+  std::memset(qx.data_ptr<int8_t>() + rows * in_features, 0, (padded - rows) * in_features);
   at::Tensor x_scales = at::empty({rows}, x.options());
   const float* in = x.data_ptr<float>();
   int8_t* q = qx.data_ptr<int8_t>();
