@@ -172,12 +172,8 @@ def test_the_stack_is_not_taken_past_its_rows_nor_with_prefills(tmp_path: Path) 
     assert counting.calls >= 1  # once the second's prompt is in, both decode in the stack
 
 
-AMX_HOST = {"amx_tile", "amx_int8"} <= set(
-    next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
-          if line.startswith("flags")), []))
-
-
-@pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+@pytest.mark.skipif(not cpu_kernels_available() or not torch.ops.pagedserve.amx_int8_granted(),
+                    reason="the host grants no AMX int8 tiles")
 @pytest.mark.parametrize(("config_name", "grid"), [("smollm2", True), ("qwen2", False)])
 def test_int8_batches_past_the_small_rows_run_in_the_stack_on_amx_tiles(
     tmp_path: Path, config_name: str, grid: bool

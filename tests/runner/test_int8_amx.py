@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from model_runner.kernels.cpu_kernels import load_cpu_kernels
 from model_runner.kernels.cpu_linear import pack_linear
 from model_runner.kernels.int8_linear import Int8Linear
-from tests.runner.test_file_block_int8_matvec import cpu_flags
 
 load_cpu_kernels()
 
-AMX_HOST = {"amx_tile", "amx_int8"} <= cpu_flags()
-needs_amx = pytest.mark.skipif(not AMX_HOST, reason="the host has no AMX int8 tiles")
+needs_amx = pytest.mark.skipif(not torch.ops.pagedserve.amx_int8_granted(),
+                               reason="the host grants no AMX int8 tiles")
 ops = torch.ops.pagedserve
 
 
