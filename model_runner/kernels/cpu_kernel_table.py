@@ -27,7 +27,7 @@ from dataclasses import dataclass
 # NOTE: up to this many rows (a small decode batch, or a speculative verification's token
 # and drafts) a projection is a stream over its weight, and the C++ matvec on the plain
 # row-major weight reaches more of the memory's bandwidth than the GEMM libraries' blocked
-# kernels (docs/benchmarks.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
+# kernels (docs/benchmarks-runner.md: the batch-1 decode step; 1.3-1.4x at 1 to 8 rows). Its
 # price is a second copy of each weight (none for a tied LM head: the embedding table),
 # a sixth of it (Q4_1) or a quarter (Q8_0) where the weight has exact GGUF blocks.
 # Both copies are exact float32 (or the same float16 values); only the order of the sums
@@ -118,7 +118,7 @@ FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_
 # the blocks' integers times x in two int8 planes per 32 values (16 bits of x: within 1/508
 # of a block's int8 step, where llama.cpp's one plane moved Gemma 3's logits by up to 0.7),
 # 1.3-1.65x the exact float32 kernels, which are bound by dequantizing every weight
-# (docs/benchmarks.md, issue 45), but for Q8_0 (below). float16 and bfloat16 promise
+# (docs/benchmarks-runner.md, issue 45), but for Q8_0 (below). float16 and bfloat16 promise
 # float32 sums: the exact paths.
 FILE_BLOCK_INT8_PATHS = {kind: path.replace("_matvec", "_int8_matvec")
                          for kind, path in FILE_BLOCK_TYPES.items()}
@@ -183,7 +183,7 @@ class MatrixUnitPath:
 # 16 weight rows unpacked to bytes once for every 16 rows of x (Q8_0's bytes read in
 # place), each sub-block's tile products issued into a second set of tiles before the
 # previous one's sums are combined. Measured against the paths they replace, 2 threads
-# (docs/benchmarks.md, issue 45): Gemma 3's tied 262k-row Q8_0 LM head at 4 rows 6.5 ms
+# (docs/benchmarks-runner.md, issue 45): Gemma 3's tied 262k-row Q8_0 LM head at 4 rows 6.5 ms
 # against the exact matvec's 9.5, 8 rows 6.8 / 17, 16 rows 7.5 / 34 (panels); the other
 # types past the small-batch paths' 8 rows, Q6_K too (its scale per 16 halves each tile
 # product, yet [640, 2048] at 16 rows 0.22 ms against its float panels' 0.31, 44 rows 0.40

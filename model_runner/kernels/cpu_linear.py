@@ -6,11 +6,11 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
 
 - "auto": oneDNN's blocked float32 layout. Exact float32, so greedy output matches
   Hugging Face `generate`; markedly faster than the plain row-major GEMM on the skinny
-  matmuls of decode steps (see docs/benchmarks.md).
+  matmuls of decode steps (see docs/benchmarks-runner.md).
 - "float16": the weights rounded to float16 in fbgemm's packed layout; activations stay
   float32 and products accumulate in float32. Half the weight bytes per decode step, which
   is what a small decode batch on the CPU waits for. Greedy output agrees with float32 on
-  most but not every token (measured in docs/benchmarks.md), as with any half-precision
+  most but not every token (measured in docs/benchmarks-runner.md), as with any half-precision
   weights.
 - "bfloat16": the weights rounded to bfloat16 in oneDNN's blocked layout, the activations
   rounded to bfloat16 on the way in, products summed in float32, the output rounded to
@@ -22,7 +22,7 @@ laid out for a GEMM library, chosen once at load time by `--weight-dtype`:
   tiles where the host grants them, elsewhere fbgemm's int8 GEMM (~1.8x the float32 FLOP
   rate on AVX2); from a batch of ~16 tokens the CPU waits for FLOPs, not weight bytes. A
   quantized model: greedy output drifts from float32
-  (measured in docs/benchmarks.md).
+  (measured in docs/benchmarks-runner.md).
 
 A small batch (up to eight rows, four for int8's rows) runs instead on the C++ matvec of
 the projection's small-batch path, which cpu_kernel_table.py chooses by the weight dtype

@@ -2,7 +2,7 @@
 STACK_BATCH_MAX_ROWS where every projection has a batch form.
 
 At batch 1 a step of the default model does ~10 ms of arithmetic, and its Python layers
-add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks.md, the batch-1 decode
+add ~3 ms of op calls around it (a dozen a layer: docs/benchmarks-runner.md, the batch-1 decode
 step). `DecodeStack` hands the layers' weights to csrc/cpu_decode_stack.cpp once, which
 then runs every layer of a decode step with the kernels the Python layers call on the
 "cpu" backend, in their order: the same hidden states to the bit (tests/runner/

@@ -63,7 +63,7 @@ def parity(request) -> FileParity:
     name, make_q8_0 = FILES[request.param]
     path = default_gguf_path() if name is None else models_dir() / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (docs/benchmarks.md says how to get or make it)")
+        pytest.skip(f"{path} is absent (docs/benchmarks-runner.md says how to get or make it)")
     return file_parity(q8_0_twin(path) if make_q8_0 else path)
 
 
@@ -83,6 +83,6 @@ def test_a_gemma_chat_ends_at_its_end_of_turn() -> None:
     which Hugging Face's generation config and llama.cpp stop at too."""
     path = models_dir() / GEMMA
     if not path.is_file():
-        pytest.skip(f"{path} is absent (docs/benchmarks.md says how to get or make it)")
+        pytest.skip(f"{path} is absent (docs/benchmarks-runner.md says how to get or make it)")
     spec = load_model_spec(ModelConfig(model=str(path)), with_tokenizer=False)
     assert spec.eos_token_ids == {1, 106}

@@ -192,7 +192,7 @@ def test_int8_small_batches_on_the_blocks_stay_closer_still(loaded, monkeypatch)
     at a time: top-1 agreement with float32 >= 96% (measured 96.7%) and the loss within
     0.5% (measured +0.2%; over all 1,024 tokens 97.1% and +0.2%, the GEMM's 94.2%, +0.3%).
     A tiny change of the float sums (their order) moves these by about a point: it turns
-    some activations' int8 rounding (docs/benchmarks.md)."""
+    some activations' int8 rounding (docs/benchmarks-runner.md)."""
     int8 = load_model(ModelConfig(model=None, weight_dtype="int8", num_kv_blocks=1))
     assert_reads_its_blocks(int8, Int8Linear)
     rows = MATVEC_MAX_ROWS
