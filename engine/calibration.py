@@ -50,9 +50,7 @@ def calibrate(runner: ModelRunner | SimulatedRunner, seed: StepCost, max_num_seq
         for _ in range(REPEATS):
             start = time.perf_counter()
             runner.execute(plan)
-            model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                          time.perf_counter() - start, work.decode_keys,
-                          work.prefill_chunks, work.chunk_context)
+            work.observed(model, time.perf_counter() - start)
     ids = sorted({r.request_id for _, plan in plans for r in plan.scheduled})
     runner.execute(SchedulerOutput(finished_ids=ids))  # the runner forgets them
     return model

@@ -81,6 +81,11 @@ class StepWork:
         return cost.predict(self.num_decode_rows, self.prefill_tokens, self.prefill_keys,
                             self.decode_keys, self.prefill_chunks, self.chunk_context)
 
+    def observed(self, model: StepCostModel, seconds: float) -> None:
+        """A step of this work took `seconds`: one more sample for `model`'s fit."""
+        model.observe(self.num_decode_rows, self.prefill_tokens, self.prefill_keys, seconds,
+                      self.decode_keys, self.prefill_chunks, self.chunk_context)
+
 
 def work_of(step: StepBudget, requests: dict[str, Request]) -> StepWork:
     """A scheduled step's work as the cost model counts it (before the requests'
@@ -147,8 +152,7 @@ class SloPlanner:
                 self._feel_prefill(planned_s - decodes.seconds(self._planned),
                                    waited <= self._tightest)
             self._planned = None
-        self.model.observe(work.num_decode_rows, work.prefill_tokens, work.prefill_keys,
-                           seconds, work.decode_keys, work.prefill_chunks, work.chunk_context)
+        work.observed(self.model, seconds)
 
     def _feel_prefill(self, prefill_s: float, on_time: bool) -> None:
         """A step beside decodes carried `prefill_s` of prefill (as planned): let the next

@@ -101,7 +101,7 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
     KernelPath("q5_1_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32, needs_avx2=True),
     KernelPath("q8_0_file_int8_matvec", ("blocks",), MATVEC_MAX_ROWS, in_multiple=32,
                needs_avx2=True),
-    # not small-batch paths: the matrix-unit paths below (INT8_ROWS_MATRIX_UNIT,
+    # not small-batch paths: the matrix-unit paths below (int8_tiles_granted,
     # MATRIX_UNIT_PATHS), which the decode stack runs past a projection's small-batch rows
     KernelPath("int8_amx_gemm", ("tiles", "weight_scales"), STACK_BATCH_MAX_ROWS),
     KernelPath("file_blocks_amx_gemm", ("blocks",), STACK_BATCH_MAX_ROWS),
@@ -110,7 +110,7 @@ PATHS: dict[str, KernelPath] = {path.name: path for path in (
 # A file's blocks are read as they are whatever the weight dtype: the file's bits are the
 # model (a dtype is for weights that arrive as floats); but under int8, on a host that grants
 # AMX's int8 tiles, batches past the small-batch rows take the weight's rotated int8 rows
-# (cpu_linear.FileBlocksLinear, INT8_ROWS_MATRIX_UNIT). Each type -> its exact path.
+# (cpu_linear.FileBlocksLinear, int8_tiles_granted). Each type -> its exact path.
 FILE_BLOCK_TYPES = {"q4_k": "q4_k_matvec", "q5_k": "q5_k_matvec", "q6_k": "q6_k_matvec",
                     "q4_0": "q4_0_matvec", "q5_0": "q5_0_matvec", "q5_1": "q5_1_matvec",
                     "q8_0_file": "q8_0_file_matvec"}
@@ -157,7 +157,7 @@ GEMMS = {
     "bfloat16": "oneDNN bfloat16 weights and activations, float32 sums (AMX tiles where the "
                 "host has them)",
     "int8": "fbgemm W8A8 (quantized.linear_dynamic); AMX's int8 tiles where granted "
-            "(int8_amx_gemm, INT8_ROWS_MATRIX_UNIT)",
+            "(int8_amx_gemm, int8_tiles_granted)",
 }
 # a file's blocks' larger batches, whatever the weight dtype: panels of its rows
 # dequantized into a thread's buffer (csrc/cpu_matvec_file_blocks.cpp): no second copy
@@ -176,7 +176,6 @@ class MatrixUnitPath:
     granted: str
     min_rows: int
     out_multiple: int = 16
-    in_multiple: int = 1
 
 
 # NOTE: AMX's int8 tiles (csrc/file_blocks_amx_tiles.h), x in the int8 paths' two planes,
@@ -202,18 +201,14 @@ MATRIX_UNIT_PATHS = {
 # default model's shapes, 2 threads (docs/benchmarks.md, issue 45): a layer's four
 # projections at 16 rows 0.15 ms against fbgemm's 0.26 (with the rotation), 512 rows 3.7
 # against 5.8; the 16-request decode step 25 -> 16 ms.
-INT8_ROWS_MATRIX_UNIT = MatrixUnitPath("int8_amx_gemm", "amx_int8_granted", min_rows=1,
-                                       in_multiple=64)
-
-
-def int8_rows_matrix_unit(out_features: int, in_features: int) -> MatrixUnitPath | None:
-    """INT8_ROWS_MATRIX_UNIT where it takes an [out, in] weight and the host grants it."""
-    path = INT8_ROWS_MATRIX_UNIT
-    if out_features % path.out_multiple or in_features % path.in_multiple:
-        return None
+def int8_tiles_granted(out_features: int, in_features: int) -> bool:
+    """Whether an [out, in] weight's int8 rows run on AMX's int8 tiles (int8_amx_gemm): the
+    shape fits its tiles (out a multiple of 16, in of 64) and the host grants them."""
+    if out_features % 16 or in_features % 64:
+        return False
     import torch
 
-    return path if getattr(torch.ops.pagedserve, path.granted)() else None
+    return bool(torch.ops.pagedserve.amx_int8_granted())
 
 
 def matrix_unit_path(weight_dtype: str, blocks: str | None, out_features: int

@@ -12,14 +12,14 @@ from model_runner.kernels.cpu_kernel_table import (
     DEFAULT_TABLE,
     PATHS,
     KernelTable,
-    int8_rows_matrix_unit,
+    int8_tiles_granted,
 )
 from model_runner.kernels.cpu_kernels import cpu_kernels_available
 from model_runner.kernels.small_batch import DecodeForm, SmallBatchPath
 
 
 class Int8Linear(SmallBatchPath):
-    """W8A8: int8 weights and int8 activations, rotated and scaled per token (fbgemm).
+    """W8A8: int8 weights and int8 activations, rotated and scaled per token.
 
     A few activation channels of these models run 100-1000x wider than the rest, and
     one 8-bit grid cannot hold both. So each input row is first turned by a block-diagonal
@@ -35,7 +35,7 @@ class Int8Linear(SmallBatchPath):
     instead of 8, times each row quantized to int8 per block (llama.cpp's arithmetic: no
     rotation needed, an outsize channel widens one block's grid only;
     csrc/cpu_matvec_blocks_int8.cpp). Larger batches take the rotated int8 rows: on AMX's
-    int8 tiles where the host grants them (cpu_kernel_table.INT8_ROWS_MATRIX_UNIT: each
+    int8 tiles where the host grants them (cpu_kernel_table.int8_tiles_granted: each
     rotated row of x on its own 8-bit grid, csrc/cpu_int8_amx.cpp), else on fbgemm's GEMM
     as above.
     """
@@ -48,9 +48,11 @@ class Int8Linear(SmallBatchPath):
         self.rotation = hadamard(self.block)
         self.fused = self.block >= 8 and cpu_kernels_available()  # the C++ rotation
         quantized = quantized_rows(rotate(weight, self.rotation))
+        self.weight_scales = quantized.q_per_channel_scales().float()
         # larger batches: AMX's int8 tiles where the host grants them (their own layout of
         # the int8 values), else fbgemm's packed copy
-        self.tiles = Int8Tiles.where_granted(quantized, self.block) if self.fused else None
+        self.tiles = (Int8Tiles(quantized.int_repr(), self.weight_scales, self.block)
+                      if takes_int8_tiles(*weight.shape) else None)
         self.packed = (torch.ops.quantized.linear_prepack(quantized, None)
                        if self.tiles is None else None)
         self.bias = None if bias is None else bias.detach()
@@ -60,7 +62,6 @@ class Int8Linear(SmallBatchPath):
         self._choose_path(weight, "int8", table)
         if self.path is not None and self.path.name == "int8_matvec":
             self.rows_weight = quantized.int_repr()
-        self.weight_scales = quantized.q_per_channel_scales().float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         small = x.shape[0] <= self.max_rows
@@ -105,23 +106,15 @@ class Int8Linear(SmallBatchPath):
 
 
 class Int8Tiles:
-    """A weight's rotated int8 rows as AMX's int8 tiles read them (int8_amx_pack), with
-    their scales: batches of x on the host's matrix unit (int8_amx_gemm: each row of x
-    rotated and rounded to int8 on its own grid in C++; cpu_kernel_table.
-    INT8_ROWS_MATRIX_UNIT)."""
+    """A weight's rotated int8 rows [out, in] as AMX's int8 tiles read them (int8_amx_pack),
+    with their float32 scales [out]: batches of x on the host's matrix unit (int8_amx_gemm:
+    each row of x rotated with `block` and rounded to int8 on its own grid in C++;
+    `takes_int8_tiles` says where)."""
 
-    def __init__(self, quantized: torch.Tensor, block: int) -> None:
-        self.tiles = torch.ops.pagedserve.int8_amx_pack(quantized.int_repr())
-        self.weight_scales = quantized.q_per_channel_scales().float()
+    def __init__(self, rows: torch.Tensor, weight_scales: torch.Tensor, block: int) -> None:
+        self.tiles = torch.ops.pagedserve.int8_amx_pack(rows)
+        self.weight_scales = weight_scales
         self.block = block
-
-    @classmethod
-    def where_granted(cls, quantized: torch.Tensor, block: int) -> Int8Tiles | None:
-        """The tiles of `quantized` (rotated with `block`), or None where the host grants no
-        tiles or they cannot take its shape."""
-        if int8_rows_matrix_unit(*quantized.shape) is None:
-            return None
-        return cls(quantized, block)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.stride(-1) != 1:
@@ -139,14 +132,15 @@ def takes_int8_tiles(out_features: int, in_features: int) -> bool:
     """Whether the kernels, the host and the shape take an [out, in] weight's rotated int8
     rows on AMX's tiles (`int8_tiles`)."""
     return (rotation_block(in_features) >= 8 and cpu_kernels_available()
-            and int8_rows_matrix_unit(out_features, in_features) is not None)
+            and int8_tiles_granted(out_features, in_features))
 
 
 def int8_tiles(weight: torch.Tensor) -> Int8Tiles:
     """A float32 [out, in] weight as rotated int8 rows on AMX's tiles (`takes_int8_tiles`
     says where)."""
     block = rotation_block(weight.shape[1])
-    return Int8Tiles(quantized_rows(rotate(weight.detach().float(), hadamard(block))), block)
+    quantized = quantized_rows(rotate(weight.detach().float(), hadamard(block)))
+    return Int8Tiles(quantized.int_repr(), quantized.q_per_channel_scales().float(), block)
 
 
 def rotation_block(in_features: int) -> int:
