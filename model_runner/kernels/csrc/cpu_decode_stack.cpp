@@ -351,31 +351,29 @@ void DecodeStack::add_layer(std::vector<at::Tensor> norms, double eps,
               "DecodeStack.add_layer: q/k norms only on a layer with RoPE");
   Projection projections[4];
   size_t next = 0, part = 0;
+  // a part's kind, argument and bias, and its kind's tensors: the next in `weights`
+  const auto make = [&](Part& p, int64_t kind, int64_t argument,
+                        const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(kind >= 0 && kind < kNumKinds, "unknown projection kind ", kind);
+    p.kind = static_cast<Kind>(kind);
+    p.argument = argument;
+    p.bias = bias;
+    const size_t count = kTensorsOf[kind];
+    TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
+    p.weights.assign(weights.begin() + next, weights.begin() + next + count);
+    next += count;
+  };
   for (int i = 0; i < 4; ++i) {
     TORCH_CHECK(parts[i] >= 1 && part + parts[i] <= kinds.size(),
                 "DecodeStack.add_layer: each projection's parts, one kind each");
     for (int64_t j = 0; j < parts[i]; ++j, ++part) {
-      TORCH_CHECK(kinds[part] >= 0 && kinds[part] < kNumKinds, "unknown projection kind ",
-                  kinds[part]);
       Part& p = projections[i].parts.emplace_back();
-      p.kind = static_cast<Kind>(kinds[part]);
-      p.argument = arguments[part];
-      const size_t count = kTensorsOf[kinds[part]];
-      TORCH_CHECK(next + count <= weights.size(), "too few projection weights");
-      p.weights.assign(weights.begin() + next, weights.begin() + next + count);
-      next += count;
-      if (biases[part].numel() > 0) p.bias = biases[part];
+      make(p, kinds[part], arguments[part], optional(biases[part]));
       const int64_t* batch = batches.data() + 3 * part;  // kind (-1: none), argument, from
       if (batch[0] >= 0) {
-        TORCH_CHECK(batch[0] < kNumKinds && batch[2] >= 1, "unknown batch kind ", batch[0]);
+        TORCH_CHECK(batch[2] >= 1, "a batch form from ", batch[2], " rows");
         auto alternative = std::make_shared<Part>();
-        alternative->kind = static_cast<Kind>(batch[0]);
-        alternative->argument = batch[1];
-        const size_t batch_count = kTensorsOf[batch[0]];
-        TORCH_CHECK(next + batch_count <= weights.size(), "too few projection weights");
-        alternative->weights.assign(weights.begin() + next, weights.begin() + next + batch_count);
-        next += batch_count;
-        alternative->bias = p.bias;
+        make(*alternative, batch[0], batch[1], p.bias);
         p.batch = std::move(alternative);
         p.batch_from = batch[2];
       }
